@@ -1,0 +1,37 @@
+# Two commands for a fresh machine:
+#   make test    set up .venv and run the whole test suite
+#   make train   set up .venv and run the default training job
+# On a machine without `nvidia-smi` the CPU build torch==2.13.0 is installed first, so pip never pulls a
+# multi-GB CUDA build.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.asyncrl-installed
+TRAIN_ARGS ?=
+
+.PHONY: setup test train clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "GPU found: torch comes from the default index"; \
+	else \
+	  echo "no GPU: installing the CPU build torch==2.13.0 first"; \
+	  $(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[dev,gguf]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q tests
+
+train: setup
+	$(PY) scripts/train.py $(TRAIN_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis runs

@@ -1,0 +1,47 @@
+"""Pure tensor functions of asynchronous RL: advantages, losses, KL, off-policy correction, staleness.
+
+No config objects, no I/O, no torch.distributed, no globals. Shapes: `[B, T]` per token, `[B]` per
+sequence; masks are bool `[B, T]`. Every function checks its inputs and raises `ValueError` naming what it
+received and the fix.
+"""
+
+from asyncrl.algos.advantages import (
+    AdvantageResult, GroupStats, dr_grpo_advantage, gae_advantage, group_stats, grpo_advantage,
+    reinforce_pp_advantage, reinforce_pp_baseline_advantage, rloo_advantage,
+)
+from asyncrl.algos.correction import (
+    ISWeightsResult, RejectionResult, VTraceResult, decoupled_ppo_weights, sequence_rejection_mask,
+    sequence_tis_weights, token_rejection_mask, token_tis_weights, vtrace,
+)
+from asyncrl.algos.kl import (
+    KL_ESTIMATORS, KLRewardResult, adaptive_kl_coef, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards,
+)
+from asyncrl.algos.losses import (
+    LOSS_AGG_MODES, LossAggMode, PolicyLossResult, ValueLossResult, agg_loss, cispo_loss, gspo_loss,
+    ppo_clip_loss, reinforce_loss, value_loss,
+)
+from asyncrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, seq_lengths
+from asyncrl.algos.staleness import (
+    VerlBudget, VersionLag, areal_capacity, staleness_mask, verl_admit, verl_max_required_samples,
+    verl_on_new_version, version_lag,
+)
+
+__all__ = [
+    # advantages
+    "AdvantageResult", "GroupStats", "group_stats", "gae_advantage", "grpo_advantage", "dr_grpo_advantage",
+    "rloo_advantage", "reinforce_pp_advantage", "reinforce_pp_baseline_advantage",
+    # losses
+    "LossAggMode", "LOSS_AGG_MODES", "agg_loss", "PolicyLossResult", "ValueLossResult", "ppo_clip_loss",
+    "gspo_loss", "cispo_loss", "reinforce_loss", "value_loss",
+    # kl
+    "kl_k1", "kl_k2", "kl_k3", "kl_abs", "KL_ESTIMATORS", "KLRewardResult", "kl_penalized_rewards",
+    "adaptive_kl_coef",
+    # off-policy correction
+    "ISWeightsResult", "RejectionResult", "VTraceResult", "token_tis_weights", "sequence_tis_weights",
+    "token_rejection_mask", "sequence_rejection_mask", "decoupled_ppo_weights", "vtrace",
+    # staleness
+    "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
+    "verl_on_new_version", "areal_capacity",
+    # masked reductions
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "seq_lengths",
+]
