@@ -57,6 +57,9 @@ def version_lag(token_versions: Tensor, current_version: int, response_mask: Ten
         newest = int(torch.where(mask, token_versions.long(), torch.full_like(lag, -(2**62))).max())
         raise ValueError(f"{fn}: a token has version {newest} > current_version {current_version}; "
                          "versions must come from the same counter as the learner's")
+    if lag.shape[1] == 0:  # no response tokens at all
+        zeros = lag.new_zeros(lag.shape[0])
+        return VersionLag(token=lag, seq_max=zeros, seq_min=zeros)
     seq_max = lag.amax(dim=-1)
     big = torch.full_like(lag, 2**62)
     seq_min = torch.where(mask, lag, big).amin(dim=-1)

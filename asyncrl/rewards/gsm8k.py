@@ -1,7 +1,8 @@
 """GSM8K rule reward (data_source "openai/gsm8k").
 
 Ground truth is the text after "#### " in the dataset's answer, commas removed. Two extractors:
-* strict: the last "#### <number>" in the response (verl's default), with "," and "$" removed;
+* strict: the last "#### <number>" in the response (verl's default), with "," removed ("#### $18" does
+  not count, as in verl);
 * flexible: the last number anywhere in the response, with "," "$" and a trailing "." removed.
 Only the last 300 characters are searched, as in verl, so long derivations cost nothing.
 Deviation from verl: verl's flexible extractor keeps commas and trailing dots ("1,200" ≠ "1200");

@@ -21,7 +21,8 @@ def extract_boxed(text: str) -> str | None:
     if start < 0:
         return None
     rest = text[start:]
-    brace = rest.find("{")
+    opening = re.match(r"\\(?:boxed|fbox)\s*\{", rest)  # the brace must open the box, not come later
+    brace = opening.end() - 1 if opening else -1
     if brace < 0:
         match = re.match(r"\\boxed\s+([^\s$]+)", rest)  # "\boxed 5"
         return match.group(1) if match else None
@@ -36,8 +37,8 @@ def extract_boxed(text: str) -> str | None:
     return None  # unbalanced braces: the model was cut off
 
 
-_DROP = ["\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\%", "%", "^\\circ", "^{\\circ}",
-         "\\displaystyle", "\\$"]
+_DROP = ["\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "$", "\\%", "%", "^\\circ", "^{\\circ}",
+         "\\displaystyle"]  # "\\$" before "$", else "\\$5" -> "\\5"
 
 
 def _unwrap(command: str, s: str) -> str:

@@ -29,11 +29,14 @@ def overlong_penalty(lengths: Tensor | int, *, max_response_length: int, buffer_
         raise ValueError(f"{fn}: penalty_factor must be >= 0, got {penalty_factor}")
     start = max_response_length - buffer_length
     if isinstance(lengths, Tensor):
-        if lengths.dim() != 1:
-            raise ValueError(f"{fn}: lengths must be [B], got shape {list(lengths.shape)}")
+        if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
+            raise ValueError(f"{fn}: lengths must be a [B] integer tensor, got shape {list(lengths.shape)} "
+                             f"and dtype {lengths.dtype}")
+        if bool((lengths < 0).any()):
+            raise ValueError(f"{fn}: lengths must be >= 0, got min {int(lengths.min())}")
         over = (lengths.to(torch.float64) - start).clamp(0, buffer_length)
-        return (-penalty_factor * over / buffer_length).to(torch.float32)
+        return (-penalty_factor * (over / buffer_length)).to(torch.float32)
     if int(lengths) != lengths or lengths < 0:
         raise ValueError(f"{fn}: a length must be a non-negative integer, got {lengths}")
     over = min(max(lengths - start, 0), buffer_length)
-    return -penalty_factor * over / buffer_length
+    return -penalty_factor * (over / buffer_length)
