@@ -26,7 +26,7 @@ from asyncrl.algos._checks import (
     check_finite, check_mask, check_nonempty, check_positive, check_seq_tensor, check_token_tensor,
     check_unit_interval,
 )
-from asyncrl.algos.masked import masked_whiten
+from asyncrl.algos.masked import check_whitenable, masked_whiten
 
 __all__ = [
     "AdvantageResult", "gae_advantage", "grpo_advantage", "dr_grpo_advantage", "rloo_advantage",
@@ -42,7 +42,7 @@ class AdvantageResult(NamedTuple):
 class GroupStats(NamedTuple):
     """Per-row statistics of the row's group (all `[B]`)."""
     mean: Tensor
-    std: Tensor  # unbiased (Bessel); 0 for a group of one
+    std: Tensor  # unbiased (Bessel); exactly 0 for a constant group or a group of one
     size: Tensor  # number of rows in the group
     constant: Tensor  # bool: every reward in the group is equal (a group of one is constant)
 
@@ -63,7 +63,9 @@ def group_stats(rewards: Tensor, group_index: Tensor) -> GroupStats:
     var = zeros.scatter_add(0, inverse, sq_dev) / (size - 1).clamp(min=1)
     hi = zeros.scatter_reduce(0, inverse, rewards, "amax", include_self=False)
     lo = zeros.scatter_reduce(0, inverse, rewards, "amin", include_self=False)
-    return GroupStats(mean=mean[inverse], std=var.sqrt()[inverse], size=size[inverse], constant=(hi == lo)[inverse])
+    constant = hi == lo
+    std = torch.where(constant, torch.zeros_like(var), var.sqrt())  # exactly 0, not rounding noise
+    return GroupStats(mean=mean[inverse], std=std[inverse], size=size[inverse], constant=constant[inverse])
 
 
 def _check_outcome(fn: str, rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> Tensor:
@@ -98,8 +100,13 @@ def grpo_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor, 
       norm_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
       eps: added to the std (verl 1e-6; TRL 1e-4).
     """
-    mask = _check_outcome("grpo_advantage", rewards, group_index, response_mask)
-    check_positive("grpo_advantage", "eps", eps)
+    return _group_relative("grpo_advantage", rewards, group_index, response_mask, norm_by_std, eps)
+
+
+def _group_relative(fn: str, rewards: Tensor, group_index: Tensor, response_mask: Tensor, norm_by_std: bool,
+                    eps: float) -> AdvantageResult:
+    mask = _check_outcome(fn, rewards, group_index, response_mask)
+    check_positive(fn, "eps", eps)
     stats = group_stats(rewards, group_index)
     centred = rewards - stats.mean
     seq_adv = centred / (stats.std + eps) if norm_by_std else centred
@@ -109,7 +116,7 @@ def grpo_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor, 
 
 def dr_grpo_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> AdvantageResult:
     """Dr.GRPO outcome advantage (arXiv:2503.20783): A_i = r_i − mean_g, no std normalisation."""
-    return grpo_advantage(rewards, group_index, response_mask, norm_by_std=False)
+    return _group_relative("dr_grpo_advantage", rewards, group_index, response_mask, norm_by_std=False, eps=1e-6)
 
 
 def rloo_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor) -> AdvantageResult:
@@ -142,6 +149,7 @@ def reinforce_pp_baseline_advantage(rewards: Tensor, group_index: Tensor, respon
     stats = group_stats(rewards, group_index)
     centred = torch.where(stats.constant, torch.zeros_like(rewards), rewards - stats.mean)
     tiled = centred[:, None].expand(mask.shape)
+    check_whitenable(fn, "response_mask", mask)
     adv = masked_whiten(tiled, mask, eps=eps)
     return AdvantageResult(advantages=adv, returns=adv)
 
@@ -174,6 +182,7 @@ def reinforce_pp_advantage(token_rewards: Tensor, response_mask: Tensor, *, gamm
     fn = "reinforce_pp_advantage"
     mask = _check_token_inputs(fn, response_mask, token_rewards=token_rewards)
     check_unit_interval(fn, "gamma", gamma)
+    check_whitenable(fn, "response_mask", mask)
     zero = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
     running = token_rewards.new_zeros(token_rewards.shape[0])
     returns = torch.zeros_like(token_rewards)
@@ -204,6 +213,8 @@ def gae_advantage(token_rewards: Tensor, values: Tensor, response_mask: Tensor, 
     mask = _check_token_inputs(fn, response_mask, token_rewards=token_rewards, values=values)
     check_unit_interval(fn, "gamma", gamma)
     check_unit_interval(fn, "lam", lam)
+    if whiten:
+        check_whitenable(fn, "response_mask", mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     next_value = values.new_zeros(values.shape[0])
     last_adv = values.new_zeros(values.shape[0])

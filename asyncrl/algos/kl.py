@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from asyncrl.algos._checks import check_finite, check_mask, check_positive, check_token_tensor
+from asyncrl.algos._checks import check_finite, check_mask, check_nonempty, check_positive, check_token_tensor
 from asyncrl.algos.masked import masked_mean
 
 __all__ = [
@@ -66,7 +66,7 @@ def kl_k3(logp: Tensor, logp_ref: Tensor, *, straight_through: bool = False) -> 
     """
     _check_pair("kl_k3", logp, logp_ref)
     x = (logp_ref - logp).clamp(-20.0, 20.0)
-    k3 = (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
+    k3 = (torch.expm1(x) - x).clamp(-10.0, 10.0)  # = e^x − x − 1; expm1 avoids cancellation near x = 0 (k3 ≥ 0 holds)
     return _straight_through(k3, logp - logp_ref) if straight_through else k3
 
 
@@ -96,11 +96,14 @@ def kl_penalized_rewards(token_rewards: Tensor, logp_old: Tensor, logp_ref: Tens
     fn = "kl_penalized_rewards"
     check_token_tensor(fn, "token_rewards", token_rewards)
     mask = check_mask(fn, "response_mask", response_mask, token_rewards)
+    check_nonempty(fn, "response_mask", mask)  # B = 0 would make mean_kl a NaN (mean over no rows)
     for name, x in (("logp_old", logp_old), ("logp_ref", logp_ref)):
         check_token_tensor(fn, name, x, like=token_rewards)
         check_finite(fn, name, x, mask)
     check_finite(fn, "token_rewards", token_rewards, mask)
     check_positive(fn, "kl_coef", kl_coef, allow_zero=True)
+    if kl_coef == float("inf"):
+        raise ValueError(f"{fn}: kl_coef must be finite, got {kl_coef}")
     zero = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
     kl = torch.where(mask, estimator(torch.where(mask, logp_old, zero), torch.where(mask, logp_ref, zero)), zero)
     rewards = torch.where(mask, token_rewards - kl_coef * kl, zero)
@@ -120,6 +123,8 @@ def adaptive_kl_coef(kl_coef: float, current_kl: float, n_steps: int, *, target_
     check_positive(fn, "target_kl", target_kl)
     check_positive(fn, "horizon", horizon)
     check_positive(fn, "kl_coef", kl_coef, allow_zero=True)
+    if n_steps < 0:
+        raise ValueError(f"{fn}: n_steps must be >= 0 (samples or steps since the last update), got {n_steps}")
     if not (current_kl == current_kl and abs(current_kl) != float("inf")):
         raise ValueError(f"{fn}: current_kl must be finite, got {current_kl}")
     error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
