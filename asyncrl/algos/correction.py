@@ -124,7 +124,7 @@ def _token_stat(log_ratio: Tensor, stat: str) -> Tensor:
     if stat == "k2":
         return 0.5 * log_ratio.square()
     if stat == "k3":
-        return torch.exp(log_ratio) - 1.0 - log_ratio
+        return torch.expm1(log_ratio) - log_ratio  # ρ − 1 − λ without cancellation near λ = 0
     return log_ratio
 
 
@@ -156,7 +156,7 @@ def _reject(value: Tensor, stat: str, lower: float, upper: float, mask: Tensor) 
     else:
         keep = value <= upper
     new_mask = mask & keep
-    rejected = (mask.sum() - new_mask.sum()).to(torch.float32) / mask.sum().clamp(min=1)
+    rejected = (mask.sum() - new_mask.sum()).to(value.dtype) / mask.sum().clamp(min=1).to(value.dtype)
     return RejectionResult(mask=new_mask, rejected_fraction=rejected)
 
 
