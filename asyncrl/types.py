@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["FinishReason", "Completion", "GenerationOutput"]
+__all__ = ["FinishReason", "Completion", "GenerationOutput", "Group"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -40,3 +40,37 @@ class GenerationOutput:
     prompt_ids: list[int]
     completions: list[Completion]
     finished: bool
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt with its n scored completions: the unit that streams from agents to the learner."""
+
+    prompt_id: int
+    """Unique id of the prompt in the run (accounting: every id ends trained or dropped exactly once)."""
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards: list[float]
+    """One scalar reward per completion (task reward + shaping)."""
+    data_source: str = ""
+    admitted_version: int = 0
+    """Weight version when the prompt was admitted."""
+    info: dict = dataclasses.field(default_factory=dict)
+    """Free-form extras (ground truth, per-completion reward details)."""
+
+    def __post_init__(self) -> None:
+        if len(self.rewards) != len(self.completions):
+            raise ValueError(f"Group {self.prompt_id}: {len(self.rewards)} rewards for {len(self.completions)} "
+                             "completions; give one reward per completion")
+
+    @property
+    def min_version(self) -> int:
+        return min((c.min_version for c in self.completions if c.versions), default=self.admitted_version)
+
+    @property
+    def max_version(self) -> int:
+        return max((c.max_version for c in self.completions if c.versions), default=self.admitted_version)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)

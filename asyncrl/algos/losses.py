@@ -105,7 +105,8 @@ def _check_clip(fn: str, low: float | None, high: float) -> None:
 def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_mask: Tensor, *,
                   clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float | None = 3.0,
                   loss_agg_mode: LossAggMode = "token-mean", is_weights: Tensor | None = None,
-                  num_tokens: float | None = None, num_seqs: float | None = None) -> PolicyLossResult:
+                  num_tokens: float | None = None, num_seqs: float | None = None,
+                  norm_length: float | None = None) -> PolicyLossResult:
     """Clipped surrogate loss of PPO (arXiv:1707.06347) with asymmetric clip (DAPO clip-higher,
     arXiv:2503.14476) and dual clip (arXiv:1912.09729).
 
@@ -118,7 +119,7 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_m
       logp, logp_old, advantages: [B, T]. response_mask: [B, T] valid tokens.
       clip_ratio_low, clip_ratio_high: ε_low, ε_high (DAPO: 0.2, 0.28). clip_ratio_c: dual-clip bound c > 1.
       loss_agg_mode: see `agg_loss`. is_weights: optional [B, T] detached per-token weights.
-      num_tokens, num_seqs: global denominators for gradient accumulation (see `agg_loss`).
+      num_tokens, num_seqs, norm_length: global denominators for gradient accumulation (see `agg_loss`).
     """
     fn = "ppo_clip_loss"
     check_choice(fn, "loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
@@ -140,7 +141,8 @@ def ppo_clip_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_m
         per_token = torch.where(adv < 0, torch.minimum(per_token, loss_dual), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     with torch.no_grad():
         return PolicyLossResult(
             loss=loss,
@@ -191,7 +193,8 @@ def gspo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_mask:
 def cispo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_mask: Tensor, *,
                clip_ratio_low: float | None = None, clip_ratio_high: float = 0.2,
                loss_agg_mode: LossAggMode = "token-mean", is_weights: Tensor | None = None,
-               num_tokens: float | None = None, num_seqs: float | None = None) -> PolicyLossResult:
+               num_tokens: float | None = None, num_seqs: float | None = None,
+               norm_length: float | None = None) -> PolicyLossResult:
     """Clipped IS-weight policy optimisation (CISPO, MiniMax-M1 arXiv:2506.13585).
 
       r = exp(clamp(logp − logp_old, ±20)),  r̂ = sg[clip(r, 1 − ε_low, 1 + ε_high)]
@@ -213,7 +216,8 @@ def cispo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_mask
     per_token = -clipped_ratio * adv * logp_v
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     with torch.no_grad():
         return PolicyLossResult(
             loss=loss,
@@ -226,7 +230,8 @@ def cispo_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, response_mask
 
 def reinforce_loss(logp: Tensor, advantages: Tensor, response_mask: Tensor, *,
                    loss_agg_mode: LossAggMode = "token-mean", is_weights: Tensor | None = None,
-                   num_tokens: float | None = None, num_seqs: float | None = None) -> PolicyLossResult:
+                   num_tokens: float | None = None, num_seqs: float | None = None,
+               norm_length: float | None = None) -> PolicyLossResult:
     """Policy-gradient (REINFORCE, Williams 1992) loss: L = −A·w·logp.
 
     With `is_weights` = min(π_θ/π_behaviour, C) (detached) this is verl's bypass-mode REINFORCE for stale
@@ -238,14 +243,16 @@ def reinforce_loss(logp: Tensor, advantages: Tensor, response_mask: Tensor, *,
     per_token = -_valid(advantages, mask) * _valid(logp, mask)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return PolicyLossResult(loss=loss, clipfrac=zero, clipfrac_lower=zero, ppo_kl=zero, num_tokens=mask.sum())
 
 
 def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, response_mask: Tensor, *,
                clip_range: float | None = 0.5, loss_agg_mode: LossAggMode = "token-mean",
-               num_tokens: float | None = None, num_seqs: float | None = None) -> ValueLossResult:
+               num_tokens: float | None = None, num_seqs: float | None = None,
+               norm_length: float | None = None) -> ValueLossResult:
     """Clipped value loss (PPO; verl `compute_value_loss`).
 
       V_clip = clip(V, V_old − c, V_old + c)
@@ -271,6 +278,7 @@ def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, response_mas
         v_clip = v_old + (v - v_old).clamp(-clip_range, clip_range)
         err_clipped = (v_clip - target) ** 2
         per_token, clipped = torch.maximum(err_unclipped, err_clipped), err_clipped > err_unclipped
-    loss = 0.5 * agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = 0.5 * agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                    norm_length=norm_length)
     with torch.no_grad():
         return ValueLossResult(loss=loss, clipfrac=masked_mean(clipped.to(values.dtype), mask), num_tokens=mask.sum())

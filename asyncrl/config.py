@@ -1,0 +1,349 @@
+"""Typed configuration: flat dataclasses, one per component, a docstring per field (tyro turns them into
+`--help`). The algorithm is a Union of dataclasses; each one says which advantage estimator and which
+policy loss it uses, so the learner never switches on strings.
+
+Names follow verl where a user would look for them (`clip_ratio_low`, `loss_agg_mode`, `kl_loss_type`,
+`ppo_mini_batch_size` → `mini_batch_size`, `ppo_max_token_len_per_gpu` → `max_tokens_per_micro_batch`).
+Every config has `validate()`, which raises ValueError naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal, Union
+
+from torch import Tensor
+
+from asyncrl import algos
+from asyncrl.algos import AdvantageResult, PolicyLossResult
+
+__all__ = [
+    "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
+    "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig",
+]
+
+
+def _fail(owner: str, field: str, value, want: str) -> None:
+    raise ValueError(f"{owner}.{field}={value!r} is invalid: {want}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with linear warmup and a constant or cosine schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: keep `lr`, or decay it along a cosine to `min_lr_ratio`·lr at `total_steps`."""
+    total_steps: int = 0
+    """Optimizer steps of the whole run (needed by the cosine schedule)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a fraction of `lr`."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def validate(self, owner: str = "optim") -> None:
+        if not self.lr > 0:
+            _fail(owner, "lr", self.lr, "must be > 0")
+        if self.warmup_steps < 0:
+            _fail(owner, "warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            _fail(owner, "total_steps", self.total_steps, "the cosine schedule needs total_steps > warmup_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail(owner, "min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
+        if self.grad_clip < 0:
+            _fail(owner, "grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+@dataclasses.dataclass
+class OffPolicyConfig:
+    """How stale or mismatched samples are corrected (behaviour μ → proximal π_old), see `algos.correction`."""
+
+    use_rollout_log_probs: bool = True
+    """Use the engine's behaviour log-probs as π_old (no recompute; verl's bypass mode). False recomputes
+    proximal log-probs with the learner's weights before the update (decoupled PPO)."""
+    is_level: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance weights π_old/μ (only meaningful when log-probs are recomputed)."""
+    is_threshold: float = 2.0
+    """Truncation C of the importance weights."""
+    rs_stat: Literal["none", "k1", "k2", "k3"] = "none"
+    """Rejection statistic: k1 bounds the ratio, k2/k3 bound a divergence."""
+    rs_level: Literal["token", "sum", "mean", "max"] = "mean"
+    """Reject single tokens, or whole sequences by the sum / mean / max of the statistic."""
+    rs_lower: float | None = None
+    """k1 only: lower ratio bound (default 1/rs_upper)."""
+    rs_upper: float | None = None
+    """Upper bound of the ratio (k1) or of the divergence (k2, k3)."""
+    max_version_lag: int | None = None
+    """Hard cap on version lag: tokens (or sequences, see `stale_level`) older than this get no loss."""
+    stale_level: Literal["token", "sequence"] = "sequence"
+    """Apply `max_version_lag` per token or per sequence."""
+
+    def validate(self, owner: str = "off_policy") -> None:
+        if self.is_level != "none" and self.use_rollout_log_probs:
+            _fail(owner, "is_level", self.is_level, "importance weights need recomputed proximal log-probs; "
+                  "set use_rollout_log_probs=False (with it on, π_old = μ and every weight is 1)")
+        if self.is_threshold < 1:
+            _fail(owner, "is_threshold", self.is_threshold, "must be >= 1")
+        if self.rs_stat != "none" and self.rs_upper is None and self.rs_lower is None:
+            _fail(owner, "rs_upper", self.rs_upper, f"rs_stat={self.rs_stat!r} needs a bound")
+        if self.rs_stat == "k1" and self.rs_level == "max":
+            _fail(owner, "rs_level", self.rs_level, "'max' is defined for k2/k3 only")
+        if self.max_version_lag is not None and self.max_version_lag < 0:
+            _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    """The value model of PPO: the policy's architecture with a scalar head, trained on GAE returns."""
+
+    lr: float = 1e-5
+    """Critic learning rate."""
+    value_clip: float | None = 0.5
+    """Clip range of the value loss around the rollout-time values (None: plain squared error)."""
+    device: str | None = None
+    """Device of the critic (split placement: e.g. 'cuda:1'); None = the policy's device."""
+    concurrent: bool = True
+    """Update actor and critic at the same time (the critic in a worker thread), joined before the next step."""
+    warmup_steps: int = 0
+    """Critic-only steps before the actor starts updating."""
+
+
+@dataclasses.dataclass
+class _PolicyGradient:
+    """Fields every policy-gradient algorithm shares."""
+
+    clip_ratio_low: float = 0.2
+    """ε_low of the ratio clip."""
+    clip_ratio_high: float = 0.2
+    """ε_high of the ratio clip (DAPO clip-higher: 0.28)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip bound c > 1 for negative advantages (None disables)."""
+    loss_agg_mode: algos.LossAggMode = "token-mean"
+    """How per-token losses are reduced (verl's modes)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL(π_θ ‖ π_ref) loss (0: no reference model needed for it)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss: k1, k2, k3 / low_var_kl, abs, mse; a '+' suffix takes the k2 gradient."""
+    kl_in_reward_coef: float = 0.0
+    """β of a KL penalty folded into the per-token reward (0: off)."""
+    kl_target: float | None = None
+    """Target KL of the adaptive controller for `kl_in_reward_coef` (None: fixed β)."""
+    kl_horizon: int = 10_000
+    """Horizon of the adaptive KL controller."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: penalise responses inside the last this-many tokens of the budget (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty at the full budget."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no gradient)."""
+
+    name = "policy-gradient"
+
+    def validate(self) -> None:
+        owner = type(self).__name__
+        if not 0 <= self.clip_ratio_low < 1:
+            _fail(owner, "clip_ratio_low", self.clip_ratio_low, "must lie in [0, 1)")
+        if self.clip_ratio_high < 0:
+            _fail(owner, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            _fail(owner, "clip_ratio_c", self.clip_ratio_c, "must be > 1, or None to disable the dual clip")
+        if self.loss_agg_mode not in algos.LOSS_AGG_MODES:
+            _fail(owner, "loss_agg_mode", self.loss_agg_mode, f"must be one of {algos.LOSS_AGG_MODES}")
+        if self.kl_loss_type.rstrip("+") not in algos.KL_ESTIMATORS:
+            _fail(owner, "kl_loss_type", self.kl_loss_type, f"must be one of {sorted(algos.KL_ESTIMATORS)} "
+                  "(optionally with a '+' suffix)")
+        for field in ("entropy_coef", "kl_loss_coef", "kl_in_reward_coef", "overlong_buffer_len"):
+            if getattr(self, field) < 0:
+                _fail(owner, field, getattr(self, field), "must be >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_loss_coef > 0 or self.kl_in_reward_coef > 0
+
+    @property
+    def needs_critic(self) -> bool:
+        return False
+
+    def kl_estimator(self) -> Callable[[Tensor, Tensor], Tensor]:
+        base = algos.KL_ESTIMATORS[self.kl_loss_type.rstrip("+")]
+        straight = self.kl_loss_type.endswith("+")
+        return lambda logp, logp_ref: base(logp, logp_ref, straight_through=straight)
+
+    def advantages(self, rewards: Tensor, token_rewards: Tensor, group_index: Tensor, mask: Tensor,
+                   values: Tensor | None) -> AdvantageResult:
+        return algos.grpo_advantage(rewards, group_index, mask)
+
+    def policy_loss(self, logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,
+                    is_weights: Tensor | None, num_tokens: float, num_seqs: float,
+                    norm_length: float) -> PolicyLossResult:
+        """The policy loss of a micro-batch, normalised by the mini-batch's global token / row counts."""
+        return algos.ppo_clip_loss(logp, logp_old, advantages, mask, clip_ratio_low=self.clip_ratio_low,
+                                   clip_ratio_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c,
+                                   loss_agg_mode=self.loss_agg_mode, is_weights=is_weights, num_tokens=num_tokens,
+                                   num_seqs=num_seqs, norm_length=norm_length)
+
+
+@dataclasses.dataclass
+class GRPO(_PolicyGradient):
+    """GRPO (DeepSeekMath, arXiv:2402.03300): group-normalised outcome advantages + PPO clip."""
+
+    norm_adv_by_std: bool = True
+    """Divide by the group's std (False: Dr.GRPO's mean-only baseline)."""
+    name = "grpo"
+
+    def advantages(self, rewards, token_rewards, group_index, mask, values):
+        return algos.grpo_advantage(rewards, group_index, mask, norm_by_std=self.norm_adv_by_std)
+
+
+@dataclasses.dataclass
+class DrGRPO(GRPO):
+    """Dr.GRPO (arXiv:2503.20783): no std normalisation, constant length normaliser."""
+
+    norm_adv_by_std: bool = False
+    loss_agg_mode: algos.LossAggMode = "seq-mean-token-sum-norm"
+    name = "dr_grpo"
+
+
+@dataclasses.dataclass
+class DAPO(GRPO):
+    """DAPO (arXiv:2503.14476): clip-higher, token-mean loss, overlong shaping, dynamic sampling."""
+
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 10.0
+    overlong_buffer_len: int = 512
+    filter_groups: bool = True
+    name = "dapo"
+
+
+@dataclasses.dataclass
+class GSPO(GRPO):
+    """GSPO (arXiv:2507.18071): sequence-level geometric-mean ratio, always seq-mean-token-mean."""
+
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+    clip_ratio_c: float | None = None
+    loss_agg_mode: algos.LossAggMode = "seq-mean-token-mean"
+    name = "gspo"
+
+    def policy_loss(self, logp, logp_old, advantages, mask, *, is_weights, num_tokens, num_seqs, norm_length):
+        return algos.gspo_loss(logp, logp_old, advantages, mask, clip_ratio_low=self.clip_ratio_low,
+                               clip_ratio_high=self.clip_ratio_high, is_weights=is_weights, num_seqs=num_seqs)
+
+
+@dataclasses.dataclass
+class CISPO(GRPO):
+    """CISPO (MiniMax-M1, arXiv:2506.13585): clipped, detached IS weight times REINFORCE; every token learns."""
+
+    clip_ratio_low: float = 0.0
+    clip_ratio_c: float | None = None
+    name = "cispo"
+
+    def policy_loss(self, logp, logp_old, advantages, mask, *, is_weights, num_tokens, num_seqs, norm_length):
+        low = None if self.clip_ratio_low == 0 else self.clip_ratio_low
+        return algos.cispo_loss(logp, logp_old, advantages, mask, clip_ratio_low=low,
+                                clip_ratio_high=self.clip_ratio_high, loss_agg_mode=self.loss_agg_mode,
+                                is_weights=is_weights, num_tokens=num_tokens, num_seqs=num_seqs,
+                                norm_length=norm_length)
+
+
+@dataclasses.dataclass
+class RLOO(_PolicyGradient):
+    """REINFORCE leave-one-out baseline (arXiv:2402.14740) + PPO clip."""
+
+    name = "rloo"
+
+    def advantages(self, rewards, token_rewards, group_index, mask, values):
+        return algos.rloo_advantage(rewards, group_index, mask)
+
+
+@dataclasses.dataclass
+class ReinforcePP(_PolicyGradient):
+    """REINFORCE++ (arXiv:2501.03262): discounted per-token returns (with KL in the reward), whitened over
+    the batch; `group_baseline` subtracts the group mean first (REINFORCE++-baseline)."""
+
+    group_baseline: bool = False
+    """Subtract the group-mean reward (REINFORCE++-baseline) instead of using discounted returns."""
+    gamma: float = 1.0
+    """Discount of the per-token return."""
+    name = "reinforce_pp"
+
+    def advantages(self, rewards, token_rewards, group_index, mask, values):
+        if self.group_baseline:
+            return algos.reinforce_pp_baseline_advantage(rewards, group_index, mask)
+        return algos.reinforce_pp_advantage(token_rewards, mask, gamma=self.gamma)
+
+
+@dataclasses.dataclass
+class PPO(_PolicyGradient):
+    """PPO with a learned critic (arXiv:1707.06347): GAE advantages (arXiv:1506.02438), clipped value loss."""
+
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 1.0
+    """GAE λ."""
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    name = "ppo"
+
+    @property
+    def needs_critic(self) -> bool:
+        return True
+
+    def advantages(self, rewards, token_rewards, group_index, mask, values):
+        return algos.gae_advantage(token_rewards, values, mask, gamma=self.gamma, lam=self.lam)
+
+
+AlgorithmConfig = Union[GRPO, DrGRPO, DAPO, GSPO, CISPO, RLOO, ReinforcePP, PPO]
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """The learner: batching, precision and the optimizer."""
+
+    mini_batch_size: int = 16
+    """Groups (prompts, each with its n responses) per optimizer step (verl `ppo_mini_batch_size`)."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    use_dynamic_bsz: bool = True
+    """Form micro-batches by token budget (length-sorted rows, little padding) instead of a fixed row count."""
+    max_tokens_per_micro_batch: int = 16384
+    """Token budget of one forward/backward (rows × longest row), verl `ppo_max_token_len_per_gpu`."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward when `use_dynamic_bsz` is off."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trained weights (fp32 master weights are the safe default)."""
+    autocast_bf16: bool = True
+    """Run forward/backward under bf16 autocast on CUDA (ignored on CPU)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: learner log-probs use logits / temperature."""
+    max_response_length: int | None = None
+    """The rollouts' max_new_tokens: the budget of DAPO's overlong shaping and the constant of
+    seq-mean-token-sum-norm (None: the longest response of each batch)."""
+    shuffle: bool = True
+    """Shuffle groups between PPO epochs."""
+    seed: int = 0
+    """Seed of the mini-batch shuffling."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    off_policy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
+
+    def validate(self) -> None:
+        owner = "trainer"
+        for field in ("mini_batch_size", "ppo_epochs", "max_tokens_per_micro_batch", "micro_batch_size"):
+            if getattr(self, field) < 1:
+                _fail(owner, field, getattr(self, field), "must be >= 1")
+        if not self.temperature > 0:
+            _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature)")
+        self.optim.validate("trainer.optim")
+        self.off_policy.validate("trainer.off_policy")
