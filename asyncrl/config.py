@@ -19,7 +19,7 @@ from asyncrl.algos import AdvantageResult, PolicyLossResult
 
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
-    "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig",
+    "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig",
 ]
 
 
@@ -347,3 +347,90 @@ class TrainerConfig:
             _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature)")
         self.optim.validate("trainer.optim")
         self.off_policy.validate("trainer.off_policy")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Generation: sampling and the engine's capacity (per rollout agent)."""
+
+    n: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner divides logits by the same value)."""
+    top_p: float = 1.0
+    """Nucleus sampling (keep 1.0 for RL: the learner does not truncate)."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    max_new_tokens: int = 512
+    """Response budget per sample."""
+    max_prompt_length: int = 512
+    """Longest prompt admitted (longer ones are filtered by the data layer)."""
+    max_slots: int = 64
+    """Sequences the engine decodes together."""
+    max_concurrent_prompts: int | None = None
+    """Prompts an agent keeps in flight (default: max_slots // n, at least 1)."""
+    cuda_graphs: bool = True
+    """Capture the decode step in CUDA graphs (GPU)."""
+    kv_on_update: Literal["keep", "recompute"] = "keep"
+    """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
+
+    def validate(self) -> None:
+        owner = "rollout"
+        for field in ("n", "max_new_tokens", "max_prompt_length", "max_slots"):
+            if getattr(self, field) < 1:
+                _fail(owner, field, getattr(self, field), "must be >= 1")
+        if self.n > self.max_slots:
+            _fail(owner, "n", self.n, f"must be <= max_slots={self.max_slots} (a prompt's samples run together)")
+        if not self.temperature > 0:
+            _fail(owner, "temperature", self.temperature, "must be > 0 for RL (0 would be greedy: no exploration)")
+
+    @property
+    def concurrent_prompts(self) -> int:
+        return self.max_concurrent_prompts or max(self.max_slots // self.n, 1)
+
+
+@dataclasses.dataclass
+class AsyncConfig:
+    """The fully-async knobs (verl's names). Modes are combinations:
+    colocated sync = `colocated=True`, staleness 0, trigger 1; one-step-off = staleness 1, trigger 1;
+    stream = staleness 0, trigger > 1; stale = staleness > 0; stale + partial = add `partial_rollout`."""
+
+    staleness_threshold: float = 0.5
+    """Extra fraction of prompts the rollout may run ahead: admits at most
+    int(mini × require_batches × (1 + staleness_threshold) × trigger_parameter_sync_step) per version."""
+    trigger_parameter_sync_step: int = 1
+    """Learner steps between weight publications."""
+    require_batches: int = 1
+    """Mini-batches of groups per learner step (the step trains on require_batches × mini_batch_size groups)."""
+    partial_rollout: bool = True
+    """At a publication, pause in-flight generations, swap weights, continue them (False: let them finish
+    first, then swap)."""
+    max_version_lag: int | None = None
+    """Hard cap on a trained group's version lag (oldest token)."""
+    lag_policy: Literal["drop", "wait"] = "drop"
+    """Over the cap: drop the group at dequeue, or hold back publication until old work is consumed."""
+    total_versions: int = 10
+    """Weight publications in the run (each follows trigger_parameter_sync_step learner steps)."""
+    colocated: bool = False
+    """One device: the engine sleeps (frees its KV cache) while the learner trains."""
+    take_timeout_s: float = 600.0
+    """The trainer fails if it waits longer than this for groups."""
+    agent_timeout_s: float = 120.0
+    """An agent silent for longer is declared dead; its prompts go to the others."""
+    sync_timeout_s: float = 300.0
+    """A weight sync (drain + transfer) taking longer fails (after one retry) naming the agent."""
+
+    def validate(self) -> None:
+        owner = "async"
+        if self.staleness_threshold < 0:
+            _fail(owner, "staleness_threshold", self.staleness_threshold, "must be >= 0 (0 = synchronous)")
+        for field in ("trigger_parameter_sync_step", "require_batches", "total_versions"):
+            if getattr(self, field) < 1:
+                _fail(owner, field, getattr(self, field), "must be >= 1")
+        if self.max_version_lag is not None and self.max_version_lag < 0:
+            _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
+        if self.lag_policy == "wait" and self.max_version_lag is None:
+            _fail(owner, "lag_policy", self.lag_policy, "'wait' needs max_version_lag")
+        for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
+            if not getattr(self, field) > 0:
+                _fail(owner, field, getattr(self, field), "must be > 0 seconds")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["FinishReason", "Completion", "GenerationOutput", "Group"]
+__all__ = ["FinishReason", "Completion", "GenerationOutput", "Group", "Prompt"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -40,6 +40,20 @@ class GenerationOutput:
     prompt_ids: list[int]
     completions: list[Completion]
     finished: bool
+
+
+@dataclasses.dataclass
+class Prompt:
+    """A prompt as the data layer hands it out: token ids plus what the reward function needs."""
+
+    prompt_ids: list[int]
+    data_source: str = ""
+    """Selects the reward function (verl's `data_source`, e.g. 'openai/gsm8k')."""
+    ground_truth: str = ""
+    text: str = ""
+    """The rendered prompt, for logs."""
+    index: int = -1
+    """Row of the dataset it came from (for logs; the run's accounting id is assigned at admission)."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,167 @@
+"""RolloutAgent: wraps an engine, asks the controller for prompts, pushes scored groups as they finish.
+
+    agent = RolloutAgent("agent0", engine, scorer, rollout_cfg, controller)
+    agent.start()                      # the generation loop runs in its own thread
+
+The loop: keep up to `concurrent_prompts` prompts in flight (asking the controller, which admits within
+the staleness budget), step the engine, score every finished group and submit it at once (streaming).
+A weight update happens at a decode-step boundary, because the engine's controls take its step lock:
+  partial rollout:  `pause_for_sync(partial=True)` freezes running sequences ("keep"); `load_weights`
+                    copies the new weights in place; `resume` continues them — later tokens carry the new
+                    version;
+  no partial:       `pause_for_sync(partial=False)` stops asking for prompts and lets the running ones
+                    finish ("wait"); weights are swapped when the engine is empty.
+`controller` is anything with `request(agent, n) -> list[Task]`, `submit(agent, group)` and
+`heartbeat(agent)`: the controller object itself in-process, an RPC proxy across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterable, Protocol
+
+from torch import Tensor
+
+from asyncrl.config import RolloutConfig
+from asyncrl.data.scoring import Scorer
+from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.policies.sampling import SamplingParams
+from asyncrl.rpc.queue import Task
+from asyncrl.types import GenerationOutput, Group
+
+__all__ = ["RolloutAgent", "ControllerHandle"]
+
+log = logging.getLogger("asyncrl.agent")
+
+
+class ControllerHandle(Protocol):
+    def request(self, agent: str, n: int) -> list[Task]: ...
+
+    def submit(self, agent: str, group: Group) -> None: ...
+
+    def heartbeat(self, agent: str) -> None: ...
+
+
+class RolloutAgent:
+    def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
+                 controller: ControllerHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
+                 heartbeat_s: float = 1.0, step_delay_s: float = 0.0):
+        self.name, self.engine, self.scorer, self.rollout = name, engine, scorer, rollout
+        self.controller, self.colocated = controller, colocated
+        self.idle_sleep_s, self.heartbeat_s, self.step_delay_s = idle_sleep_s, heartbeat_s, step_delay_s
+        self.tasks: dict[str, Task] = {}  # engine request id -> task
+        self.accepting = True
+        self.versions_seen: list[int] = [engine.version]
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._busy_s = 0.0
+        self._window_start = time.monotonic()
+        self._last_beat = 0.0
+        self.submitted = 0
+
+    # ------------------------------------------------------------------------------------ the loop
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"agent-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"agent {self.name}: the generation loop did not stop within {timeout} s")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._tick()
+        except BaseException as err:  # surface it: the controller sees the agent fall silent, tests see .error
+            self.error = err
+            log.exception("agent %s stopped on an error", self.name)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat > self.heartbeat_s:
+            self.controller.heartbeat(self.name)
+            self._last_beat = now
+        if self.accepting and not self.engine.is_paused:
+            self._fill()
+        if not self.engine.has_unfinished() or self.engine.is_paused:
+            if self.colocated and not self.engine.has_unfinished() and not self.engine.is_sleeping:
+                self.engine.sleep()  # free the KV cache while the learner trains on this device
+            time.sleep(self.idle_sleep_s)
+            return
+        start = time.monotonic()
+        outputs = self.engine.step()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)  # tests: emulate a slower device
+        self._busy_s += time.monotonic() - start
+        for out in outputs:
+            self._submit(out)
+
+    def _fill(self) -> None:
+        want = self.rollout.concurrent_prompts - len(self.tasks)
+        if want <= 0:
+            return
+        tasks = self.controller.request(self.name, want)
+        if tasks and getattr(self.engine, "is_sleeping", False):
+            self.engine.wake_up()
+        for task in tasks:
+            params = SamplingParams(n=self.rollout.n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
+                                    top_k=self.rollout.top_k, max_new_tokens=self.rollout.max_new_tokens,
+                                    seed=task.seed)
+            rid = self.engine.add_request(task.prompt.prompt_ids, params, request_id=f"p{task.prompt_id}")
+            self.tasks[rid] = task
+
+    def _submit(self, out: GenerationOutput) -> None:
+        task = self.tasks.pop(out.request_id)
+        rewards = [self.scorer(task.prompt, c) for c in out.completions]
+        group = Group(prompt_id=task.prompt_id, prompt_ids=out.prompt_ids, completions=out.completions,
+                      rewards=rewards, data_source=task.prompt.data_source, admitted_version=task.admitted_version,
+                      info={"index": task.prompt.index, "agent": self.name})
+        self.controller.submit(self.name, group)
+        self.submitted += 1
+
+    # ------------------------------------------------------------------------------ weight updates
+    def pause_for_sync(self, partial: bool, timeout: float) -> None:
+        """Reach a state where weights can be swapped: frozen (partial) or drained (not partial)."""
+        if partial:
+            self.engine.pause("keep")
+            return
+        self.accepting = False
+        self.engine.pause("wait")
+        deadline = time.monotonic() + timeout
+        while not self.engine.is_paused:
+            if self.error is not None:
+                raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent {self.name}: in-flight generations did not finish within {timeout} s")
+            time.sleep(0.002)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None) -> None:
+        """Copy (a bucket of) weights into the paused engine; `version` on the last bucket."""
+        self.engine.update_weights(named_tensors, version, kv=self.rollout.kv_on_update)
+        if version is not None:
+            if version < self.versions_seen[-1]:
+                raise RuntimeError(f"agent {self.name}: version went backwards {self.versions_seen[-1]} -> {version}")
+            self.versions_seen.append(version)
+
+    def resume(self) -> None:
+        self.accepting = True
+        self.engine.resume()
+
+    def window_metrics(self) -> dict:
+        """Idle ratio and throughput since the last call (one version window)."""
+        now = time.monotonic()
+        span = max(now - self._window_start, 1e-9)
+        out = {"rollouter/idle_ratio": 1.0 - min(self._busy_s / span, 1.0), "rollouter/active_time": self._busy_s,
+               "rollouter/version_time": span}
+        self._busy_s, self._window_start = 0.0, now
+        return out
