@@ -1,6 +1,6 @@
 # Two commands for a fresh machine:
 #   make test    set up .venv and run the whole test suite
-#   make train   set up .venv and run the default training job
+#   make train   set up .venv and run the default training job (asyncrl train cpu-demo)
 # On a machine without `nvidia-smi` the CPU build torch==2.13.0 is installed first, so pip never pulls a
 # multi-GB CUDA build.
 
@@ -32,7 +32,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 train: setup
-	$(PY) scripts/train.py $(TRAIN_ARGS)
+	$(PY) -m asyncrl.cli train cpu-demo $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs

@@ -486,7 +486,8 @@ def _actor_update(state: LearnerState, prep: _Prepared) -> dict:
     tokens = max(sums.pop("_tokens", 0.0), 1.0)
     out = {f"actor/{k}": v / updates for k, v in sums.items() if k in ("pg_loss", "entropy", "kl_loss")}
     out.update({f"actor/{k}": v / tokens for k, v in sums.items() if k not in ("pg_loss", "entropy", "kl_loss")})
-    out["actor/grad_norm"] = sum(g for g in grad_norms if math.isfinite(g)) / max(len(grad_norms), 1)
+    finite = [g for g in grad_norms if math.isfinite(g)]  # skipped updates have no norm to average
+    out["actor/grad_norm"] = sum(finite) / max(len(finite), 1)
     out["actor/lr"] = state.scheduler.get_last_lr()[0]
     out["actor/skipped_updates"] = state.skipped_updates
     return out
@@ -560,6 +561,7 @@ def _batch_metrics(prep: _Prepared, seconds: float, state: LearnerState) -> dict
         "critic/score/mean": float(batch.rewards.mean()),
         "critic/score/max": float(batch.rewards.max()),
         "critic/score/min": float(batch.rewards.min()),
+        "reward/accuracy": float((batch.rewards >= 1.0 - 1e-6).float().mean()),  # for 0/1 task rewards
         "critic/advantages/mean": float(valid.mean()) if valid.numel() else 0.0,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),

@@ -1,5 +1,6 @@
 """Pure reward functions: strings (or lengths) in, a float out. No model, no I/O."""
 
+from asyncrl.rewards.arithmetic import arithmetic_reward, countdown_reward, even_token_reward
 from asyncrl.rewards.format import GSM8K_FORMAT, THINK_ANSWER_FORMAT, format_reward
 from asyncrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_ground_truth, gsm8k_reward
 from asyncrl.rewards.math_answer import answers_match, extract_boxed, math_reward, normalize_answer
@@ -9,5 +10,5 @@ __all__ = [
     "gsm8k_ground_truth", "extract_gsm8k_answer", "gsm8k_reward",
     "extract_boxed", "normalize_answer", "answers_match", "math_reward",
     "GSM8K_FORMAT", "THINK_ANSWER_FORMAT", "format_reward",
-    "overlong_penalty",
+    "overlong_penalty", "arithmetic_reward", "countdown_reward", "even_token_reward",
 ]

@@ -184,7 +184,12 @@ class Controller:
                                keep_last=self.keep)
 
     def finish(self) -> dict:
-        """End of run: every prompt not trained is dropped with reason "run_end"; returns the ledger."""
+        """End of run. If the last version was checkpointed, unfinished prompts are *carried* (the checkpoint
+        re-admits them on resume); otherwise each is dropped with reason "run_end". Returns the ledger."""
+        final_checkpoint = bool(self.checkpoint_every and self.run_dir
+                                and self.state.version % self.checkpoint_every == 0)
+        if final_checkpoint:
+            return {**self.queue.ledger.summary(), "carried_to_checkpoint": True}
         with self.queue.lock:
             for pid in self.queue.ledger.ids("queued") + self.queue.ledger.ids("in_flight") + \
                     self.queue.ledger.ids("pending"):

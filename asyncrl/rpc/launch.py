@@ -500,8 +500,9 @@ def launch(spec: RunSpec, *, timeout_s: float = 3600.0) -> RunSummary:
                     raise RuntimeError(f"rank 0 exited with code {procs[0].exitcode} before reporting a result")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the run did not finish within {timeout_s} s")
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 5.0) if p is procs[0] else 30.0)
+        procs[0].join(timeout=60.0)
+        for p in procs[1:]:  # they exit when rank 0 shuts RPC down; one waiting on a dead peer is ended below
+            p.join(timeout=10.0 if outcome.dead_agents else 30.0) if isinstance(outcome, RunSummary) else p.join(5.0)
     finally:
         for p in procs:
             if p.is_alive():

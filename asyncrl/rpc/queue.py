@@ -55,7 +55,7 @@ class Ledger:
     def _move(self, pid: int, expect: tuple[str, ...], to: str) -> None:
         now = self.state.get(pid)
         if now not in expect:
-            raise RuntimeError(f"prompt {pid}: cannot go from {now!r} to {to!r} (expected {' or '.join(expect)}); "
+            raise RuntimeError(f"prompt {pid}: cannot go from {now!r} to {to!r} (expected {' or '.join(map(str, expect))}); "
                                "a prompt was delivered twice or after it ended")
         self.state[pid] = to
 

@@ -1,0 +1,59 @@
+"""`asyncrl` command line: `asyncrl train <preset> [--field value ...]`.
+
+    asyncrl train cpu-demo                          # the default job (what `make train` runs)
+    asyncrl train cpu-demo --async-training.staleness-threshold 0 --run-dir runs/sync
+    asyncrl train --help
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tyro
+
+from asyncrl.presets import PRESETS
+
+__all__ = ["main"]
+
+
+def _presets_help() -> str:
+    lines = ["usage: asyncrl train PRESET [--field value ...]", "", "presets:"]
+    lines += [f"  {name:12s} {description}" for name, (description, _) in PRESETS.items()]
+    lines += ["", "`asyncrl train PRESET --help` lists every field; `algorithm:dapo` (grpo, dr-grpo, gspo, cispo,",
+              "rloo, reinforce-pp, ppo) switches the algorithm."]
+    return "\n".join(lines)
+
+
+def train_main(args: list[str]) -> None:
+    from asyncrl.config import RunConfig
+    from asyncrl.run import train
+    if not args or args[0] in ("-h", "--help"):
+        print(_presets_help())
+        raise SystemExit(0 if args else 2)
+    if args[0] not in PRESETS:
+        raise SystemExit(f"asyncrl train: unknown preset {args[0]!r}; choose one of {', '.join(PRESETS)}\n\n"
+                         + _presets_help())
+    description, default = PRESETS[args[0]]
+    config = tyro.cli(RunConfig, default=default, args=args[1:], prog=f"asyncrl train {args[0]}",
+                      description=description)
+    try:
+        summary = train(config)
+    except ValueError as err:  # configuration errors name the field and the fix
+        raise SystemExit(f"asyncrl train: {err}") from None
+    print(f"done: {summary.versions} versions, {summary.steps} learner steps; prompts {summary.ledger}"
+          + (f"; dead agents: {summary.dead_agents}" if summary.dead_agents else ""))
+
+
+COMMANDS = {"train": train_main}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: asyncrl {" + ",".join(COMMANDS) + "} ...   (asyncrl <command> --help for details)")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""From a `RunConfig` to a running job: build the data, the scorer, the launch spec, and train.
+
+    summary = train(PRESETS["cpu-demo"])
+
+The factories here are small picklable objects: the multi-process launcher sends them to the process
+that uses them (the prompt source to the trainer, the scorer to each agent), where they build the
+tokenizer and the task locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+
+import torch
+
+from asyncrl.config import DataConfig, RunConfig
+from asyncrl.data.scoring import Scorer
+from asyncrl.data.sources import GeneratedSource
+from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
+from asyncrl.rewards import arithmetic_reward, countdown_reward, even_token_reward, gsm8k_reward, math_reward
+from asyncrl.rpc.controller import RunSummary
+from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch
+from asyncrl.tracking import Tracker, TrackingConfig
+
+__all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
+
+log = logging.getLogger("asyncrl.run")
+
+REWARDS = {
+    "arithmetic": arithmetic_reward,
+    "countdown": countdown_reward,
+    "toy": even_token_reward,
+    "openai/gsm8k": gsm8k_reward,
+    "math": math_reward,
+}
+"""data_source -> reward function (response_text, ground_truth) -> float. Add entries for new data."""
+
+
+def _tokenizer(model_path: str):
+    if model_path.startswith("random:"):
+        return None
+    from asyncrl.policies.loading import load_tokenizer, smollm2_gguf_path
+    return load_tokenizer(smollm2_gguf_path() if model_path == "smollm2" else model_path)
+
+
+def _task(data: DataConfig):
+    if data.task == "arithmetic":
+        return ArithmeticTask(digits=data.digits, operators=data.operators, seed=data.seed)
+    if data.task == "countdown":
+        return CountdownTask(seed=data.seed)
+    return ToyTask()
+
+
+class _SystemTokenizer:
+    """Wraps a tokenizer so task prompts get the configured system message."""
+
+    def __init__(self, tokenizer, system: str):
+        self.tokenizer, self.system = tokenizer, system
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template([{"role": "system", "content": self.system}] + messages, **kwargs)
+
+    def encode(self, text):
+        return self.tokenizer.encode(text)
+
+
+@dataclasses.dataclass
+class SourceFactory:
+    data: DataConfig
+    model_path: str
+    max_prompt_length: int
+
+    def __call__(self) -> GeneratedSource:
+        tokenizer = _tokenizer(self.model_path)
+        if tokenizer is not None and self.data.system_prompt:
+            tokenizer = _SystemTokenizer(tokenizer, self.data.system_prompt)
+        task = _task(self.data)
+
+        def make(index: int):
+            prompt = task.prompt(index, tokenizer)
+            if len(prompt.prompt_ids) > self.max_prompt_length:
+                raise ValueError(f"{self.data.task} prompt {index} has {len(prompt.prompt_ids)} tokens > "
+                                 f"rollout.max_prompt_length={self.max_prompt_length}; raise it")
+            return prompt
+
+        return GeneratedSource(make)
+
+
+@dataclasses.dataclass
+class ScorerFactory:
+    model_path: str
+    strict: bool = False
+
+    def __call__(self) -> Scorer:
+        return Scorer(REWARDS, tokenizer=_tokenizer(self.model_path), strict=self.strict)
+
+
+def _engine_dtype(cfg: RunConfig, device: str) -> str:
+    if cfg.model.engine_dtype != "auto":
+        return cfg.model.engine_dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
+    cfg.validate()
+    model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
+    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d)) for d in cfg.placement.agent_devices]
+    return RunSpec(model=model, algorithm=cfg.algorithm, trainer=cfg.trainer, rollout=cfg.rollout,
+                   async_=cfg.async_training,
+                   source_factory=SourceFactory(cfg.data, cfg.model.path, cfg.rollout.max_prompt_length),
+                   scorer_factory=ScorerFactory(cfg.model.path), agents=agents,
+                   trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
+                   seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                   log_fn=log_fn, master_addr=cfg.placement.master_addr,
+                   threads_per_process=cfg.placement.threads_per_process)
+
+
+def _config_dict(cfg: RunConfig) -> dict:
+    def plain(obj):
+        if dataclasses.is_dataclass(obj):
+            return {"_type": type(obj).__name__, **{f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+        if isinstance(obj, (list, tuple)):
+            return [plain(x) for x in obj]
+        return obj
+    return plain(cfg)
+
+
+def train(cfg: RunConfig) -> RunSummary:
+    """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, default=str))
+    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=_config_dict(cfg))
+    spec = build_spec(cfg, log_fn=tracker)
+    start = time.time()
+    if cfg.placement.launcher == "rpc":
+        summary = launch(spec)
+    else:
+        summary = _train_local(cfg, spec, tracker)
+    tracker.close()
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
+         "dead_agents": summary.dead_agents, "wall_s": time.time() - start}, indent=2))
+    return summary
+
+
+def _train_local(cfg: RunConfig, spec: RunSpec, tracker) -> RunSummary:
+    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
+    from asyncrl.learner import build_learner
+    from asyncrl.policies.engine import Engine, EngineConfig
+    from asyncrl.rpc.local import LocalRun
+    torch.set_num_threads(cfg.placement.threads_per_process)
+    device = spec.trainer_devices[0]
+    policy = spec.model.build(device, cfg.trainer.param_dtype)
+    reference = spec.model.build(device) if spec.reference else None
+    state = build_learner(policy, cfg.trainer, cfg.algorithm, reference=reference)
+    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
+    engines = [Engine(spec.model.build(a.device, a.engine_dtype),
+                      EngineConfig(max_slots=cfg.rollout.max_slots, max_len=max_len, cuda_graphs=cfg.rollout.cuda_graphs,
+                                   seed=cfg.seed + i)) for i, a in enumerate(spec.agents)]
+    run = LocalRun(state, engines, spec.source_factory(), spec.scorer_factory(), cfg.rollout, cfg.async_training,
+                   seed=cfg.seed, log_metrics=tracker, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every)
+    if cfg.resume and latest_checkpoint(cfg.run_dir) is not None:
+        run.resume(load_checkpoint(latest_checkpoint(cfg.run_dir), state))
+    return run.run()

@@ -1,0 +1,116 @@
+"""Experiment tracking: a console line per version, a metrics JSONL in the run directory, and wandb.
+
+    tracker = Tracker(TrackingConfig(run_dir="runs/demo", wandb="auto"), config=run_config)
+    tracker(metrics, step)        # also usable as the controller's `log_metrics`
+    tracker.close()
+
+wandb: "auto" logs online when an API key is configured and offline otherwise (sync later with
+`wandb sync`); "off" disables it; "online" / "offline" force a mode. Nothing is opened until the first
+log, so a Tracker pickles cleanly to the process that logs (rank 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Literal
+
+__all__ = ["TrackingConfig", "Tracker", "read_metrics", "CONSOLE_KEYS"]
+
+CONSOLE_KEYS = ("critic/score/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/entropy",
+                "training/version_lag/max", "fully_async/count/staleness_samples", "trainer/idle_ratio",
+                "rollouter/idle_ratio", "timing_s/param_sync", "perf/throughput")
+
+
+@dataclasses.dataclass
+class TrackingConfig:
+    """Where metrics go."""
+
+    run_dir: str = "runs/default"
+    """Metrics JSONL, checkpoints and the report land here."""
+    wandb: Literal["auto", "online", "offline", "off"] = "auto"
+    """wandb mode: auto = online when logged in, offline otherwise."""
+    project: str = "asyncrl"
+    """wandb project."""
+    name: str | None = None
+    """wandb run name (default: the run directory's name)."""
+    console: bool = True
+    """Print one line per version."""
+
+
+def _wandb_mode(requested: str) -> str | None:
+    if requested == "off":
+        return None
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return None
+    if requested != "auto":
+        return requested
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (pathlib.Path.home() / ".netrc").is_file() and \
+        "api.wandb.ai" in (pathlib.Path.home() / ".netrc").read_text(errors="ignore")
+    return "online" if logged_in else "offline"
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class Tracker:
+    def __init__(self, config: TrackingConfig, *, run_config: dict | None = None):
+        self.config, self.run_config = config, run_config or {}
+        self._file = None
+        self._wandb = None
+        self._start = time.time()  # wall clock of the run (the tracker is made at launch)
+
+    def _open(self) -> None:
+        run_dir = pathlib.Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        mode = _wandb_mode(self.config.wandb)
+        if mode is not None:
+            import wandb
+            self._wandb = wandb.init(project=self.config.project, name=self.config.name or run_dir.name,
+                                     dir=str(run_dir), mode=mode, config=self.run_config, reinit=True)
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        if self._file is None:
+            self._open()
+        row = {"step": step, "wall_s": time.time() - self._start, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self.config.console:
+            shown = "  ".join(f"{k.split('/')[-2] + '/' + k.split('/')[-1] if k.count('/') > 1 else k} "
+                              f"{metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+            print(f"[version {step:4d} | {row['wall_s']:7.1f}s] {shown}", file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
+    """The rows of a run's metrics JSONL (raises naming the file when it is missing or malformed)."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path}: no metrics file; point at a run directory written by `asyncrl train`")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{i}: not a JSON line ({err.msg})") from None
+    return rows
