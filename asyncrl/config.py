@@ -19,7 +19,8 @@ from asyncrl.algos import AdvantageResult, PolicyLossResult
 
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
-    "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig",
+    "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
+    "DataConfig", "PlacementConfig", "RunConfig",
 ]
 
 
@@ -434,3 +435,85 @@ class AsyncConfig:
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
             if not getattr(self, field) > 0:
                 _fail(owner, field, getattr(self, field), "must be > 0 seconds")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model, in which precision."""
+
+    path: str = "smollm2"
+    """An HF directory, a .gguf file, 'smollm2' (the packaged SmolLM2-135M-Instruct) or 'random:<preset>'."""
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Rollout precision: auto = bf16 on CUDA, fp32 on CPU."""
+    seed: int = 0
+    """Seed of random weights ('random:' models)."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    task: Literal["arithmetic", "countdown", "toy"] = "arithmetic"
+    """Built-in procedural task (files arrive through `path`)."""
+    digits: int = 1
+    """arithmetic: digits per operand."""
+    operators: str = "+"
+    """arithmetic: operators to draw from."""
+    system_prompt: str | None = None
+    """System message of the chat template (None: the tokenizer's default)."""
+    seed: int = 0
+    """Seed of the task / shuffling."""
+
+
+@dataclasses.dataclass
+class PlacementConfig:
+    """Who runs where."""
+
+    launcher: Literal["rpc", "local"] = "rpc"
+    """rpc: one process per role over torch.distributed.rpc; local: threads in one process."""
+    trainer_devices: tuple[str, ...] = ("cpu",)
+    """One device per trainer rank (more than one: an FSDP2 trainer group)."""
+    agent_devices: tuple[str, ...] = ("cpu",)
+    """One device per rollout agent."""
+    master_addr: str = "127.0.0.1"
+    """Address the run's RPC and process groups bind to (loopback: RPC uses pickle, keep it private)."""
+    threads_per_process: int = 1
+    """torch intra-op threads per process (CPU)."""
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A whole run: model, data, algorithm, rollout, learner, async knobs, placement, tracking."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=GRPO)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    async_training: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    run_dir: str = "runs/default"
+    """Metrics, checkpoints, reports."""
+    wandb: Literal["auto", "online", "offline", "off"] = "auto"
+    """wandb mode: auto = online when logged in, offline otherwise."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many versions (0: never)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in run_dir."""
+    seed: int = 0
+    """Seed of prompts' sampling seeds and shuffling."""
+
+    def validate(self) -> None:
+        self.algorithm.validate()
+        self.rollout.validate()
+        self.trainer.validate()
+        self.async_training.validate()
+        if self.trainer.temperature != self.rollout.temperature:
+            _fail("trainer", "temperature", self.trainer.temperature,
+                  f"must equal rollout.temperature={self.rollout.temperature} (log-probs of the sampled distribution)")
+        if self.checkpoint_every < 0:
+            _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if not self.placement.trainer_devices or not self.placement.agent_devices:
+            _fail("placement", "agent_devices", self.placement.agent_devices, "need at least one trainer and one agent")
+        if self.async_training.colocated and self.placement.launcher != "local":
+            _fail("async_training", "colocated", True, "colocated mode shares one device: use placement.launcher=local")
