@@ -33,7 +33,7 @@ from asyncrl.policies.loading import save_pretrained
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_hf"]
 
-_COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates")
+_COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
 
 
 def _distributed(state: LearnerState) -> bool:

@@ -40,6 +40,8 @@ def train_main(args: list[str]) -> None:
         summary = train(config)
     except ValueError as err:  # configuration errors name the field and the fix
         raise SystemExit(f"asyncrl train: {err}") from None
+    if summary is None:  # a non-zero rank of a torchrun job
+        return
     print(f"done: {summary.versions} versions, {summary.steps} learner steps; prompts {summary.ledger}"
           + (f"; dead agents: {summary.dead_agents}" if summary.dead_agents else ""))
 

@@ -469,12 +469,13 @@ class DataConfig:
 class PlacementConfig:
     """Who runs where."""
 
-    launcher: Literal["rpc", "local"] = "rpc"
-    """rpc: one process per role over torch.distributed.rpc; local: threads in one process."""
+    launcher: Literal["rpc", "local", "torchrun"] = "rpc"
+    """rpc: spawn one process per role here; torchrun: this process is one role (RANK) of a torchrun job,
+    across nodes; local: threads in one process."""
     trainer_devices: tuple[str, ...] = ("cpu",)
-    """One device per trainer rank (more than one: an FSDP2 trainer group)."""
+    """One device per trainer rank (more than one: an FSDP2 trainer group); 'cuda' = cuda:LOCAL_RANK."""
     agent_devices: tuple[str, ...] = ("cpu",)
-    """One device per rollout agent."""
+    """One device per rollout agent (ranks after the trainers); 'cuda' = cuda:LOCAL_RANK."""
     master_addr: str = "127.0.0.1"
     """Address the run's RPC and process groups bind to (loopback: RPC uses pickle, keep it private)."""
     threads_per_process: int = 1

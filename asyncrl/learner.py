@@ -188,6 +188,7 @@ class LearnerState:
     version: int = 0  # weight version published to the agents
     kl_coef: float = 0.0  # current β of KL-in-reward (adaptive controller state)
     skipped_updates: int = 0
+    critic_skipped_updates: int = 0
     group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
 
     @property
@@ -228,6 +229,9 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
         critic = ValueModel.from_policy(policy)
         if algorithm.critic.device is not None:
             critic = critic.to(algorithm.critic.device)
+        mesh = getattr(next(policy.parameters()), "device_mesh", None)
+        if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
+            shard_model(critic, mesh)
     policy.train()
     policy.gradient_checkpointing = config.gradient_checkpointing
     optimizer = _adamw(policy.parameters(), config.optim.lr, config.optim)
@@ -514,9 +518,12 @@ def _critic_update(state: LearnerState, prep: _Prepared) -> dict:
                 clipfracs.append(float(vl.clipfrac))
             norm, ok = _optimizer_step(state.critic, state.critic_optimizer, state.critic_scheduler,
                                        cfg.optim.grad_clip)
-            norms.append(norm)
+            if ok:
+                norms.append(norm)
+            else:
+                state.critic_skipped_updates += 1
     return {"critic/vf_loss": sum(losses), "critic/vf_clipfrac": sum(clipfracs) / max(len(clipfracs), 1),
-            "critic/grad_norm": sum(norms) / max(len(norms), 1)}
+            "critic/grad_norm": sum(norms) / max(len(norms), 1), "critic/skipped_updates": state.critic_skipped_updates}
 
 
 _CRITIC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic")

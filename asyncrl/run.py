@@ -23,7 +23,7 @@ from asyncrl.data.sources import GeneratedSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
 from asyncrl.rewards import arithmetic_reward, countdown_reward, even_token_reward, gsm8k_reward, math_reward
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch
+from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch, run_torchrun
 from asyncrl.tracking import Tracker, TrackingConfig
 
 __all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
@@ -130,7 +130,7 @@ def _config_dict(cfg: RunConfig) -> dict:
     return plain(cfg)
 
 
-def train(cfg: RunConfig) -> RunSummary:
+def train(cfg: RunConfig) -> RunSummary | None:
     """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json."""
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +140,10 @@ def train(cfg: RunConfig) -> RunSummary:
     start = time.time()
     if cfg.placement.launcher == "rpc":
         summary = launch(spec)
+    elif cfg.placement.launcher == "torchrun":
+        summary = run_torchrun(spec)
+        if summary is None:  # not rank 0: nothing to report
+            return None
     else:
         summary = _train_local(cfg, spec, tracker)
     tracker.close()

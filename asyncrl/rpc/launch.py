@@ -48,7 +48,7 @@ from asyncrl.rpc.controller import Controller, RunSummary
 from asyncrl.rpc.param_server import SyncFailed
 from asyncrl.rpc.queue import SampleQueue
 
-__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_worker", "CollectivePublisher"]
+__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_worker", "run_torchrun", "CollectivePublisher"]
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -307,14 +307,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _local_device(device: str) -> str:
+    """'cuda' alone means this node's GPU number LOCAL_RANK (torchrun); anything else is taken as is."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
 def _bootstrap(spec: RunSpec, rank: int, port_pg: int, port_rpc: int) -> None:
     """torch.distributed (weights, FSDP2) and RPC (control, samples), with timeouts; weight groups."""
     torch.set_num_threads(spec.threads_per_process)
-    devices = spec.trainer_devices + [a.device for a in spec.agents]
+    devices = [_local_device(d) for d in spec.trainer_devices + [a.device for a in spec.agents]]
     backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
     timeout = datetime.timedelta(seconds=spec.async_.sync_timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{spec.master_addr}:{port_pg}", rank=rank,
-                            world_size=spec.world_size, timeout=timeout)
+    # under torchrun, MASTER_PORT already hosts torchrun's store: join it through env:// (port_pg = 0)
+    init = "env://" if port_pg == 0 else f"tcp://{spec.master_addr}:{port_pg}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=spec.world_size, timeout=timeout)
     if devices[rank].startswith("cuda"):
         torch.cuda.set_device(torch.device(devices[rank]))
     _GROUPS["trainer"] = dist.new_group(list(range(spec.num_trainers)), timeout=timeout)
@@ -325,7 +331,14 @@ def _bootstrap(spec: RunSpec, rank: int, port_pg: int, port_rpc: int) -> None:
                                               rpc_timeout=spec.rpc_timeout_s, num_worker_threads=16)
     name = "trainer0" if rank == 0 else (f"trainer{rank}" if rank < spec.num_trainers
                                           else spec.agent_name(rank - spec.num_trainers))
-    rpc.init_rpc(name, rank=rank, world_size=spec.world_size, rpc_backend_options=options)
+    # RPC gets its own store on port_rpc, served by rank 0; under torchrun the rendezvous would otherwise
+    # make every rank a client of torchrun's agent store (which does not listen on port_rpc)
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=spec.world_size, rpc_backend_options=options)
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
 
 def _build_learner(spec: RunSpec, rank: int):
@@ -448,7 +461,26 @@ def _follow(spec: RunSpec, rank: int) -> None:
             return
 
 
-def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=None) -> None:
+def run_torchrun(spec: RunSpec) -> RunSummary | None:
+    """Entry point under `torchrun`: this process's role comes from RANK (0 .. T−1 trainers, then agents),
+    the rendezvous from MASTER_ADDR / MASTER_PORT (process groups) and MASTER_PORT + 1 (RPC).
+    Returns the summary on rank 0, None elsewhere."""
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise ValueError(f"placement.launcher=torchrun needs {', '.join(missing)} in the environment; "
+                         "start the run with `torchrun --nnodes N --nproc-per-node P ... -m asyncrl.cli train ...`")
+    if int(env["WORLD_SIZE"]) != spec.world_size:
+        raise ValueError(f"torchrun started {env['WORLD_SIZE']} processes but the placement needs {spec.world_size} "
+                         f"({spec.num_trainers} trainers + {len(spec.agents)} agents); fix --nproc-per-node/--nnodes "
+                         "or placement.trainer_devices / agent_devices")
+    spec = dataclasses.replace(spec, master_addr=env["MASTER_ADDR"])
+    port = int(env["MASTER_PORT"])
+    return run_worker(int(env["RANK"]), spec, 0, port + 1, exit_when_done=False)
+
+
+def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=None, *,
+               exit_when_done: bool = True) -> RunSummary | None:
     """The body of every process: bootstrap, play the rank's role, shut down.
 
     Agent ranks have no role of their own here: their `AgentServer` is created and driven by rank 0 over
@@ -456,7 +488,7 @@ def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=No
     """
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     _bootstrap(spec, rank, port_pg, port_rpc)
-    graceful = True
+    graceful, summary = True, None
     try:
         if rank == 0:
             summary = _run_controller(spec)
@@ -475,8 +507,9 @@ def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=No
             rpc.shutdown(graceful=graceful)
         except Exception as err:  # noqa: BLE001 - rank 0 left without waiting for us
             log.info("rpc shutdown: %r", err)
-        if rank != 0:
+        if rank != 0 and exit_when_done:
             os._exit(0)
+    return summary
 
 
 def launch(spec: RunSpec, *, timeout_s: float = 3600.0) -> RunSummary:

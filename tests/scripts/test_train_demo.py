@@ -43,3 +43,24 @@ def test_invalid_config_names_the_field():
     out = _run("-m", "asyncrl.cli", "train", "cpu-demo", "--rollout.n", "0", "--wandb", "off")
     assert out.returncode != 0
     assert "rollout.n=0" in (out.stderr + out.stdout)
+
+
+def test_torchrun_launch_runs_the_same_roles(tmp_path):
+    # the multi-node path on one machine: torchrun starts 3 processes, roles come from RANK
+    run_dir = tmp_path / "torchrun"
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", "29561",
+               "-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
+               "--async-training.total-versions", "2", "--wandb", "off", "--run-dir", str(run_dir),
+               "--placement.launcher", "torchrun", "--placement.agent-devices", "cpu", "cpu")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["versions"] == 2 and summary["dead_agents"] == []
+
+
+def test_torchrun_with_the_wrong_process_count_names_the_fix(tmp_path):
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29563",
+               "-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
+               "--wandb", "off", "--run-dir", str(tmp_path / "bad"), "--placement.launcher", "torchrun",
+               "--placement.agent-devices", "cpu", "cpu")
+    assert out.returncode != 0
+    assert "placement needs 3" in out.stderr + out.stdout
