@@ -81,7 +81,8 @@ def _gather(state: LearnerState) -> dict:
 
 def list_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
     root = pathlib.Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if root.is_dir() else []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))) \
+        if root.is_dir() else []
 
 
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
@@ -109,8 +110,14 @@ def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dic
         meta = {"step": state.step, "version": state.version, "time": time.time(),
                 "algorithm": type(state.algorithm).__name__}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     if _distributed(state):

@@ -502,7 +502,7 @@ def _critic_update(state: LearnerState, prep: _Prepared) -> dict:
     device = next(state.critic.parameters()).device
     batch = prep.batch.to(device)
     returns, values_old, mask = prep.returns.to(device), prep.values_old.to(device), prep.mask.to(device)
-    losses, clipfracs, norms = [], [], []
+    losses, clipfracs, norms, updates = [], [], [], 0
     for epoch in range(cfg.ppo_epochs):
         for groups in _minibatches(state, len(batch.prompt_ids), epoch):
             micros, rows = _local_micro_batches(state, prep, groups)
@@ -514,15 +514,17 @@ def _critic_update(state: LearnerState, prep: _Prepared) -> dict:
                                       clip_range=critic_cfg.value_clip, loss_agg_mode=state.algorithm.loss_agg_mode,
                                       num_tokens=tokens, num_seqs=seqs, norm_length=length)
                 (vl.loss * _world(state)[1]).backward()
-                losses.append(float(vl.loss.detach()))
+                losses.append(float(vl.loss.detach()) * _world(state)[1])
                 clipfracs.append(float(vl.clipfrac))
             norm, ok = _optimizer_step(state.critic, state.critic_optimizer, state.critic_scheduler,
                                        cfg.optim.grad_clip)
+            updates += 1
             if ok:
                 norms.append(norm)
             else:
                 state.critic_skipped_updates += 1
-    return {"critic/vf_loss": sum(losses), "critic/vf_clipfrac": sum(clipfracs) / max(len(clipfracs), 1),
+    # micro-batch losses are normalised by their mini-batch's counts: their sum is one update's loss
+    return {"critic/vf_loss": sum(losses) / max(updates, 1), "critic/vf_clipfrac": sum(clipfracs) / max(len(clipfracs), 1),
             "critic/grad_norm": sum(norms) / max(len(norms), 1), "critic/skipped_updates": state.critic_skipped_updates}
 
 

@@ -169,6 +169,7 @@ def _train_local(cfg: RunConfig, spec: RunSpec, tracker) -> RunSummary:
                                    seed=cfg.seed + i)) for i, a in enumerate(spec.agents)]
     run = LocalRun(state, engines, spec.source_factory(), spec.scorer_factory(), cfg.rollout, cfg.async_training,
                    seed=cfg.seed, log_metrics=tracker, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every)
+    run.controller.on_step = tracker.log_samples
     if cfg.resume and latest_checkpoint(cfg.run_dir) is not None:
         run.resume(load_checkpoint(latest_checkpoint(cfg.run_dir), state))
     return run.run()

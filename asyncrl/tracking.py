@@ -69,6 +69,7 @@ class Tracker:
     def __init__(self, config: TrackingConfig, *, run_config: dict | None = None):
         self.config, self.run_config = config, run_config or {}
         self._file = None
+        self._samples = None
         self._wandb = None
         self._start = time.time()  # wall clock of the run (the tracker is made at launch)
 
@@ -94,9 +95,28 @@ class Tracker:
                               f"{metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
             print(f"[version {step:4d} | {row['wall_s']:7.1f}s] {shown}", file=sys.stdout, flush=True)
 
+    def log_samples(self, groups: list, metrics: dict | None = None, *, per_step: int = 2) -> None:
+        """Append a few decoded completions of a learner step to samples.jsonl (what the model writes)."""
+        if self._file is None:
+            self._open()
+        if self._samples is None:
+            self._samples = open(pathlib.Path(self.config.run_dir) / "samples.jsonl", "a", buffering=1)
+        step = (metrics or {}).get("training/global_step")
+        for g in groups[:per_step]:
+            texts = g.info.get("texts") or [""] * len(g.completions)
+            best = max(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            worst = min(range(len(g.rewards)), key=lambda i: g.rewards[i])
+            for i in sorted({best, worst}):
+                self._samples.write(json.dumps({"step": step, "prompt_id": g.prompt_id,
+                                                "prompt": g.info.get("prompt_text", ""), "response": texts[i],
+                                                "reward": g.rewards[i], "versions": [g.completions[i].min_version,
+                                                                                     g.completions[i].max_version]})
+                                    + "\n")
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        for f in (self._file, self._samples):
+            if f is not None:
+                f.close()
         if self._wandb is not None:
             self._wandb.finish()
 

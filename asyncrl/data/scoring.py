@@ -38,14 +38,19 @@ class Scorer:
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
     def __call__(self, prompt: Prompt, completion: Completion) -> float:
+        return self.score(prompt, completion)[0]
+
+    def score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
+        """(reward, decoded response text)."""
         fn = self.rewards.get(prompt.data_source) or (self.rewards.get(self.default) if self.default else None)
         if fn is None:
             raise ValueError(f"Scorer: no reward function for data_source={prompt.data_source!r}; known: "
                              f"{', '.join(sorted(self.rewards))} (pass default= to fall back)")
+        text = self.text(completion)
         try:
-            return float(fn(self.text(completion), prompt.ground_truth))
+            return float(fn(text, prompt.ground_truth)), text
         except Exception:
             if self.strict:
                 raise
             self.errors += 1
-            return 0.0
+            return 0.0, text

@@ -37,5 +37,9 @@ class ValueModel(CausalLM):
     def from_policy(cls, policy: CausalLM) -> "ValueModel":
         """A critic initialised with the policy's backbone weights and a zero value head (V ≡ 0 at start)."""
         critic = cls(policy.config)
-        critic.model.load_state_dict(copy.deepcopy(policy.model.state_dict()))
+        # an FSDP2-sharded policy holds DTensor shards: gather the full weights (a collective: every rank
+        # of the trainer group calls this, as build_learner does)
+        weights = {name: t.full_tensor() if hasattr(t, "full_tensor") else t
+                   for name, t in policy.model.state_dict().items()}
+        critic.model.load_state_dict(copy.deepcopy(weights))
         return critic.to(device=policy.device, dtype=policy.dtype)

@@ -122,10 +122,12 @@ class RolloutAgent:
 
     def _submit(self, out: GenerationOutput) -> None:
         task = self.tasks.pop(out.request_id)
-        rewards = [self.scorer(task.prompt, c) for c in out.completions]
+        scored = [self.scorer.score(task.prompt, c) for c in out.completions]
         group = Group(prompt_id=task.prompt_id, prompt_ids=out.prompt_ids, completions=out.completions,
-                      rewards=rewards, data_source=task.prompt.data_source, admitted_version=task.admitted_version,
-                      info={"index": task.prompt.index, "agent": self.name})
+                      rewards=[r for r, _ in scored], data_source=task.prompt.data_source,
+                      admitted_version=task.admitted_version,
+                      info={"index": task.prompt.index, "agent": self.name, "prompt_text": task.prompt.text,
+                            "texts": [t for _, t in scored], "reward_errors": self.scorer.errors})
         self.controller.submit(self.name, group)
         self.submitted += 1
 

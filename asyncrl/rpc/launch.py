@@ -382,6 +382,7 @@ def _run_controller(spec: RunSpec) -> RunSummary:
         weights_fn=trainers.weights)
     controller.last_heard = {name: time.monotonic() for name in agents}
     controller.step_fn = trainers.step
+    controller.on_step = getattr(spec.log_fn, "log_samples", None)
     if trainers.multi:
         controller.checkpoint_fn = lambda: trainers.checkpoint(controller)
     controller.agent_metrics = lambda: _agent_metrics(controller, agents, spec.rpc_timeout_s)

@@ -1,0 +1,162 @@
+"""FSDP2 (`shard_model`, i.e. `fully_shard`) on 2 CPU processes over gloo against one unsharded process:
+the policy gradient, a whole train_step (GRPO, and PPO with its critic), and checkpoints written by one
+layout and read by the other.
+
+Each rank of a sharded learner takes every world-th group of a mini-batch. With 5 groups the ranks hold
+different row counts and different numbers of micro-batches (the learner pads with empty ones so the FSDP2
+collectives line up), and the one-group mini-batches of a train_step (mini_batch_size=2) leave rank 1
+with no rows at all.
+
+All sharded scenarios run in one launch of two workers (`dist_helpers.fsdp_worker`; a launch costs two
+torch imports), under a hard time limit and with a 60 s collective timeout, so a hang fails the tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from asyncrl.learner import micro_batches, policy_gradients, train_step
+from asyncrl.policies import load_pretrained
+from tests.dist_helpers import (
+    build, fsdp_worker, max_diff, run_distributed, sample_groups, trainer_config, weights,
+)
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+MODES = ["token-mean", "seq-mean-token-mean"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: a second intra-op thread only adds synchronisation (on a loaded 2-core machine an
+    OpenMP barrier per small matmul made these tests 10-50x slower). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """5 groups (odd) of 3 responses of varied lengths, sampled from the initial policy."""
+    return sample_groups(5, seed=0, n=3)
+
+
+@pytest.fixture(scope="module")
+def next_groups():
+    return sample_groups(5, seed=0, n=3, first_id=100)
+
+
+@pytest.fixture(scope="module")
+def single(groups, next_groups, tmp_path_factory):
+    """The single-process PPO run: one step on `groups`, a checkpoint, one step on `next_groups`."""
+    state, _ = train_step(build("ppo"), groups)
+    path = save_checkpoint(tmp_path_factory.mktemp("single-run"), state, extra={"cursor": 5})
+    saved = dict(policy=weights(state.policy), critic=weights(state.critic))
+    state, _ = train_step(state, next_groups)
+    return dict(path=path, saved=saved, continued=dict(policy=weights(state.policy), critic=weights(state.critic)))
+
+
+@pytest.fixture(scope="module")
+def sharded(groups, next_groups, single, tmp_path_factory):
+    """The results of every rank of the sharded launch, and its run / export directories."""
+    root = tmp_path_factory.mktemp("sharded")
+    out, run_dir, export_dir = root / "out", root / "run", root / "export"
+    out.mkdir()
+    run_distributed(fsdp_worker, out, groups, next_groups, MODES, str(single["path"]), str(run_dir),
+                    str(export_dir), world_size=WORLD, timeout=90)
+    return dict(ranks=[torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)], run_dir=run_dir,
+                export_dir=export_dir)
+
+
+def test_the_ranks_get_different_rows_and_micro_batch_counts(groups):
+    """The premise of the gradient test: the split of the 5 groups is uneven in rows and micro-batches."""
+    lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
+    group_of_row = [k for k, g in enumerate(groups) for _ in g.completions]
+    rows = [[r for r, k in enumerate(group_of_row) if k % WORLD == rank] for rank in range(WORLD)]
+    micros = [micro_batches(r, lengths, trainer_config()) for r in rows]
+    assert len(rows[0]) != len(rows[1])
+    assert len(micros[0]) != len(micros[1]), micros
+    assert len({len(c.token_ids) for g in groups for c in g.completions}) > 2  # varied response lengths
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_policy_gradient_equals_the_single_process_gradient(groups, sharded, mode):
+    want = policy_gradients(build("grpo", algo_kwargs=dict(loss_agg_mode=mode)), groups)
+    scale = max(float(g.abs().max()) for g in want.values())
+    assert scale > 1e-3  # a real gradient, not zeros
+    for rank, res in enumerate(sharded["ranks"]):
+        got = res["grads"][mode]
+        assert got.keys() == want.keys()
+        assert all(got[k].shape == want[k].shape for k in got)  # full_tensor(): unsharded shapes
+        assert max_diff(got, want) <= 1e-6 * scale, (rank, max_diff(got, want), scale)
+    # a wrong scale (FSDP2's average over ranks not undone) would be off by a factor of 2
+    assert max_diff(sharded["ranks"][0]["grads"][mode], {k: v / 2 for k, v in want.items()}) > 0.1 * scale
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_sharded_train_step_updates_like_a_single_process(groups, sharded, algorithm):
+    """6 optimizer steps (mini-batches of 2, 2 and 1 groups × 2 epochs), clipped gradients, warmup + cosine
+    lr; PPO also updates its critic (sequentially with the actor when sharded)."""
+    initial = build(algorithm)
+    state, metrics = train_step(build(algorithm), groups)
+    want = weights(state.policy)
+    assert max_diff(want, weights(initial.policy)) > 1e-3  # the step moved the weights
+    for rank, res in enumerate(sharded["ranks"]):
+        got = res["train"][algorithm]
+        assert max_diff(got["policy"], want) <= 1e-5, (rank, max_diff(got["policy"], want))
+        if algorithm == "ppo":
+            critic = weights(state.critic)
+            assert max_diff(critic, weights(initial.critic)) > 1e-3  # the critic learned too
+            assert max_diff(got["critic"], critic) <= 1e-5
+        m = got["metrics"]
+        assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+        assert m["actor/lr"] == pytest.approx(metrics["actor/lr"], rel=1e-9)
+        assert m["training/global_step"] == metrics["training/global_step"] == 1
+        assert m["critic/score/mean"] == pytest.approx(metrics["critic/score/mean"])
+    # each rank reports world × its own share of the loss; the mean over ranks is the global loss
+    mean_pg = sum(res["train"][algorithm]["metrics"]["actor/pg_loss"] for res in sharded["ranks"]) / WORLD
+    assert mean_pg == pytest.approx(metrics["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_sharded_checkpoint_round_trips_and_matches_the_single_process_one(sharded, single):
+    """Sharded save → sharded load: the same weights, then the same next step (optimizer state restored).
+    A checkpoint written by one process → the sharded learner: the same, and the single run's next step."""
+    (path,) = list_checkpoints(sharded["run_dir"])
+    assert path.name == "step_00000001"
+    assert sorted(p.name for p in path.iterdir()) == ["extra.pt", "learner.pt", "meta.json"]
+    for res in sharded["ranks"]:
+        saved = res["train"]["ppo"]
+        assert max_diff(res["loaded"]["policy"], saved["policy"]) == 0
+        assert max_diff(res["loaded"]["critic"], saved["critic"]) == 0
+        assert res["extra"] == {"cursor": 17, "rank": 0}  # rank 0 wrote it; every rank read it back
+        assert res["loaded"]["counters"] == (1, 6, 0)
+        assert res["loaded"]["lr"] == [pytest.approx(saved["metrics"]["actor/lr"], rel=1e-12)]
+        for part in ("policy", "critic"):
+            assert max_diff(res["loaded_continued"][part], res["continued"][part]) <= 1e-6, part
+            assert max_diff(res["from_single"][part], single["saved"][part]) == 0, part
+            assert max_diff(res["from_single_continued"][part], single["continued"][part]) <= 1e-5, part
+
+
+def test_a_single_process_loads_the_sharded_checkpoint(sharded, next_groups):
+    """The sharded checkpoint holds full (unsharded) tensors: one process loads it and takes the same
+    next step as the sharded run."""
+    (path,) = list_checkpoints(sharded["run_dir"])
+    res = sharded["ranks"][0]
+    fresh = build("ppo", seed=3)
+    assert load_checkpoint(path, fresh) == {"cursor": 17, "rank": 0}
+    assert max_diff(weights(fresh.policy), res["train"]["ppo"]["policy"]) == 0
+    assert max_diff(weights(fresh.critic), res["train"]["ppo"]["critic"]) == 0
+    assert (fresh.step, fresh.optimizer_steps) == (1, 6)
+    fresh, _ = train_step(fresh, next_groups)
+    assert max_diff(weights(fresh.policy), res["continued"]["policy"]) <= 1e-5
+    assert max_diff(weights(fresh.critic), res["continued"]["critic"]) <= 1e-5
+
+
+def test_export_hf_from_a_sharded_learner(sharded):
+    """Every rank called export_hf; rank 0 wrote the full model."""
+    exported = load_pretrained(sharded["export_dir"])
+    assert max_diff(weights(exported), sharded["ranks"][0]["train"]["ppo"]["policy"]) == 0
