@@ -327,6 +327,9 @@ class TrainerConfig:
     """Dtype of the trained weights (fp32 master weights are the safe default)."""
     autocast_bf16: bool = True
     """Run forward/backward under bf16 autocast on CUDA (ignored on CPU)."""
+    fused_kernels: bool = False
+    """torch.compile the model's elementwise pieces on CUDA (measured slower for training on an H100:
+    the guards cost more host time than the launches they save; see BENCHMARKS.md)."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts: learner log-probs use logits / temperature."""
     max_response_length: int | None = None

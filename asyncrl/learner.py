@@ -33,15 +33,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncrl import algos
+from asyncrl.algos._checks import value_checks
 from asyncrl.config import AlgorithmConfig, OffPolicyConfig, TrainerConfig
-from asyncrl.policies.model import CausalLM, token_entropy, token_logprobs
+from asyncrl.policies.model import CausalLM, token_entropy, token_logprobs, use_fused_kernels
 from asyncrl.policies.value import ValueModel
 from asyncrl.rewards import overlong_penalty
 from asyncrl.types import Group
 
 __all__ = [
     "RolloutBatch", "collate", "filter_groups", "LearnerState", "build_learner", "train_step", "shard_model",
-    "full_weights", "make_scheduler", "response_logprobs", "micro_batches", "policy_gradients",
+    "full_weights", "make_scheduler", "response_logprobs", "chunked_logprobs", "micro_batches", "policy_gradients",
 ]
 
 
@@ -128,22 +129,65 @@ def _gather_response(hidden: Tensor, prompt_lens: Tensor, t: int) -> Tensor:
     return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
+def _head_logprobs(model: CausalLM, hidden: Tensor, targets: Tensor, temperature: float, entropy_grad: bool,
+                   calls: list | None = None) -> tuple[Tensor, Tensor]:
+    """LM head, log-prob of the targets and entropy for a chunk of tokens: [n, H], [n] -> [n], [n].
+
+    `calls` counts invocations under activation checkpointing: a metric-only entropy is computed on the
+    first (forward) call and skipped when the backward pass re-runs the function for its gradients."""
+    logits = model.logits(hidden)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = token_logprobs(logits, targets)
+    if entropy_grad:
+        return logp, token_entropy(logits)
+    recompute = calls is not None and len(calls) > 0
+    if calls is not None:
+        calls.append(1)
+    with torch.no_grad():
+        return logp, torch.zeros_like(logp) if recompute else token_entropy(logits)
+
+
+def chunked_logprobs(model: CausalLM, hidden: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                     chunk_tokens: int = 4096, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of `targets` [m, T] from `hidden` [m, T, H], `chunk_tokens` tokens at a time.
+
+    With gradients on, each chunk's LM head runs under activation checkpointing, so only one
+    [chunk, V] logits tensor exists at a time (a 152k vocabulary over 8k tokens would otherwise hold
+    several 5 GB fp32 tensors); the head is recomputed in the backward pass.
+    """
+    m, t, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(m * t, h), targets.reshape(m * t)
+    outs_logp, outs_ent = [], []
+    for start in range(0, m * t, chunk_tokens):
+        hc, tc = flat_h[start:start + chunk_tokens], flat_t[start:start + chunk_tokens]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            logp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, model, hc, tc, temperature, entropy_grad,
+                                                          [], use_reentrant=False)
+        else:
+            logp, ent = _head_logprobs(model, hc, tc, temperature, entropy_grad)
+        outs_logp.append(logp)
+        outs_ent.append(ent)
+    return torch.cat(outs_logp).view(m, t), torch.cat(outs_ent).view(m, t)
+
+
 def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: Tensor, *, temperature: float = 1.0,
-                      entropy: bool = False, autocast: bool = False) -> tuple[Tensor, Tensor | None]:
+                      entropy: bool = False, autocast: bool = False, entropy_grad: bool = False,
+                      width: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens of `rows`: [m, T] each. Only response positions go
-    through the LM head, and each micro-batch is cut to its own longest row."""
+    through the LM head, in checkpointed chunks, and each micro-batch is cut to its own longest row.
+    The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise it is a metric."""
     prompt_lens, mask = batch.prompt_lens[rows], batch.response_mask[rows]
     t = batch.response_mask.shape[1]
-    width = int((prompt_lens + mask.sum(-1)).max())
+    if width is None:  # the longest row (pass it in from host-side lengths to avoid a device sync)
+        width = int((prompt_lens + mask.sum(-1)).max())
     tokens = batch.tokens[rows, :width]
-    with _autocast(tokens.device, autocast):
-        hidden = _gather_response(model(tokens), prompt_lens, t)
-        logits = model.logits(hidden)
     targets_idx = (prompt_lens[:, None] + torch.arange(t, device=tokens.device)[None, :]).clamp(max=width - 1)
     targets = tokens.gather(1, targets_idx)
-    logp = token_logprobs(logits, targets, temperature)
-    ent = token_entropy(logits, temperature) if entropy else None
-    return logp, ent
+    with _autocast(tokens.device, autocast):
+        hidden = _gather_response(model(tokens), prompt_lens, t)
+        logp, ent = chunked_logprobs(model, hidden, targets, temperature=temperature, entropy_grad=entropy_grad)
+    return logp, ent if entropy else None
 
 
 def response_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor, *, autocast: bool = False) -> Tensor:
@@ -234,6 +278,9 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
             shard_model(critic, mesh)
     policy.train()
     policy.gradient_checkpointing = config.gradient_checkpointing
+    device = next(policy.parameters()).device
+    if config.fused_kernels and device.type == "cuda":
+        use_fused_kernels(True, device, torch.bfloat16 if config.autocast_bf16 else next(policy.parameters()).dtype)
     optimizer = _adamw(policy.parameters(), config.optim.lr, config.optim)
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
                          reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group)
@@ -259,6 +306,7 @@ class _Prepared:
     mask: Tensor  # [N, T] loss mask
     is_weights: Tensor | None  # [N, T]
     metrics: dict
+    lengths: list[int] = dataclasses.field(default_factory=list)  # prompt + response per row, on the host
 
 
 @torch.no_grad()
@@ -340,8 +388,9 @@ def _prepare(state: LearnerState, batch: RolloutBatch) -> _Prepared:
                         float(w.truncated_fraction), "rollout_corr/ess": float(w.ess)})
     if not off.use_rollout_log_probs:
         metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - logp_old, mask))
+    lengths = (batch.prompt_lens + batch.response_lens).tolist()
     return _Prepared(batch, logp_old, adv.advantages, adv.returns if values_old is not None else None, values_old,
-                     logp_ref, mask, is_weights, metrics)
+                     logp_ref, mask, is_weights, metrics, lengths)
 
 
 # -------------------------------------------------------------------------------------- distribution
@@ -399,8 +448,7 @@ def _local_micro_batches(state: LearnerState, prep: _Prepared, groups: list[int]
     every rank runs the same number (FSDP2 collectives must line up)."""
     rank, world = _world(state)
     rows = _rows_of(prep, groups[rank::world])
-    lengths = (prep.batch.prompt_lens + prep.batch.response_lens).tolist()
-    micros = micro_batches(rows, lengths, state.config)
+    micros = micro_batches(rows, prep.lengths, state.config)
     count = int(_all_reduce(state, [len(micros)], dist.ReduceOp.MAX)[0])
     return micros + [[]] * (count - len(micros)), rows
 
@@ -422,8 +470,9 @@ def _actor_micro(state: LearnerState, prep: _Prepared, rows: list[int], counts) 
     empty = not rows
     idx = torch.tensor(rows or [0], device=prep.mask.device)
     need_entropy = algo.entropy_coef > 0
+    width = max(prep.lengths[r] for r in rows) if rows else None
     logp, ent = response_logprobs(state.policy, prep.batch, idx, temperature=cfg.temperature, entropy=True,
-                                  autocast=cfg.autocast_bf16)
+                                  autocast=cfg.autocast_bf16, entropy_grad=need_entropy, width=width)
     mask = prep.mask[idx] & (not empty)
     tokens, seqs, length = counts
     loss_fn_args = dict(num_tokens=tokens, num_seqs=seqs, norm_length=length)
@@ -434,28 +483,30 @@ def _actor_micro(state: LearnerState, prep: _Prepared, rows: list[int], counts) 
     entropy = algos.agg_loss(ent if need_entropy else ent.detach(), mask, **agg)
     if need_entropy:
         loss = loss - algo.entropy_coef * entropy
-    kl_loss = torch.zeros(())
+    kl_loss = torch.zeros((), device=logp.device)
     if algo.kl_loss_coef > 0:
         kl_loss = algos.agg_loss(algo.kl_estimator()(logp, prep.logp_ref[idx]), mask, **agg)
         loss = loss + algo.kl_loss_coef * kl_loss
     (loss * world).backward()  # FSDP2 averages gradients over ranks; counts are already global
-    return {"pg_loss": float(pg.loss.detach()) * world, "pg_clipfrac": float(pg.clipfrac),
-            "ppo_kl": float(pg.ppo_kl), "pg_clipfrac_lower": float(pg.clipfrac_lower),
-            "entropy": float(entropy.detach()) * world, "kl_loss": float(kl_loss.detach()) * world,
-            "tokens": float(mask.sum())}
+    # tensors, read back once per mini-batch by the caller (no sync per micro-batch)
+    return {"pg_loss": pg.loss.detach() * world, "pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl,
+            "pg_clipfrac_lower": pg.clipfrac_lower, "entropy": entropy.detach() * world,
+            "kl_loss": kl_loss.detach() * world, "tokens": mask.sum()}
 
 
 def _accumulate(state: LearnerState, prep: _Prepared, groups: list[int], sums: dict[str, float]) -> None:
-    """Forward/backward every micro-batch of one mini-batch (gradients add up in .grad)."""
+    """Forward/backward every micro-batch of one mini-batch (gradients add up in .grad). Value checks are
+    off here (no device syncs mid-backward): a non-finite value surfaces as a skipped update instead."""
     micros, rows = _local_micro_batches(state, prep, groups)
     counts = _denominators(state, prep, rows)
     for micro in micros:
-        stats = _actor_micro(state, prep, micro, counts)
-        weight = stats.pop("tokens")
-        for k in ("pg_loss", "entropy", "kl_loss"):
-            sums[k] = sums.get(k, 0.0) + stats[k]  # already normalised by the mini-batch count
+        with value_checks(False):
+            stats = _actor_micro(state, prep, micro, counts)
+        weight = stats.pop("tokens").to(torch.float32)
+        for k in ("pg_loss", "entropy", "kl_loss"):  # summed on the device, read back once per step
+            sums[k] = sums.get(k, 0.0) + stats[k].float()  # already normalised by the mini-batch count
         for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-            sums[k] = sums.get(k, 0.0) + stats[k] * weight
+            sums[k] = sums.get(k, 0.0) + stats[k].float() * weight
         sums["_tokens"] = sums.get("_tokens", 0.0) + weight
 
 
@@ -487,6 +538,7 @@ def _actor_update(state: LearnerState, prep: _Prepared) -> dict:
             updates += 1
             state.optimizer_steps += 1
             state.skipped_updates += 0 if ok else 1
+    sums = {k: float(v) for k, v in sums.items()}
     tokens = max(sums.pop("_tokens", 0.0), 1.0)
     out = {f"actor/{k}": v / updates for k, v in sums.items() if k in ("pg_loss", "entropy", "kl_loss")}
     out.update({f"actor/{k}": v / tokens for k, v in sums.items() if k not in ("pg_loss", "entropy", "kl_loss")})

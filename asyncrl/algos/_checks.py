@@ -8,8 +8,28 @@ nothing is ever broadcast silently (a `[B]` tensor is never accepted where `[B, 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch import Tensor
+
+_VALUE_CHECKS = contextvars.ContextVar("asyncrl_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turn the value checks (finite values, {0, 1} masks) on or off in this thread; shape checks always run.
+
+    Each value check reads a result back from the device, which stalls a GPU training loop; the learner
+    turns them off in its inner loop, where a non-finite value shows up as a non-finite gradient norm and
+    the update is skipped and counted instead.
+    """
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
 
 
 def _shape(x: Tensor) -> str:
@@ -54,7 +74,7 @@ def check_mask(fn: str, name: str, mask: object, like: Tensor) -> Tensor:
         raise ValueError(f"{fn}: {name} has shape {_shape(mask)} but the values have shape {_shape(like)}; "
                          "the mask must cover the same [B, T] positions")
     if mask.dtype != torch.bool:
-        if not bool(((mask == 0) | (mask == 1)).all()):
+        if _VALUE_CHECKS.get() and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"{fn}: {name} must hold only 0 and 1 (or be bool); got other values")
         mask = mask != 0
     return mask
@@ -62,6 +82,8 @@ def check_mask(fn: str, name: str, mask: object, like: Tensor) -> Tensor:
 
 def check_finite(fn: str, name: str, x: Tensor, mask: Tensor | None = None) -> None:
     """Non-finite values are refused at valid positions; at masked positions they are allowed (and ignored)."""
+    if not _VALUE_CHECKS.get():
+        return
     bad = ~torch.isfinite(x)
     if mask is not None:
         bad = bad & mask

@@ -369,13 +369,17 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) ->
     Dividing by the sampling temperature makes these the log-probs of the distribution the engine
     sampled from (verl does the same in its actor).
     """
-    z = logits.float() / temperature
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
     return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of softmax(logits / temperature): logsumexp(z) − Σ softmax(z)·z, [..., V] -> [...]."""
-    z = logits.float() / temperature
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
     entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
     return entropy.clamp(min=0.0)  # cancellation can give −1e-5 for a near one-hot row
 
