@@ -435,6 +435,12 @@ class AsyncConfig:
             _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
         if self.lag_policy == "wait" and self.max_version_lag is None:
             _fail(owner, "lag_policy", self.lag_policy, "'wait' needs max_version_lag")
+        if self.lag_policy == "wait" and self.max_version_lag == 0 and self.staleness_threshold > 0:
+            # every held-back window admits work at the current version, which a cap of 0 forbids publishing
+            # over: the trainer would train at the same version forever
+            _fail(owner, "lag_policy", self.lag_policy, f"'wait' with max_version_lag=0 can never publish when "
+                  f"staleness_threshold={self.staleness_threshold} > 0; use lag_policy='drop', "
+                  "max_version_lag >= 1 or staleness_threshold=0")
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
             if not getattr(self, field) > 0:
                 _fail(owner, field, getattr(self, field), "must be > 0 seconds")

@@ -124,6 +124,7 @@ class Controller:
 
     def _learner_step(self) -> dict:
         n = self.config.require_batches * self.state.config.mini_batch_size
+        self._check_agents()  # also when the others keep the trainer fed (then `_take` never times out)
         groups, waited = self._take(n)
         start = time.monotonic()
         self.state, metrics = self.step_fn(self.state, groups)
@@ -163,6 +164,9 @@ class Controller:
 
     def publish(self, version: int) -> dict:
         metrics = self.publisher.publish(self.state, version)
+        for agent in [a for a in self.last_heard if a not in self.dead and a not in self.publisher.agents]:
+            # the publisher left it out (its sync failed twice): dead, so its prompts go to the others
+            self.declare_dead(agent, "its weight sync failed")
         self.state.version = version
         self.queue.new_version(version)
         return metrics

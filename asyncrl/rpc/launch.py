@@ -400,7 +400,9 @@ def _run_controller(spec: RunSpec) -> RunSummary:
                     rref.rpc_sync(timeout=spec.rpc_timeout_s).stop()
                 except Exception as err:  # noqa: BLE001
                     log.error("could not stop agent %s cleanly: %r", name, err)
+                    controller.dead.append(name)  # died or hung late: report it, and shut RPC down without it
     summary.ledger = controller.finish()
+    summary.dead_agents = list(controller.dead)
     return summary
 
 

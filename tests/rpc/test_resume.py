@@ -1,0 +1,129 @@
+"""Stop and resume an async run from its checkpoint: every admitted prompt is trained (or dropped) exactly once
+across both halves, the staleness bounds hold after the resume, and versions continue where they stopped.
+
+In-process (LocalRun) with a recorder of trained ids, and once through the multi-process launcher
+(RunSpec(run_dir, checkpoint_every, resume=True)) where the ledger is the witness."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.algos.staleness import verl_max_required_samples
+from asyncrl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from asyncrl.config import AsyncConfig
+from asyncrl.rpc.launch import AgentSpec, launch
+from tests.rpc.helpers import TrainRecorder, allowed_lag, build_state, check_books, local_run
+
+MINI = 2
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=False),
+    dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=True, max_version_lag=1),
+], ids=["stale", "stale+partial+cap"])
+def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs):
+    run_kw = dict(mini_batch_size=MINI, engines=2, step_delays=[0.0, 0.01], concurrent_prompts=2)
+    batch = MINI * 1  # require_batches 1
+
+    # ---- run A: 4 versions, a checkpoint every 2
+    config_a = AsyncConfig(total_versions=4, take_timeout_s=60, **knobs)
+    run_a = local_run(config_a, run_dir=str(tmp_path), checkpoint_every=2, **run_kw)
+    rec_a = TrainRecorder(run_a)
+    summary_a = run_a.run()
+    assert summary_a.versions == 4
+    # the last version was checkpointed: unfinished prompts are carried to it, not dropped
+    assert summary_a.ledger.get("carried_to_checkpoint") is True
+    assert len(list_checkpoints(tmp_path)) == 2
+    path = latest_checkpoint(tmp_path)
+    assert json.loads((path / "meta.json").read_text())["version"] == 4
+
+    # ---- run B: fresh objects from the checkpoint, up to version 8
+    state = build_state(MINI)
+    extra = load_checkpoint(path, state)
+    assert state.version == 4 and state.step == summary_a.steps
+    saved = extra["queue"]
+    ledger_at_ckpt = saved["ledger"][0]
+    trained_a = {pid for pid, s in ledger_at_ckpt.items() if s == "trained"}
+    carried = {pid for pid, s in ledger_at_ckpt.items() if s in ("in_flight", "pending", "queued")}
+    # A trained nothing after its last checkpoint (it was the end of the run)
+    assert trained_a == set(rec_a.trained_ids) and len(rec_a.trained_ids) == len(trained_a)
+    assert {t.prompt_id for t in saved["unfinished"]} | {g.prompt_id for g in saved["queue"]} == carried
+
+    config_b = AsyncConfig(total_versions=8, take_timeout_s=60, **knobs)
+    run_b = local_run(config_b, state=state, **run_kw)
+    run_b.resume(extra)
+    assert run_b.queue.version == 4 and run_b.queue.next_id == saved["next_id"]
+    rec_b = TrainRecorder(run_b)
+    handed_out = []
+    inner_request = run_b.queue.request
+
+    def request(agent, n):
+        tasks = inner_request(agent, n)
+        handed_out.extend(tasks)
+        return tasks
+
+    run_b.queue.request = request
+    summary_b = run_b.run()
+
+    # versions continue from 4
+    assert summary_b.versions == run_b.state.version == 8 and len(summary_b.history) == 4
+    assert rec_b.steps[0][0] == 4 and [v for v, _ in rec_b.steps] == sorted(v for v, _ in rec_b.steps)
+    for agent in run_b.agents:
+        assert agent.versions_seen == [0, 4, 5, 6, 7, 8], agent.versions_seen  # initial weights, then 4
+    # no id trained twice across A and B; B's ledger (continuing A's) closes every admitted id once
+    trained_b = rec_b.trained_ids
+    assert not trained_a & set(trained_b), sorted(trained_a & set(trained_b))
+    check_books(run_b.queue.ledger, summary_b.ledger, sorted(trained_a) + trained_b,
+                stale_drops_allowed=knobs.get("max_version_lag") is not None)
+    assert summary_b.ledger["trained"] == len(trained_a) + len(trained_b) == (summary_a.steps + len(rec_b.steps)) * batch
+    # what the checkpoint carried ended in B (trained there, or dropped), and nothing A admitted was lost
+    states_b = run_b.queue.ledger.state
+    assert all(states_b[pid] in ("trained", "dropped") for pid in carried)
+    assert set(range(saved["next_id"])) <= set(states_b)
+    # the unfinished prompts came back first, with their ids and seeds (re-admitted, not re-drawn)
+    unfinished = {t.prompt_id: t for t in saved["unfinished"]}
+    assert {t.prompt_id for t in handed_out[:len(unfinished)]} == set(unfinished)
+    for task in handed_out[:len(unfinished)]:
+        assert task.seed == unfinished[task.prompt_id].seed and task.prompt == unfinished[task.prompt_id].prompt
+        assert task.admitted_version >= 4
+    assert all(t.prompt_id >= saved["next_id"] for t in handed_out[len(unfinished):])
+    # staleness bounds after the resume
+    max_required = verl_max_required_samples(MINI, 1, config_b.staleness_threshold,
+                                             config_b.trigger_parameter_sync_step)
+    assert run_b.queue.budget.max_required_samples == max_required
+    assert 0 < run_b.queue.peak_staleness_samples <= max_required
+    bound = allowed_lag(config_b)
+    assert bound is not None and max(rec_b.lags) <= bound, rec_b.lags
+
+
+def test_launched_run_resumes_from_its_checkpoint(tmp_path):
+    from tests.rpc.test_rpc_run import make_spec
+
+    spec_a = make_spec([AgentSpec(), AgentSpec()], total_versions=4, staleness_threshold=0.5,
+                       trigger_parameter_sync_step=1)
+    spec_a.run_dir, spec_a.checkpoint_every = str(tmp_path), 2
+    summary_a = launch(spec_a, timeout_s=180)
+    assert summary_a.versions == 4 and summary_a.ledger.get("carried_to_checkpoint") is True
+    path = latest_checkpoint(tmp_path)
+    state = build_state(4)
+    saved = load_checkpoint(path, state)["queue"]
+    assert state.version == 4
+    trained_a = sum(s == "trained" for s in saved["ledger"][0].values())
+    assert trained_a == summary_a.steps * 4
+
+    spec_b = make_spec([AgentSpec(), AgentSpec()], total_versions=6, staleness_threshold=0.5,
+                       trigger_parameter_sync_step=1)
+    spec_b.run_dir, spec_b.resume = str(tmp_path), True
+    summary_b = launch(spec_b, timeout_s=180)
+    assert summary_b.versions == 6 and len(summary_b.history) == 2  # versions 5 and 6 only
+    assert summary_b.steps == summary_a.steps + 2  # the learner's step counter came back too
+    ledger = summary_b.ledger
+    assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"], ledger
+    # B's ledger continues A's: A's trained ids plus one batch per new step, none twice (the ledger raises)
+    assert ledger["trained"] == trained_a + 2 * 4
+    assert ledger["admitted"] >= saved["next_id"]
+    max_required = verl_max_required_samples(4, 1, 0.5, 1)
+    assert all(0 <= m["fully_async/count/staleness_samples"] <= max_required for m in summary_b.history)

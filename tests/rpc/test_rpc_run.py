@@ -1,0 +1,134 @@
+"""The multi-process launcher (asyncrl.rpc.launch.launch: one trainer process, agent processes, RPC for control
+and samples, a gloo group per agent for weights) on CPU: a stale + partial run learns the toy task; a killed
+agent and a hung agent are detected and their prompts re-admitted; a collective whose peer is gone raises.
+
+Every run is bounded by `launch(timeout_s=...)`, and the collective test by its own process timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_mod
+import re
+import socket
+import time
+
+import pytest
+
+from asyncrl.config import GRPO, AsyncConfig, OptimConfig, RolloutConfig, TrainerConfig
+from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch
+from tests.rpc.collective import gloo_member
+from tests.rpc.helpers import MODEL_CONFIG, MODEL_SEED, scorer, source
+
+pytestmark = pytest.mark.slow
+
+MINI = 4
+
+
+def make_spec(agents: list[AgentSpec], *, total_versions: int, agent_timeout_s: float = 60.0,
+              sync_timeout_s: float = 30.0, rpc_timeout_s: float = 30.0, concurrent_prompts: int | None = None,
+              lr: float = 3e-3, **async_kw) -> RunSpec:
+    config = dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True, take_timeout_s=60.0)
+    config.update(async_kw)
+    return RunSpec(model=ModelSpec(config=MODEL_CONFIG, seed=MODEL_SEED), algorithm=GRPO(),
+                   trainer=TrainerConfig(mini_batch_size=MINI, optim=OptimConfig(lr=lr)),
+                   rollout=RolloutConfig(n=4, max_new_tokens=8, max_slots=32, max_prompt_length=8,
+                                         max_concurrent_prompts=concurrent_prompts),
+                   async_=AsyncConfig(total_versions=total_versions, agent_timeout_s=agent_timeout_s,
+                                      sync_timeout_s=sync_timeout_s, **config),
+                   source_factory=source, scorer_factory=scorer, agents=agents, rpc_timeout_s=rpc_timeout_s)
+
+
+def assert_books_balance(summary, spec: RunSpec) -> None:
+    ledger = summary.ledger
+    assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"], ledger
+    batch = spec.async_.require_batches * spec.trainer.mini_batch_size
+    # every learner step trained a full batch of distinct prompts (the ledger raises on a second training)
+    assert ledger["trained"] == summary.steps * batch, (ledger, summary.steps)
+    assert summary.steps >= spec.async_.total_versions * spec.async_.trigger_parameter_sync_step
+
+
+def test_three_process_stale_partial_run_learns_the_toy_task():
+    spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3)
+    start = time.monotonic()
+    summary = launch(spec, timeout_s=240)
+    assert time.monotonic() - start < 240
+    assert summary.versions == 10 and summary.dead_agents == []
+    assert_books_balance(summary, spec)
+    scores = [m["critic/score/mean"] for m in summary.history]
+    assert len(scores) == 10
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert last > first + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    # the knobs were in effect: verl's window, and weights published to both agents every version
+    max_required = int(MINI * 1 * 1.5 * 2)
+    assert all(m["fully_async/static/max_required_samples"] == max_required for m in summary.history)
+    assert all(0 <= m["fully_async/count/staleness_samples"] <= max_required for m in summary.history)
+    assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
+
+
+def test_killed_agent_is_declared_dead_and_its_prompts_readmitted():
+    spec = make_spec([AgentSpec(), AgentSpec(die_after_groups=3)], total_versions=6, agent_timeout_s=5.0,
+                     sync_timeout_s=10.0, rpc_timeout_s=10.0, concurrent_prompts=4)
+    summary = launch(spec, timeout_s=180)
+    assert summary.versions == 6
+    assert summary.dead_agents == ["agent1"]
+    assert_books_balance(summary, spec)
+    last = summary.history[-1]
+    assert last["fully_async/dead_agents"] == 1
+    # it died holding work (it had 4 prompts and submitted 3): that work went back to agent0
+    assert last["fully_async/count/readmitted"] >= 1
+
+
+def test_hung_agent_is_reported_within_about_the_agent_timeout(capfd):
+    timeout = 4.0
+    # the healthy agent is slowed down so that the run outlasts the timeout (a tiny run is over in a second)
+    spec = make_spec([AgentSpec(step_delay_s=0.05), AgentSpec(hang_after_groups=3)], total_versions=8,
+                     agent_timeout_s=timeout, sync_timeout_s=10.0, rpc_timeout_s=10.0, concurrent_prompts=4)
+    start = time.monotonic()
+    summary = launch(spec, timeout_s=180)
+    wall = time.monotonic() - start
+    err = capfd.readouterr().err  # the child processes log to the inherited stderr
+    assert summary.versions == 8
+    assert summary.dead_agents == ["agent1"]
+    assert_books_balance(summary, spec)
+    silent = [float(s) for s in re.findall(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s", err)]
+    assert len(silent) == 1, err[-3000:]
+    # declared dead about agent_timeout_s after its last heartbeat (the check runs before every learner step,
+    # and once a second while the trainer waits for groups), not after an RPC or collective timeout of minutes
+    assert timeout <= silent[0] <= timeout + 4.0, silent
+    assert wall < 120, wall
+
+
+# ---------------------------------------------------------------------------------- collectives
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_collective_with_a_gone_or_hung_peer_raises_instead_of_hanging():
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=gloo_member, args=(r, port, results), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(outcomes) < 3:
+            try:
+                case, outcome, seconds, detail = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue_mod.Empty:
+                pytest.fail(f"rank 0 neither raised nor returned in time (a collective hung); got {outcomes}")
+            outcomes[case] = (outcome, seconds, detail)
+    finally:
+        for p in procs:
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    for case, (outcome, seconds, detail) in outcomes.items():
+        assert outcome == "raised" and seconds < 10, (case, outcome, seconds, detail)
+    # the hung peer's group raised on its own timeout (about 3 s), not on a closed connection
+    assert 2.0 <= outcomes["hung peer, receiving"][1], outcomes
