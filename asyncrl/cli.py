@@ -1,4 +1,4 @@
-"""`asyncrl` command line: `asyncrl train <preset> [--field value ...]`.
+"""`asyncrl` command line: train, eval, bench, data, report.
 
     asyncrl train cpu-demo                          # the default job (what `make train` runs)
     asyncrl train cpu-demo --async-training.staleness-threshold 0 --run-dir runs/sync
@@ -46,7 +46,20 @@ def train_main(args: list[str]) -> None:
           + (f"; dead agents: {summary.dead_agents}" if summary.dead_agents else ""))
 
 
-COMMANDS = {"train": train_main}
+def _lazy(module: str, function: str):
+    def run(args: list[str]) -> None:
+        import importlib
+        getattr(importlib.import_module(module), function)(args)
+    return run
+
+
+COMMANDS = {
+    "train": train_main,
+    "eval": _lazy("asyncrl.evaluate", "eval_main"),
+    "bench": _lazy("asyncrl.bench", "bench_main"),
+    "data": _lazy("asyncrl.data.cli", "data_main"),
+    "report": _lazy("asyncrl.report", "report_main"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,6 +59,7 @@ class Controller:
         self.dead: list[str] = []
         self.lock = threading.Lock()
         self.history: list[dict] = []
+        self.reward_errors: dict[str, int] = {}
         self.stop_requested = threading.Event()
 
     # --------------------------------------------------------------------- agent-facing (RPC threads)
@@ -132,6 +133,12 @@ class Controller:
         if self.on_step is not None:
             self.on_step(groups, metrics)
         versions = [(g.min_version, g.max_version) for g in groups]
+        lags = [self.state.version - lo for lo, _ in versions]
+        for lag in set(lags):  # histogram of trained groups' version lag (summed over a window, then a run)
+            metrics[f"training/version_lag/hist/{lag}"] = lags.count(lag)
+        for g in groups:  # agents report their scorer's cumulative error count
+            self.reward_errors[g.info.get("agent", "")] = g.info.get("reward_errors", 0)
+        metrics["reward/errors"] = sum(self.reward_errors.values())
         metrics.update({
             "timing_s/gen": waited, "timing_s/update_actor": time.monotonic() - start,
             "fully_async/partial/partial_ratio": sum(lo != hi for lo, hi in versions) / len(versions),
@@ -205,13 +212,13 @@ class Controller:
 def _merge(steps: list[dict]) -> dict:
     """Average per-step metrics over the window; sum timings and counts; keep the last of counters."""
     out: dict = {}
-    for key in steps[-1]:
+    for key in dict.fromkeys(k for m in steps for k in m):
         values = [m[key] for m in steps if key in m]
-        if key.startswith("timing_s/") or key in ("perf/total_num_tokens",):
+        if key.startswith(("timing_s/", "training/version_lag/hist/")) or key in ("perf/total_num_tokens",):
             out[key] = sum(values)
         elif key.endswith(("/max", "max_partial_span", "max_group")):
             out[key] = max(values)
-        elif key in ("training/global_step", "actor/skipped_updates", "actor/lr"):
+        elif key in ("training/global_step", "actor/skipped_updates", "actor/lr", "reward/errors"):
             out[key] = values[-1]
         else:
             out[key] = sum(values) / len(values)
