@@ -27,16 +27,6 @@ PROMPTS_PER_STEP = 4
 ALGORITHMS = {"grpo": dict(kl_loss_coef=0.05), "ppo": {}}  # GRPO with a KL loss: the reference is rebuilt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: a second intra-op thread only adds synchronisation (on a loaded 2-core machine an
-    OpenMP barrier per small matmul made these tests 10-50x slower). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class SyncRun:
     """Colocated synchronous RL: sample the next prompts of the stream, score, train, publish."""
 

@@ -29,16 +29,6 @@ WORLD = 2
 MODES = ["token-mean", "seq-mean-token-mean"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: a second intra-op thread only adds synchronisation (on a loaded 2-core machine an
-    OpenMP barrier per small matmul made these tests 10-50x slower). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def groups():
     """5 groups (odd) of 3 responses of varied lengths, sampled from the initial policy."""

@@ -45,7 +45,7 @@ from asyncrl.policies.loading import load_model, random_model
 from asyncrl.policies.model import CausalLM
 from asyncrl.rpc.agent import RolloutAgent
 from asyncrl.rpc.controller import Controller, RunSummary
-from asyncrl.rpc.param_server import SyncFailed
+from asyncrl.rpc.param_server import AgentSet, SyncFailed
 from asyncrl.rpc.queue import SampleQueue
 
 __all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_worker", "run_torchrun", "CollectivePublisher"]
@@ -228,21 +228,14 @@ def _unflatten(flat: torch.Tensor, bucket) -> list[tuple[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------- the publisher
-class CollectivePublisher:
+class CollectivePublisher(AgentSet):
     """Rank 0's side of a publication to agents in other processes."""
 
     def __init__(self, agents: dict[str, rpc.RRef], *, partial_rollout: bool, timeout: float, bucket_mb: int,
                  dtype: torch.dtype, on_cuda: bool, weights_fn: Callable):
-        self._agents = dict(agents)
+        super().__init__(agents)
         self.partial, self.timeout, self.bucket_bytes = partial_rollout, timeout, bucket_mb * 2**20
         self.dtype, self.on_cuda, self.weights_fn = dtype, on_cuda, weights_fn
-
-    @property
-    def agents(self) -> list[str]:
-        return list(self._agents)
-
-    def remove(self, agent: str) -> None:
-        self._agents.pop(agent, None)
 
     def _buckets(self, weights: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
         buckets, size = [[]], 0

@@ -19,7 +19,7 @@ import torch
 
 from asyncrl.learner import LearnerState, full_weights
 
-__all__ = ["WeightPublisher", "LocalPublisher", "SyncFailed"]
+__all__ = ["WeightPublisher", "AgentSet", "LocalPublisher", "SyncFailed"]
 
 log = logging.getLogger("asyncrl.param_server")
 
@@ -41,12 +41,11 @@ class WeightPublisher(Protocol):
     def agents(self) -> list[str]: ...
 
 
-class LocalPublisher:
-    """Publishes to `RolloutAgent`s living in this process."""
+class AgentSet:
+    """The agents a publisher still serves, by name (a failed one is removed and never synced again)."""
 
-    def __init__(self, agents: list, *, partial_rollout: bool, timeout: float, dtype: torch.dtype | None = None):
-        self._agents = {a.name: a for a in agents}
-        self.partial, self.timeout, self.dtype = partial_rollout, timeout, dtype
+    def __init__(self, agents: dict):
+        self._agents = dict(agents)
 
     @property
     def agents(self) -> list[str]:
@@ -54,6 +53,14 @@ class LocalPublisher:
 
     def remove(self, agent: str) -> None:
         self._agents.pop(agent, None)
+
+
+class LocalPublisher(AgentSet):
+    """Publishes to `RolloutAgent`s living in this process."""
+
+    def __init__(self, agents: list, *, partial_rollout: bool, timeout: float, dtype: torch.dtype | None = None):
+        super().__init__({a.name: a for a in agents})
+        self.partial, self.timeout, self.dtype = partial_rollout, timeout, dtype
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
