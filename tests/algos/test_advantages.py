@@ -28,7 +28,7 @@ OUTCOME = [grpo_advantage, dr_grpo_advantage, rloo_advantage, reinforce_pp_basel
 GROUPED = [grpo_advantage, dr_grpo_advantage, rloo_advantage]
 
 
-def close(actual, expected, atol=1e-12):
+def assert_near(actual, expected, atol=1e-12):
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=F64), rtol=0, atol=atol)
 
 
@@ -60,9 +60,9 @@ def test_group_stats_golden():
     s = group_stats(REWARDS, GROUPS)
     # prompt 7: {1, 0, 0}: mean 1/3; Σ(dev²) = (2/3)² + 2·(1/3)² = 6/9; unbiased var (6/9)/2 = 1/3; std 0.5773503
     # prompt 3: {2, 4}: mean 3; var (1 + 1)/1 = 2; std 1.4142136.  prompt 9: {5}: mean 5, std 0 (group of one)
-    close(s.mean, [1 / 3, 3.0, 1 / 3, 3.0, 1 / 3, 5.0])
-    close(s.std, [math.sqrt(1 / 3), math.sqrt(2), math.sqrt(1 / 3), math.sqrt(2), math.sqrt(1 / 3), 0.0])
-    close(s.size, [3.0, 2.0, 3.0, 2.0, 3.0, 1.0])
+    assert_near(s.mean, [1 / 3, 3.0, 1 / 3, 3.0, 1 / 3, 5.0])
+    assert_near(s.std, [math.sqrt(1 / 3), math.sqrt(2), math.sqrt(1 / 3), math.sqrt(2), math.sqrt(1 / 3), 0.0])
+    assert_near(s.size, [3.0, 2.0, 3.0, 2.0, 3.0, 1.0])
     assert s.constant.tolist() == [False, False, False, False, False, True]
     assert group_stats(torch.tensor([2.0, 2.0, 1.0], dtype=F64), torch.tensor([0, 0, 1])).constant.tolist() == [True] * 3
 
@@ -73,7 +73,7 @@ def test_grpo_golden_brief_example():
     out = grpo_advantage(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=F64), torch.tensor([0, 0, 1, 1]),
                          torch.ones(4, 2, dtype=torch.bool))
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    close(out.advantages, [[a, a], [-a, -a], [0.0, 0.0], [0.0, 0.0]])
+    assert_near(out.advantages, [[a, a], [-a, -a], [0.0, 0.0], [0.0, 0.0]])
     assert abs(a - 0.7071058) < 1e-6
     assert torch.equal(out.advantages[2:], torch.zeros(2, 2, dtype=F64))
 
@@ -84,22 +84,22 @@ def test_grpo_golden():
     s7, s3 = math.sqrt(1 / 3) + 1e-6, math.sqrt(2) + 1e-6
     seq = [(2 / 3) / s7, -1 / s3, (-1 / 3) / s7, 1 / s3, (-1 / 3) / s7, 0.0]
     out = grpo_advantage(REWARDS, GROUPS, MASK)
-    close(out.advantages, broadcast(seq, MASK))
-    close(out.advantages[0, 0], 1.1546985, atol=1e-6)
+    assert_near(out.advantages, broadcast(seq, MASK))
+    assert_near(out.advantages[0, 0], 1.1546985, atol=1e-6)
     assert torch.equal(out.returns, out.advantages)
     # TRL's eps 1e-4: (2/3)/(0.5773503 + 1e-4) = 0.6666667/0.5774503 = 1.1545006
     out4 = grpo_advantage(REWARDS, GROUPS, MASK, eps=1e-4)
-    close(out4.advantages[0, 0], (2 / 3) / (math.sqrt(1 / 3) + 1e-4))
-    close(out4.advantages[0, 0], 1.1545006, atol=1e-6)
+    assert_near(out4.advantages[0, 0], (2 / 3) / (math.sqrt(1 / 3) + 1e-4))
+    assert_near(out4.advantages[0, 0], 1.1545006, atol=1e-6)
 
 
 def test_dr_grpo_golden():
     # A = r − mean_g: prompt 7: [2/3, −1/3, −1/3]; prompt 3: [−1, +1]; singleton: 0
     seq = [2 / 3, -1.0, -1 / 3, 1.0, -1 / 3, 0.0]
     out = dr_grpo_advantage(REWARDS, GROUPS, MASK)
-    close(out.advantages, broadcast(seq, MASK))
+    assert_near(out.advantages, broadcast(seq, MASK))
     assert torch.equal(out.returns, out.advantages)
-    close(grpo_advantage(REWARDS, GROUPS, MASK, norm_by_std=False).advantages, out.advantages, atol=0)
+    assert_near(grpo_advantage(REWARDS, GROUPS, MASK, norm_by_std=False).advantages, out.advantages, atol=0)
 
 
 def test_rloo_golden():
@@ -107,7 +107,7 @@ def test_rloo_golden():
     # prompt 3, k = 2: 2 − 4 = −2; 4 − 2 = 2  [= 2·(r − 3)];  singleton: 0 (documented; verl's loop keeps 5)
     seq = [1.0, -2.0, -0.5, 2.0, -0.5, 0.0]
     out = rloo_advantage(REWARDS, GROUPS, MASK)
-    close(out.advantages, broadcast(seq, MASK))
+    assert_near(out.advantages, broadcast(seq, MASK))
     assert torch.equal(out.returns, out.advantages)
 
 
@@ -121,8 +121,8 @@ def test_reinforce_pp_baseline_golden():
     out = reinforce_pp_baseline_advantage(torch.tensor([1.0, 0.0, 3.0, 5.0], dtype=F64), torch.tensor([0, 0, 0, 1]), mask)
     sd = math.sqrt(221 / 168 + 1e-8)
     seq = [(-1 / 3 - 3 / 8) / sd, (-4 / 3 - 3 / 8) / sd, (5 / 3 - 3 / 8) / sd, (0 - 3 / 8) / sd]
-    close(out.advantages, broadcast(seq, mask))
-    close(out.advantages[0, 0], -0.6175842, atol=1e-6)  # −0.7083333/1.1469421
+    assert_near(out.advantages, broadcast(seq, mask))
+    assert_near(out.advantages[0, 0], -0.6175842, atol=1e-6)  # −0.7083333/1.1469421
     assert torch.equal(out.returns, out.advantages)
 
 
@@ -137,16 +137,16 @@ def test_reinforce_pp_golden_discount_and_hole():
     r = torch.tensor([[0.5, 9.0, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, NAN, INF]], dtype=F64)
     mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
     out = reinforce_pp_advantage(r, mask, gamma=0.9)
-    close(out.returns, [[1.31, 0.0, 0.9, 1.0, 0.0], [1.62, 1.8, 2.0, 0.0, 0.0]])
+    assert_near(out.returns, [[1.31, 0.0, 0.9, 1.0, 0.0], [1.62, 1.8, 2.0, 0.0, 0.0]])
     # whiten over the 6 valid G: μ = 8.63/6 = 1.4383333, unbiased var = 0.1955367, std 0.4421953
     #   1.31 → −0.2902187, 0.9 → −1.2174108, 1.0 → −0.9912664, 1.62 → 0.4108290, 1.8 → 0.8178890, 2.0 → 1.2701779
     w = whiten_list([1.31, 0.9, 1.0, 1.62, 1.8, 2.0])
-    close(out.advantages, [[w[0], 0.0, w[1], w[2], 0.0], [w[3], w[4], w[5], 0.0, 0.0]])
-    close(out.advantages[0], [-0.2902187, 0.0, -1.2174108, -0.9912664, 0.0], atol=1e-6)
+    assert_near(out.advantages, [[w[0], 0.0, w[1], w[2], 0.0], [w[3], w[4], w[5], 0.0, 0.0]])
+    assert_near(out.advantages[0], [-0.2902187, 0.0, -1.2174108, -0.9912664, 0.0], atol=1e-6)
     # γ = 1 (default): plain suffix sums over valid tokens: row 0 [1.5, 0, 1, 1, 0], row 1 [2, 2, 2, 0, 0]
-    close(reinforce_pp_advantage(r, mask).returns, [[1.5, 0.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 0.0, 0.0]])
+    assert_near(reinforce_pp_advantage(r, mask).returns, [[1.5, 0.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 0.0, 0.0]])
     # γ = 0: G = r at valid tokens
-    close(reinforce_pp_advantage(r, mask, gamma=0.0).returns, [[0.5, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
+    assert_near(reinforce_pp_advantage(r, mask, gamma=0.0).returns, [[0.5, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
 
 
 # row 0: r = [0, 0, 1], V = [0.5, 0.4, 0.6] on a full 3-token response (t = 3 is padding with NaN);
@@ -163,15 +163,15 @@ def test_gae_golden():
     # t=0: δ = 0 + 0.9·0.4 − 0.5 = −0.14;        A = −0.14 + 0.855·0.482 = 0.27211
     # returns = A + V = [0.77211, 0.882, 1.0]
     out = gae_advantage(GAE_R, GAE_V, GAE_M, gamma=0.9, lam=0.95, whiten=False)
-    close(out.advantages, [[0.27211, 0.482, 0.4, 0.0], [0.27211, 0.0, 0.482, 0.4]])
-    close(out.returns, [[0.77211, 0.882, 1.0, 0.0], [0.77211, 0.0, 0.882, 1.0]])
+    assert_near(out.advantages, [[0.27211, 0.482, 0.4, 0.0], [0.27211, 0.0, 0.482, 0.4]])
+    assert_near(out.returns, [[0.77211, 0.882, 1.0, 0.0], [0.77211, 0.0, 0.882, 1.0]])
     # whitened over the 6 valid A (each value twice): μ = 2·1.15411/6 = 0.3847033,
     # devs −0.1125933, 0.0972967, 0.0152967; Σ(dev²) = 2·(0.0126773 + 0.0094666 + 0.0002340) = 0.0447558,
     # unbiased var /5 = 0.0089512, std 0.0946105 → [−1.1900710, 1.0283908, 0.1616803]
     w = whiten_list([0.27211, 0.482, 0.4] * 2)
-    close(torch.tensor(w[:3], dtype=F64), [-1.1900710, 1.0283908, 0.1616803], atol=1e-6)
+    assert_near(torch.tensor(w[:3], dtype=F64), [-1.1900710, 1.0283908, 0.1616803], atol=1e-6)
     ww = gae_advantage(GAE_R, GAE_V, GAE_M, gamma=0.9, lam=0.95, whiten=True)
-    close(ww.advantages, [[w[0], w[1], w[2], 0.0], [w[0], 0.0, w[1], w[2]]])
+    assert_near(ww.advantages, [[w[0], w[1], w[2], 0.0], [w[0], 0.0, w[1], w[2]]])
     assert abs(ww.advantages[:, :].sum().item()) < 1e-12
     torch.testing.assert_close(ww.returns, out.returns, rtol=0, atol=0)  # returns are never whitened
 
@@ -179,17 +179,17 @@ def test_gae_golden():
 def test_gae_golden_lambda_zero_is_td_error():
     # λ = 0 ⇒ A_t = δ_t = r_t + γ·V_next − V_t: [−0.14, 0.14, 0.4] (γ = 0.9)
     out = gae_advantage(GAE_R, GAE_V, GAE_M, gamma=0.9, lam=0.0, whiten=False)
-    close(out.advantages, [[-0.14, 0.14, 0.4, 0.0], [-0.14, 0.0, 0.14, 0.4]])
-    close(out.returns, [[0.36, 0.54, 1.0, 0.0], [0.36, 0.0, 0.54, 1.0]])  # one-step targets r + γV'
+    assert_near(out.advantages, [[-0.14, 0.14, 0.4, 0.0], [-0.14, 0.0, 0.14, 0.4]])
+    assert_near(out.returns, [[0.36, 0.54, 1.0, 0.0], [0.36, 0.0, 0.54, 1.0]])  # one-step targets r + γV'
 
 
 def test_gae_golden_monte_carlo():
     # γ = λ = 1 ⇒ A_t = Σ_{k≥t} r_k − V_t: [1 − 0.5, 1 − 0.4, 1 − 0.6] = [0.5, 0.6, 0.4]; returns = 1 everywhere
     out = gae_advantage(GAE_R, GAE_V, GAE_M, gamma=1.0, lam=1.0, whiten=False)
-    close(out.advantages, [[0.5, 0.6, 0.4, 0.0], [0.5, 0.0, 0.6, 0.4]])
-    close(out.returns, [[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    assert_near(out.advantages, [[0.5, 0.6, 0.4, 0.0], [0.5, 0.0, 0.6, 0.4]])
+    assert_near(out.returns, [[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
     # γ = 1, λ = 0.5: t2 A = 0.4; t1 δ = 0.6 − 0.4 = 0.2, A = 0.2 + 0.5·0.4 = 0.4; t0 δ = −0.1, A = −0.1 + 0.2 = 0.1
-    close(gae_advantage(GAE_R, GAE_V, GAE_M, gamma=1.0, lam=0.5, whiten=False).advantages,
+    assert_near(gae_advantage(GAE_R, GAE_V, GAE_M, gamma=1.0, lam=0.5, whiten=False).advantages,
           [[0.1, 0.4, 0.4, 0.0], [0.1, 0.0, 0.4, 0.4]])
 
 
@@ -256,8 +256,8 @@ def test_gae_matches_loop_reference(batch, gamma, lam):
     (r, v), (dr, dv), mask = batch
     adv_ref, ret_ref = gae_reference(r.tolist(), v.tolist(), mask.tolist(), gamma, lam)
     out = gae_advantage(dr, dv, mask, gamma=gamma, lam=lam, whiten=False)
-    close(out.advantages, adv_ref, atol=1e-10)
-    close(out.returns, ret_ref, atol=1e-10)
+    assert_near(out.advantages, adv_ref, atol=1e-10)
+    assert_near(out.returns, ret_ref, atol=1e-10)
 
 
 @given(token_batch(2, min_valid=2), unit, unit)
@@ -266,8 +266,8 @@ def test_gae_whitened_matches_loop_reference(batch, gamma, lam):
     adv_ref, ret_ref = gae_reference(r.tolist(), v.tolist(), mask.tolist(), gamma, lam)
     out = gae_advantage(dr, dv, mask, gamma=gamma, lam=lam, whiten=True)
     # whitening divides by sqrt(var + 1e-8) ≥ 1e-4, so rounding differences grow by at most 1e4
-    close(out.advantages, whiten_reference(adv_ref, mask.tolist()), atol=1e-9)
-    close(out.returns, ret_ref, atol=1e-10)
+    assert_near(out.advantages, whiten_reference(adv_ref, mask.tolist()), atol=1e-9)
+    assert_near(out.returns, ret_ref, atol=1e-10)
 
 
 @given(token_batch(1, min_valid=2), unit)
@@ -275,8 +275,8 @@ def test_reinforce_pp_matches_loop_reference(batch, gamma):
     (r,), (dr,), mask = batch
     g = returns_reference(r.tolist(), mask.tolist(), gamma)
     out = reinforce_pp_advantage(dr, mask, gamma=gamma)
-    close(out.returns, g, atol=1e-10)
-    close(out.advantages, whiten_reference(g, mask.tolist()), atol=1e-9)
+    assert_near(out.returns, g, atol=1e-10)
+    assert_near(out.advantages, whiten_reference(g, mask.tolist()), atol=1e-9)
 
 
 # ================================================================ (b) properties — token methods
@@ -319,11 +319,11 @@ def test_gae_gamma_lambda_one_is_future_sum_minus_value(batch):
     out = gae_advantage(r, v, mask, gamma=1.0, lam=1.0, whiten=False)
     # A_t = Σ_{valid k ≥ t} r_k − V_t; returns = Σ_{valid k ≥ t} r_k (the Monte-Carlo return)
     future = torch.where(mask, r, torch.zeros((), dtype=F64)).flip(-1).cumsum(-1).flip(-1)
-    close(out.advantages, torch.where(mask, future - v, torch.zeros((), dtype=F64)), atol=1e-12)
-    close(out.returns, torch.where(mask, future, torch.zeros((), dtype=F64)), atol=1e-12)
+    assert_near(out.advantages, torch.where(mask, future - v, torch.zeros((), dtype=F64)), atol=1e-12)
+    assert_near(out.returns, torch.where(mask, future, torch.zeros((), dtype=F64)), atol=1e-12)
     # and REINFORCE++ with γ = 1 gives the same returns
     if int(mask.sum()) >= 2:
-        close(reinforce_pp_advantage(r, mask, gamma=1.0).returns, out.returns, atol=1e-12)
+        assert_near(reinforce_pp_advantage(r, mask, gamma=1.0).returns, out.returns, atol=1e-12)
 
 
 @given(token_batch(2, min_valid=2), unit, unit, st.data())
@@ -333,11 +333,11 @@ def test_gae_and_reinforce_pp_permute_rows(batch, gamma, lam, data):
     for whiten in (False, True):
         a = gae_advantage(r, v, mask, gamma=gamma, lam=lam, whiten=whiten)
         b = gae_advantage(r[perm], v[perm], mask[perm], gamma=gamma, lam=lam, whiten=whiten)
-        close(b.advantages, a.advantages[perm], atol=1e-9)
-        close(b.returns, a.returns[perm], atol=1e-12)
+        assert_near(b.advantages, a.advantages[perm], atol=1e-9)
+        assert_near(b.returns, a.returns[perm], atol=1e-12)
     a, b = reinforce_pp_advantage(r, mask, gamma=gamma), reinforce_pp_advantage(r[perm], mask[perm], gamma=gamma)
-    close(b.advantages, a.advantages[perm], atol=1e-9)
-    close(b.returns, a.returns[perm], atol=1e-12)
+    assert_near(b.advantages, a.advantages[perm], atol=1e-9)
+    assert_near(b.returns, a.returns[perm], atol=1e-12)
 
 
 @given(token_batch(2, min_valid=2), unit, unit)
@@ -396,7 +396,7 @@ def test_outcome_methods_match_loop_reference(batch):
     rewards, groups, mask = batch
     for fn, kind in ((grpo_advantage, "grpo"), (dr_grpo_advantage, "dr_grpo"), (rloo_advantage, "rloo")):
         out = fn(rewards, groups, mask)
-        close(out.advantages, broadcast(loop_outcome_reference(rewards, groups, kind), mask), atol=1e-9)
+        assert_near(out.advantages, broadcast(loop_outcome_reference(rewards, groups, kind), mask), atol=1e-9)
         assert torch.equal(out.returns, out.advantages)
 
 
@@ -423,17 +423,17 @@ def test_outcome_methods_permute_rows(batch, data):
     for fn in GROUPED:
         a = fn(rewards, groups, mask).advantages
         b = fn(rewards[perm], groups[perm], mask[perm]).advantages
-        close(b, a[perm], atol=1e-9)
+        assert_near(b, a[perm], atol=1e-9)
     s, sp = group_stats(rewards, groups), group_stats(rewards[perm], groups[perm])
     for x, y in zip(sp, s):
         if x.dtype == torch.bool:
             assert torch.equal(x, y[perm])
         else:
-            close(x, y[perm], atol=1e-12)
+            assert_near(x, y[perm], atol=1e-12)
     if int(mask.sum()) >= 2:
         a = reinforce_pp_baseline_advantage(rewards, groups, mask).advantages
         b = reinforce_pp_baseline_advantage(rewards[perm], groups[perm], mask[perm]).advantages
-        close(b, a[perm], atol=1e-9)
+        assert_near(b, a[perm], atol=1e-9)
 
 
 @given(outcome_batch())
@@ -467,7 +467,7 @@ def test_grpo_affine_invariant(batch, a, b):
     rewards, groups, mask = batch
     # exact invariance needs eps → 0; integer rewards keep every non-constant group's std ≥ 0.35 (σ ≫ eps)
     base = grpo_advantage(rewards, groups, mask, eps=1e-12).advantages
-    close(grpo_advantage(a * rewards + b, groups, mask, eps=1e-12).advantages, base, atol=1e-9)
+    assert_near(grpo_advantage(a * rewards + b, groups, mask, eps=1e-12).advantages, base, atol=1e-9)
     # with the default eps the difference is (r − μ)·eps·|1/σ − 1/(aσ)|/(σ+eps) ≤ 3·1e-6·4/0.35 < 5e-5 … bound it tightly:
     dflt = grpo_advantage(rewards, groups, mask).advantages
     scaled = grpo_advantage(a * rewards + b, groups, mask).advantages
@@ -482,7 +482,7 @@ def test_rloo_is_k_over_k_minus_1_dr_grpo(batch):
     k = group_stats(rewards, groups).size
     factor = torch.where(k > 1, k / (k - 1).clamp(min=1), torch.zeros_like(k))
     dr = dr_grpo_advantage(rewards, groups, mask).advantages
-    close(rloo_advantage(rewards, groups, mask).advantages, dr * factor[:, None], atol=1e-12)
+    assert_near(rloo_advantage(rewards, groups, mask).advantages, dr * factor[:, None], atol=1e-12)
 
 
 @given(outcome_batch(integer_rewards=True))
@@ -504,7 +504,7 @@ def test_reinforce_pp_baseline_is_whitened_dr_grpo(batch):
     assume(int(mask.sum()) >= 2)
     dr = broadcast(seq_adv(dr_grpo_advantage, rewards, groups), mask)
     expected = whiten_reference(dr.tolist(), mask.tolist())
-    close(reinforce_pp_baseline_advantage(rewards, groups, mask).advantages, expected, atol=1e-9)
+    assert_near(reinforce_pp_baseline_advantage(rewards, groups, mask).advantages, expected, atol=1e-9)
 
 
 def test_singleton_groups_are_zero_for_every_outcome_method():
@@ -656,6 +656,6 @@ def test_gae_without_whitening_accepts_a_single_valid_token():
     r = torch.tensor([[2.0, NAN]], dtype=F64)
     v = torch.tensor([[0.5, NAN]], dtype=F64)
     m = torch.tensor([[True, False]])
-    close(gae_advantage(r, v, m, whiten=False).advantages, [[1.5, 0.0]])
+    assert_near(gae_advantage(r, v, m, whiten=False).advantages, [[1.5, 0.0]])
     with pytest.raises(ValueError, match=r"gae_advantage: response_mask has 1 valid entry.*turn whitening off"):
         gae_advantage(r, v, m, whiten=True)

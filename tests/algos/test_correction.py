@@ -28,7 +28,7 @@ def _t(x) -> torch.Tensor:
     return torch.tensor(x, dtype=F64)
 
 
-def _close(a, b, atol=1e-12, rtol=1e-10):
+def assert_near(a, b, atol=1e-12, rtol=1e-10):
     torch.testing.assert_close(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64), atol=atol, rtol=rtol)
 
 
@@ -53,18 +53,18 @@ def test_token_tis_golden():
     prox, beh = _pair([[0.0, LOG(1.5), LOG(3.0), LOG(0.5), NAN]])
     mask = torch.tensor([[True, True, True, True, False]])
     out = token_tis_weights(prox, beh, mask, threshold=2.0)
-    _close(out.weights, _t([[1.0, 1.5, 2.0, 0.5, 0.0]]))
-    _close(out.mean, 5.0 / 4)
-    _close(out.max, 2.0)
-    _close(out.truncated_fraction, 1 / 4)                      # ρ = 3 > C
-    _close(out.ess, 5.0 ** 2 / (4 * (1 + 2.25 + 4 + 0.25)))    # (Σw)²/(N·Σw²) = 25/30
-    _close(out.mismatch_kl, -LOG(1.5 * 3.0 * 0.5) / 4)         # mean(−λ) = −log(2.25)/4
+    assert_near(out.weights, _t([[1.0, 1.5, 2.0, 0.5, 0.0]]))
+    assert_near(out.mean, 5.0 / 4)
+    assert_near(out.max, 2.0)
+    assert_near(out.truncated_fraction, 1 / 4)                      # ρ = 3 > C
+    assert_near(out.ess, 5.0 ** 2 / (4 * (1 + 2.25 + 4 + 0.25)))    # (Σw)²/(N·Σw²) = 25/30
+    assert_near(out.mismatch_kl, -LOG(1.5 * 3.0 * 0.5) / 4)         # mean(−λ) = −log(2.25)/4
     # batch_normalize divides by the mean valid weight 1.25 after truncation (may exceed C)
     norm = token_tis_weights(prox, beh, mask, threshold=2.0, batch_normalize=True)
-    _close(norm.weights, _t([[0.8, 1.2, 1.6, 0.4, 0.0]]))
-    _close(norm.mean, 1.0)
-    _close(norm.ess, 25.0 / 30)
-    _close(norm.truncated_fraction, 1 / 4)
+    assert_near(norm.weights, _t([[0.8, 1.2, 1.6, 0.4, 0.0]]))
+    assert_near(norm.mean, 1.0)
+    assert_near(norm.ess, 25.0 / 30)
+    assert_near(norm.truncated_fraction, 1 / 4)
 
 
 def test_sequence_tis_golden():
@@ -76,13 +76,13 @@ def test_sequence_tis_golden():
                        [NAN, 9.0, 9.0]])
     mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True], [False, False, False]])
     out = sequence_tis_weights(prox, beh, mask, threshold=2.0)
-    _close(out.weights, _t([[2.0, 2.0, 0.0], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
-    _close(out.mean, (4.0 + 0.5 + 3.0) / 6)
-    _close(out.max, 2.0)
-    _close(out.truncated_fraction, 2 / 6)  # the two tokens of row0 (raw 3 > 2)
+    assert_near(out.weights, _t([[2.0, 2.0, 0.0], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert_near(out.mean, (4.0 + 0.5 + 3.0) / 6)
+    assert_near(out.max, 2.0)
+    assert_near(out.truncated_fraction, 2 / 6)  # the two tokens of row0 (raw 3 > 2)
     # batch_normalize: mean over non-empty rows (2 + 0.5 + 1)/3 = 7/6
     norm = sequence_tis_weights(prox, beh, mask, threshold=2.0, batch_normalize=True)
-    _close(norm.weights, _t([[12 / 7, 12 / 7, 0.0], [3 / 7, 0.0, 0.0], [6 / 7, 6 / 7, 6 / 7], [0.0, 0.0, 0.0]]))
+    assert_near(norm.weights, _t([[12 / 7, 12 / 7, 0.0], [3 / 7, 0.0, 0.0], [6 / 7, 6 / 7, 6 / 7], [0.0, 0.0, 0.0]]))
 
 
 def test_token_rejection_k1_golden():
@@ -92,7 +92,7 @@ def test_token_rejection_k1_golden():
     mask = torch.tensor([[True] * 5 + [False]])
     out = token_rejection_mask(prox, beh, mask, stat="k1", upper=2.0)
     assert out.mask.tolist() == [[True, True, True, False, False, False]]
-    _close(out.rejected_fraction, 2 / 5, atol=1e-7)
+    assert_near(out.rejected_fraction, 2 / 5, atol=1e-7)
     # only a lower bound: ρ ≥ 0.45 keeps 2.5 too (upper = ∞)
     lo = token_rejection_mask(prox, beh, mask, stat="k1", lower=0.45)
     assert lo.mask.tolist() == [[True, True, True, True, False, False]]
@@ -117,7 +117,7 @@ def test_token_rejection_k2_k3_golden(stat, upper, keep):
     mask = torch.tensor([[True, True, True, False]])
     out = token_rejection_mask(prox, beh, mask, stat=stat, upper=upper)
     assert out.mask.tolist() == [keep + [False]]
-    _close(out.rejected_fraction, keep.count(False) / 3, atol=1e-7)
+    assert_near(out.rejected_fraction, keep.count(False) / 3, atol=1e-7)
 
 
 _SEQ_LAM = [[0.3, 0.3, NAN], [0.1, -0.1, 0.05], [1.0, 7.0, -INF], [-0.2, -0.2, -0.2]]
@@ -145,7 +145,7 @@ def test_sequence_rejection_golden(kwargs, rows):
     out = sequence_rejection_mask(prox, beh, mask, **kwargs)
     expected = mask & torch.tensor(rows)[:, None]
     assert out.mask.tolist() == expected.tolist()
-    _close(out.rejected_fraction, 1 - expected.sum().item() / mask.sum().item(), atol=1e-7)
+    assert_near(out.rejected_fraction, 1 - expected.sum().item() / mask.sum().item(), atol=1e-7)
 
 
 @pytest.mark.parametrize("cap, drop, weights, trunc", [
@@ -160,10 +160,10 @@ def test_decoupled_ppo_weights_golden(cap, drop, weights, trunc):
     prox, beh = _pair([[LOG(0.5), 0.0, LOG(3.0), LOG(6.0), NAN]])
     mask = torch.tensor([[True] * 4 + [False]])
     out = decoupled_ppo_weights(prox, beh, mask, cap=cap, drop_above_cap=drop)
-    _close(out.weights, _t([weights + [0.0]]))
-    _close(out.truncated_fraction, trunc)
-    _close(out.mean, sum(weights) / 4)
-    _close(out.max, max(weights))
+    assert_near(out.weights, _t([weights + [0.0]]))
+    assert_near(out.truncated_fraction, trunc)
+    assert_near(out.mean, sum(weights) / 4)
+    assert_near(out.max, max(weights))
 
 
 def test_vtrace_golden():
@@ -186,9 +186,9 @@ def test_vtrace_golden():
     mask = torch.tensor([[True, False, True], [True, True, False]])
     out = vtrace(log_rhos, discounts, rewards, values, boot, mask, lambda_=0.5, clip_rho_threshold=1.5,
                  clip_pg_rho_threshold=1.2)
-    _close(out.vs, _t([[3.365, 0.0, 2.7], [1.5, 3.0, 0.0]]))
-    _close(out.pg_advantages, _t([[2.598, 0.0, 1.7], [1.5, 3.0, 0.0]]))
-    _close(out.errors, _t([[2.865, 0.0, 1.7], [1.5, 3.0, 0.0]]))
+    assert_near(out.vs, _t([[3.365, 0.0, 2.7], [1.5, 3.0, 0.0]]))
+    assert_near(out.pg_advantages, _t([[2.598, 0.0, 1.7], [1.5, 3.0, 0.0]]))
+    assert_near(out.errors, _t([[2.865, 0.0, 1.7], [1.5, 3.0, 0.0]]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -229,11 +229,11 @@ def test_token_tis_weights_properties(data):
     lam = _lam(prox.detach(), beh, mask)
     agree = mask & (prox.detach() == beh)
     assert (w[agree] == 1.0).all()
-    _close(w, torch.where(mask, torch.exp(lam).clamp(max=c), 0.0))
+    assert_near(w, torch.where(mask, torch.exp(lam).clamp(max=c), 0.0))
     n = max(int(mask.sum()), 1)
-    _close(out.mean, w.sum() / n)
-    _close(out.truncated_fraction, (mask & (torch.exp(lam) > c)).sum().item() / n)
-    _close(out.mismatch_kl, -lam.sum() / n)
+    assert_near(out.mean, w.sum() / n)
+    assert_near(out.truncated_fraction, (mask & (torch.exp(lam) > c)).sum().item() / n)
+    assert_near(out.mismatch_kl, -lam.sum() / n)
     if mask.any():
         assert 0.0 < out.ess.item() <= 1.0 + 1e-12
 
@@ -246,8 +246,8 @@ def test_token_tis_batch_normalize_has_unit_mean(data):
     norm = token_tis_weights(prox, beh, mask, threshold=c, batch_normalize=True)
     assert (norm.weights[~mask] == 0).all()
     if mask.any():
-        _close(norm.mean, 1.0)
-        _close(norm.weights, raw.weights / raw.mean)
+        assert_near(norm.mean, 1.0)
+        assert_near(norm.weights, raw.weights / raw.mean)
 
 
 @given(data=st.data())
@@ -267,14 +267,14 @@ def test_sequence_tis_weights_properties(data):
             continue
         assert (row == row[0]).all()  # constant over the row's valid tokens
         expected = min(math.exp(max(-20.0, min(20.0, lam[i].sum().item()))), c)
-        _close(row[0], expected)
+        assert_near(row[0], expected)
         if bool((prox.detach()[i][mask[i]] == beh[i][mask[i]]).all()):
             assert row[0].item() == 1.0
     norm = sequence_tis_weights(prox, beh, mask, threshold=c, batch_normalize=True)
     nonempty = mask.any(-1)
     if nonempty.any():
         first = norm.weights.gather(1, mask.to(torch.int64).argmax(-1, keepdim=True))[:, 0]
-        _close(first[nonempty].mean(), 1.0)
+        assert_near(first[nonempty].mean(), 1.0)
 
 
 @given(data=st.data())
@@ -301,7 +301,7 @@ def test_token_rejection_properties(data):
     agree = mask & (prox == beh)
     assert out.mask[agree].all()  # identical policies are never rejected (1 ∈ bounds, divergence 0)
     n = max(int(mask.sum()), 1)
-    _close(out.rejected_fraction, (int(mask.sum()) - int(out.mask.sum())) / n, atol=1e-7)
+    assert_near(out.rejected_fraction, (int(mask.sum()) - int(out.mask.sum())) / n, atol=1e-7)
 
 
 @given(data=st.data())
@@ -347,9 +347,9 @@ def test_decoupled_weights_properties(data):
         assert not out.weights.requires_grad
         assert (out.weights[~mask] == 0).all()
         assert (out.weights >= 0).all() and (out.weights <= cap).all()
-        _close(out.truncated_fraction, (mask & (rho > cap)).sum().item() / max(int(mask.sum()), 1))
-    _close(clamp.weights, torch.where(mask, rho.clamp(max=cap), 0.0))
-    _close(drop.weights, torch.where(mask & (rho <= cap), rho, 0.0))
+        assert_near(out.truncated_fraction, (mask & (rho > cap)).sum().item() / max(int(mask.sum()), 1))
+    assert_near(clamp.weights, torch.where(mask, rho.clamp(max=cap), 0.0))
+    assert_near(drop.weights, torch.where(mask & (rho <= cap), rho, 0.0))
     assert (drop.weights <= clamp.weights).all()
 
 
@@ -392,9 +392,9 @@ def test_vtrace_matches_scalar_loop_reference(inputs, lam, rho_bar, pg_bar):
                  clip_pg_rho_threshold=pg_bar)
     vs, pg = _vtrace_ref(log_rhos.tolist(), discounts.tolist(), rewards.tolist(), values.tolist(), boot.tolist(),
                          mask.tolist(), lam, rho_bar, pg_bar)
-    _close(out.vs, vs, atol=1e-9, rtol=1e-9)
-    _close(out.pg_advantages, pg, atol=1e-9, rtol=1e-9)
-    _close(out.errors, torch.where(mask, vs - values, 0.0), atol=1e-9, rtol=1e-9)
+    assert_near(out.vs, vs, atol=1e-9, rtol=1e-9)
+    assert_near(out.pg_advantages, pg, atol=1e-9, rtol=1e-9)
+    assert_near(out.errors, torch.where(mask, vs - values, 0.0), atol=1e-9, rtol=1e-9)
 
 
 @given(inputs=vtrace_inputs())
@@ -409,9 +409,9 @@ def test_vtrace_on_policy_lambda_one_is_discounted_return(inputs):
             if mask[i, s]:
                 g = rewards[i, s].item() + discounts[i, s].item() * g
                 ret[i, s] = g
-    _close(out.vs, ret, atol=1e-9, rtol=1e-9)
+    assert_near(out.vs, ret, atol=1e-9, rtol=1e-9)
     # and the policy-gradient advantage is the λ=1 (Monte-Carlo) advantage G_s − V(x_s)
-    _close(out.pg_advantages, torch.where(mask, ret - values, 0.0), atol=1e-9, rtol=1e-9)
+    assert_near(out.pg_advantages, torch.where(mask, ret - values, 0.0), atol=1e-9, rtol=1e-9)
 
 
 @given(inputs=vtrace_inputs(), lam=st.floats(0.0, 1.0), bars=st.lists(st.floats(0.05, 3.0), min_size=2, max_size=2))

@@ -22,7 +22,7 @@ NAN, INF = float("nan"), float("inf")
 ESTIMATORS = [kl_k1, kl_k2, kl_k3, kl_abs]
 
 
-def close(actual, expected, atol=1e-12):
+def assert_near(actual, expected, atol=1e-12):
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=F64), rtol=0, atol=atol)
 
 
@@ -34,17 +34,17 @@ REF = torch.tensor([[-1.5, -1.0, -0.25]], dtype=F64)
 
 
 def test_k1_abs_k2_golden():
-    close(kl_k1(LOGP, REF), [[0.5, -1.0, 0.0]])
-    close(kl_abs(LOGP, REF), [[0.5, 1.0, 0.0]])
-    close(kl_k2(LOGP, REF), [[0.125, 0.5, 0.0]])  # ½·0.25, ½·1, 0
+    assert_near(kl_k1(LOGP, REF), [[0.5, -1.0, 0.0]])
+    assert_near(kl_abs(LOGP, REF), [[0.5, 1.0, 0.0]])
+    assert_near(kl_k2(LOGP, REF), [[0.125, 0.5, 0.0]])  # ½·0.25, ½·1, 0
 
 
 def test_k3_golden():
     # x = logp_ref − logp = [−0.5, 1, 0]
     # e^−0.5 − (−0.5) − 1 = 0.6065306597 − 0.5 = 0.1065306597;  e^1 − 1 − 1 = 0.7182818285;  e^0 − 0 − 1 = 0
     out = kl_k3(LOGP, REF)
-    close(out, [[math.exp(-0.5) - 0.5, math.e - 2.0, 0.0]])
-    close(out, [[0.1065306597, 0.7182818285, 0.0]], atol=1e-10)
+    assert_near(out, [[math.exp(-0.5) - 0.5, math.e - 2.0, 0.0]])
+    assert_near(out, [[0.1065306597, 0.7182818285, 0.0]], atol=1e-10)
 
 
 def test_k3_clamps():
@@ -54,11 +54,11 @@ def test_k3_clamps():
     # d = 100: x = −100 → clamped to −20 first: e^−20 + 19 → 10;  d = −100: x = 20, e^20 − 21 → 10 (no overflow)
     logp = torch.tensor([[5.0, -3.0, 15.0, 100.0, -100.0]], dtype=F64)
     out = kl_k3(logp, torch.zeros_like(logp))
-    close(out, [[math.exp(-5.0) + 4.0, 10.0, 10.0, 10.0, 10.0]])
+    assert_near(out, [[math.exp(-5.0) + 4.0, 10.0, 10.0, 10.0, 10.0]])
     # clamped tokens pass no gradient (∂/∂logp = 0); the unclamped one has 1 − e^x = 1 − e^−5
     logp = logp.clone().requires_grad_(True)
     kl_k3(logp, torch.zeros_like(logp)).sum().backward()
-    close(logp.grad, [[1.0 - math.exp(-5.0), 0.0, 0.0, 0.0, 0.0]])
+    assert_near(logp.grad, [[1.0 - math.exp(-5.0), 0.0, 0.0, 0.0, 0.0]])
 
 
 def test_estimator_registry_names():
@@ -80,19 +80,19 @@ def test_plain_gradients_golden():
     d = torch.tensor([[0.5, -1.0, 0.0]], dtype=F64)
     # ∂k1/∂logp = 1, ∂k1/∂ref = −1
     _, g, gr = _grads(kl_k1, False)
-    close(g, torch.ones_like(d))
-    close(gr, -torch.ones_like(d))
+    assert_near(g, torch.ones_like(d))
+    assert_near(gr, -torch.ones_like(d))
     # ∂k2/∂logp = d
     _, g, gr = _grads(kl_k2, False)
-    close(g, d)
-    close(gr, -d)
+    assert_near(g, d)
+    assert_near(gr, -d)
     # ∂k3/∂logp = 1 − e^x with x = ref − logp = −d: [1 − e^−0.5, 1 − e, 0] = [0.3934693, −1.7182818, 0]
     _, g, gr = _grads(kl_k3, False)
-    close(g, [[1 - math.exp(-0.5), 1 - math.e, 0.0]])
-    close(gr, -g)
+    assert_near(g, [[1 - math.exp(-0.5), 1 - math.e, 0.0]])
+    assert_near(gr, -g)
     # ∂|d|/∂logp = sign(d) = [1, −1, 0]
     _, g, _ = _grads(kl_abs, False)
-    close(g, [[1.0, -1.0, 0.0]])
+    assert_near(g, [[1.0, -1.0, 0.0]])
 
 
 @pytest.mark.parametrize("fn", ESTIMATORS, ids=lambda f: f.__name__)
@@ -101,8 +101,8 @@ def test_straight_through_value_of_base_gradient_of_k2(fn):
     value, g, gr = _grads(fn, True)
     assert torch.equal(value, base_value)  # value is exactly the base estimator's
     d = torch.tensor([[0.5, -1.0, 0.0]], dtype=F64)
-    close(g, d)  # gradient is ∇k2 = d·∇logp
-    close(gr, -d)
+    assert_near(g, d)  # gradient is ∇k2 = d·∇logp
+    assert_near(gr, -d)
 
 
 def test_straight_through_gradient_differs_from_plain_for_k1():
@@ -121,19 +121,19 @@ def test_kl_penalized_rewards_golden():
     beta = 0.1
     # k1 = old − ref at valid tokens: row 0: [0.2, 0, −1]; row 1: [0.2, −0.2, ·]; row 2: none
     res = kl_penalized_rewards(r, logp_old, logp_ref, mask, kl_coef=beta)
-    close(res.kl, [[0.2, 0.0, -1.0], [0.2, -0.2, 0.0], [0.0, 0.0, 0.0]])
+    assert_near(res.kl, [[0.2, 0.0, -1.0], [0.2, -0.2, 0.0], [0.0, 0.0, 0.0]])
     # r − 0.1·k1: row 0: [−0.02, 0, 1.1]; row 1: [−0.02, 2.02, 0]; masked → 0
-    close(res.token_rewards, [[-0.02, 0.0, 1.1], [-0.02, 2.02, 0.0], [0.0, 0.0, 0.0]])
+    assert_near(res.token_rewards, [[-0.02, 0.0, 1.1], [-0.02, 2.02, 0.0], [0.0, 0.0, 0.0]])
     # mean over rows of row means: row 0: (0.2 + 0 − 1)/3 = −0.26667; row 1: 0; row 2 (empty): 0 ⇒ −0.8/9 = −0.088889
-    close(res.mean_kl, -0.8 / 9.0)
+    assert_near(res.mean_kl, -0.8 / 9.0)
     # with k2: kl = ½d²: row 0 [0.02, 0, 0.5], row 1 [0.02, 0.02]; mean_kl = ((0.52/3) + 0.02 + 0)/3 = 0.064444
     res2 = kl_penalized_rewards(r, logp_old, logp_ref, mask, kl_coef=beta, estimator=KL_ESTIMATORS["k2"])
-    close(res2.kl, [[0.02, 0.0, 0.5], [0.02, 0.02, 0.0], [0.0, 0.0, 0.0]])
-    close(res2.token_rewards, [[-0.002, 0.0, 0.95], [-0.002, 1.998, 0.0], [0.0, 0.0, 0.0]])
-    close(res2.mean_kl, (0.52 / 3 + 0.02) / 3)
+    assert_near(res2.kl, [[0.02, 0.0, 0.5], [0.02, 0.02, 0.0], [0.0, 0.0, 0.0]])
+    assert_near(res2.token_rewards, [[-0.002, 0.0, 0.95], [-0.002, 1.998, 0.0], [0.0, 0.0, 0.0]])
+    assert_near(res2.mean_kl, (0.52 / 3 + 0.02) / 3)
     # β = 0 leaves the (masked) rewards untouched
     res0 = kl_penalized_rewards(r, logp_old, logp_ref, mask, kl_coef=0.0)
-    close(res0.token_rewards, torch.where(mask, r, torch.zeros((), dtype=F64)))
+    assert_near(res0.token_rewards, torch.where(mask, r, torch.zeros((), dtype=F64)))
 
 
 def test_adaptive_kl_coef_golden():

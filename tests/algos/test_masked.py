@@ -20,7 +20,7 @@ NAN, INF = float("nan"), float("inf")
 garbage = st.sampled_from([NAN, INF, -INF, 1e300, -7.5, 0.0])
 
 
-def close(actual, expected, atol=1e-12):
+def assert_near(actual, expected, atol=1e-12):
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=F64), rtol=0, atol=atol)
 
 
@@ -32,25 +32,25 @@ M = torch.tensor([[True, True, False], [True, False, True]])
 
 
 def test_masked_sum_golden():
-    close(masked_sum(V, M), 10.0)  # 1 + 2 + 3 + 4
-    close(masked_sum(V, M, dim=-1), [3.0, 7.0])  # row 0: 1 + 2; row 1: 3 + 4
-    close(masked_sum(V, M, dim=0), [4.0, 2.0, 4.0])  # columns: 1+3, 2, 4
+    assert_near(masked_sum(V, M), 10.0)  # 1 + 2 + 3 + 4
+    assert_near(masked_sum(V, M, dim=-1), [3.0, 7.0])  # row 0: 1 + 2; row 1: 3 + 4
+    assert_near(masked_sum(V, M, dim=0), [4.0, 2.0, 4.0])  # columns: 1+3, 2, 4
 
 
 def test_masked_mean_golden():
-    close(masked_mean(V, M), 2.5)  # 10 / 4
-    close(masked_mean(V, M, dim=-1), [1.5, 3.5])  # 3/2, 7/2
+    assert_near(masked_mean(V, M), 2.5)  # 10 / 4
+    assert_near(masked_mean(V, M, dim=-1), [1.5, 3.5])  # 3/2, 7/2
     # an all-masked row has mean 0 (not NaN): Σ = 0, count clamped to 1
     mask = torch.tensor([[True, True, False], [False, False, False]])
-    close(masked_mean(V, mask, dim=-1), [1.5, 0.0])
-    close(masked_mean(V, torch.zeros_like(M)), 0.0)
+    assert_near(masked_mean(V, mask, dim=-1), [1.5, 0.0])
+    assert_near(masked_mean(V, torch.zeros_like(M)), 0.0)
 
 
 def test_masked_var_golden():
     # mean 2.5; deviations −1.5, −0.5, 0.5, 1.5; squares 2.25 + 0.25 + 0.25 + 2.25 = 5; unbiased: 5 / (4 − 1) = 5/3
-    close(masked_var(V, M), 5.0 / 3.0)
+    assert_near(masked_var(V, M), 5.0 / 3.0)
     # two entries 0 and 1: mean 0.5, squares 0.25 + 0.25 = 0.5, / (2 − 1) = 0.5 (biased would be 0.25)
-    close(masked_var(torch.tensor([[0.0, 1.0, 9.0]], dtype=F64), torch.tensor([[True, True, False]])), 0.5)
+    assert_near(masked_var(torch.tensor([[0.0, 1.0, 9.0]], dtype=F64), torch.tensor([[True, True, False]])), 0.5)
 
 
 def test_masked_whiten_golden():
@@ -58,10 +58,10 @@ def test_masked_whiten_golden():
     s = math.sqrt(5.0 / 3.0 + 1e-8)
     expected = [[-1.5 / s, -0.5 / s, 0.0], [0.5 / s, 0.0, 1.5 / s]]  # masked entries are 0 (documented choice)
     out = masked_whiten(V, M)
-    close(out, expected)
+    assert_near(out, expected)
     assert abs(out[0, 0].item() - (-1.1618950)) < 1e-6
     # a custom eps: sqrt(5/3 + 1/3) = sqrt(2)
-    close(masked_whiten(V, M, eps=1.0 / 3.0), [[-1.5 / math.sqrt(2), -0.5 / math.sqrt(2), 0.0],
+    assert_near(masked_whiten(V, M, eps=1.0 / 3.0), [[-1.5 / math.sqrt(2), -0.5 / math.sqrt(2), 0.0],
                                                  [0.5 / math.sqrt(2), 0.0, 1.5 / math.sqrt(2)]])
 
 
@@ -73,7 +73,7 @@ def test_masked_whiten_constant_values_give_zero():
 
 def test_masked_whiten_accepts_01_float_mask():
     out = masked_whiten(V, M.to(F64))
-    close(out, masked_whiten(V, M))
+    assert_near(out, masked_whiten(V, M))
 
 
 def test_seq_lengths():
@@ -116,12 +116,12 @@ def test_masked_var_whiten_ignore_masked_values(data):
 def test_masked_mean_matches_python_loop(data):
     x, mask, _ = data
     vals = [x[i, j].item() for i in range(x.shape[0]) for j in range(x.shape[1]) if mask[i, j]]
-    close(masked_mean(x, mask), sum(vals) / len(vals) if vals else 0.0, atol=1e-12)
+    assert_near(masked_mean(x, mask), sum(vals) / len(vals) if vals else 0.0, atol=1e-12)
     rows = []
     for i in range(x.shape[0]):
         r = [x[i, j].item() for j in range(x.shape[1]) if mask[i, j]]
         rows.append(sum(r) / len(r) if r else 0.0)
-    close(masked_mean(x, mask, dim=-1), rows, atol=1e-12)
+    assert_near(masked_mean(x, mask, dim=-1), rows, atol=1e-12)
 
 
 @given(masked_batch(min_valid=2))
@@ -135,7 +135,7 @@ def test_masked_whiten_mean_zero_unbiased_std_one(data):
     assert abs(out.std(unbiased=True).item() - math.sqrt(var / (var + 1e-8))) < 1e-9
     if var > 1e-3:
         assert abs(out.std(unbiased=True).item() - 1.0) < 1e-5
-    close(masked_var(x, mask), var, atol=1e-10)
+    assert_near(masked_var(x, mask), var, atol=1e-10)
 
 
 @given(masked_batch(min_valid=2), st.floats(0.25, 8.0), st.floats(-5.0, 5.0))

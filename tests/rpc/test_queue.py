@@ -338,116 +338,134 @@ def test_state_dict_round_trip_restores_queued_and_readmits_unfinished():
 AGENTS = ("a0", "a1", "a2")
 
 
-@given(st.data())
-def test_random_event_simulation_keeps_budget_and_books(data):
-    mini, require, trigger = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
-    s = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
-    cap = data.draw(st.sampled_from([None, 0, 1, 2]))
-    policy = data.draw(st.sampled_from(["drop", "wait"])) if cap is not None else "drop"
-    w = verl_max_required_samples(mini, require, s, trigger)
-    q = make_queue(w, max_version_lag=cap, lag_policy=policy, seed=data.draw(st.integers(0, 5)))
-    rng = random.Random(data.draw(st.integers(0, 2**16)))
-    alive = list(AGENTS)
-    holding: dict[str, list[Task]] = collections.defaultdict(list)
-    dead_holding: list[tuple[str, Task]] = []
-    first_seed: dict[int, int] = {}
-    ended: list[tuple[int, str]] = []  # (id, how), as the simulation saw it
+class _Simulation:
+    """Random agents and a trainer driving one SampleQueue; `check()` is the invariant after every event."""
 
-    def finished_group(task: Task) -> Group:
+    def __init__(self, data):
+        mini, require, trigger = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+        s = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+        self.cap = data.draw(st.sampled_from([None, 0, 1, 2]))
+        self.policy = data.draw(st.sampled_from(["drop", "wait"])) if self.cap is not None else "drop"
+        self.w = verl_max_required_samples(mini, require, s, trigger)
+        self.q = make_queue(self.w, max_version_lag=self.cap, lag_policy=self.policy, seed=data.draw(st.integers(0, 5)))
+        self.rng = random.Random(data.draw(st.integers(0, 2**16)))
+        self.alive = list(AGENTS)
+        self.holding: dict[str, list[Task]] = collections.defaultdict(list)
+        self.dead_holding: list[tuple[str, Task]] = []
+        self.first_seed: dict[int, int] = {}
+        self.ended: list[tuple[int, str]] = []  # (id, how), as the simulation saw it
+
+    def finished_group(self, task: Task) -> Group:
         # a partial rollout: tokens from the admission version up to the current one
-        v0 = task.admitted_version
-        versions = sorted(rng.randint(v0, q.version) for _ in range(rng.randint(1, 3)))
+        versions = sorted(self.rng.randint(task.admitted_version, self.q.version) for _ in range(self.rng.randint(1, 3)))
         return group_of(task, versions)
 
-    def consume(n: int) -> None:
-        before = set(q.ledger.ids("dropped"))
+    def request(self) -> None:
+        agent = self.rng.choice(self.alive)
+        for task in self.q.request(agent, self.rng.randint(1, 4)):
+            assert self.q.ledger.state[task.prompt_id] == "in_flight" and self.q.ledger.agent[task.prompt_id] == agent
+            assert self.first_seed.setdefault(task.prompt_id, task.seed) == task.seed
+            assert task.admitted_version == self.q.version
+            self.holding[agent].append(task)
+
+    def finish(self) -> None:
+        busy = [a for a in self.alive if self.holding[a]]
+        if busy:
+            agent = self.rng.choice(busy)
+            task = self.holding[agent].pop(self.rng.randrange(len(self.holding[agent])))
+            self.q.submit(agent, self.finished_group(task))
+            assert self.q.ledger.state[task.prompt_id] == "queued"
+
+    def consume(self, n: int | None = None) -> None:
+        q, before = self.q, set(self.q.ledger.ids("dropped"))
         try:
-            groups = q.take(n, timeout=0)
+            groups = q.take(n or self.rng.randint(1, 3), timeout=0)
         except QueueTimeout:
             groups = []
-        ended.extend((pid, "stale") for pid in set(q.ledger.ids("dropped")) - before)
+        self.ended.extend((pid, "stale") for pid in set(q.ledger.ids("dropped")) - before)
         assert [g.min_version for g in groups] == sorted(g.min_version for g in groups)
-        if cap is not None and policy == "drop":
-            assert all(q.version - g.min_version <= cap for g in groups)
+        if self.cap is not None and self.policy == "drop":
+            assert all(q.version - g.min_version <= self.cap for g in groups)
         keep = []
         for g in groups:
-            if rng.random() < 0.15:
+            if self.rng.random() < 0.15:
                 q.drop(g, "filtered")
-                ended.append((g.prompt_id, "filtered"))
+                self.ended.append((g.prompt_id, "filtered"))
             else:
                 keep.append(g)
         q.trained(keep)
-        ended.extend((g.prompt_id, "trained") for g in keep)
+        self.ended.extend((g.prompt_id, "trained") for g in keep)
 
-    def check() -> None:
-        assert q.budget.staleness_samples <= w
-        assert q.peak_staleness_samples <= w
+    def publish(self) -> None:
+        nxt = self.q.version + 1
+        if self.q.lag_gate_open(nxt):
+            self.q.new_version(nxt)
+        else:
+            assert self.policy == "wait"
+            self.q.new_version(self.q.version)  # the controller's held-back publication: a new window, same version
+        assert self.q.budget.staleness_samples == outstanding(self.q)
+
+    def fail(self) -> None:
+        if len(self.alive) > 1:
+            agent = self.rng.choice(self.alive)
+            ids = self.q.agent_failed(agent)
+            assert sorted(ids) == sorted(t.prompt_id for t in self.holding[agent])
+            self.dead_holding.extend((agent, t) for t in self.holding.pop(agent, []))
+            self.alive.remove(agent)
+
+    def late(self) -> None:
+        if self.dead_holding:
+            agent, task = self.rng.choice(self.dead_holding)
+            state, late = dict(self.q.ledger.state), self.q.ledger.counts["late_submissions"]
+            self.q.submit(agent, self.finished_group(task))
+            assert self.q.ledger.state == state and self.q.ledger.counts["late_submissions"] == late + 1
+
+    def check(self) -> None:
+        q = self.q
+        assert q.budget.staleness_samples <= self.w
+        assert q.peak_staleness_samples <= self.w
         summary = q.ledger.summary()
-        assert summary["in_flight"] == sum(len(v) for a, v in holding.items() if a in alive)
+        assert summary["in_flight"] == sum(len(v) for a, v in self.holding.items() if a in self.alive)
         assert summary["queued"] == len(q.queue)
         assert summary["pending"] == len(q.readmit)
         assert set(q.tasks) == set(q.ledger.ids("in_flight")) | set(q.ledger.ids("pending"))
 
-    for _ in range(data.draw(st.integers(0, 60))):
-        op = data.draw(st.sampled_from(["request", "finish", "finish", "consume", "publish", "fail", "late"]))
-        if op == "request":
-            agent = rng.choice(alive)
-            for task in q.request(agent, rng.randint(1, 4)):
-                assert q.ledger.state[task.prompt_id] == "in_flight" and q.ledger.agent[task.prompt_id] == agent
-                assert first_seed.setdefault(task.prompt_id, task.seed) == task.seed
-                assert task.admitted_version == q.version
-                holding[agent].append(task)
-        elif op == "finish":
-            busy = [a for a in alive if holding[a]]
-            if busy:
-                agent = rng.choice(busy)
-                task = holding[agent].pop(rng.randrange(len(holding[agent])))
-                q.submit(agent, finished_group(task))
-                assert q.ledger.state[task.prompt_id] == "queued"
-        elif op == "consume":
-            consume(rng.randint(1, 3))
-        elif op == "publish":
-            nxt = q.version + 1
-            if q.lag_gate_open(nxt):
-                q.new_version(nxt)
-            else:
-                assert policy == "wait"
-                q.new_version(q.version)  # the controller's held-back publication: a new window, same version
-            assert q.budget.staleness_samples == outstanding(q)
-        elif op == "fail" and len(alive) > 1:
-            agent = rng.choice(alive)
-            ids = q.agent_failed(agent)
-            assert sorted(ids) == sorted(t.prompt_id for t in holding[agent])
-            dead_holding.extend((agent, t) for t in holding.pop(agent, []))
-            alive.remove(agent)
-        elif op == "late" and dead_holding:
-            agent, task = rng.choice(dead_holding)
-            state, late = dict(q.ledger.state), q.ledger.counts["late_submissions"]
-            q.submit(agent, finished_group(task))
-            assert q.ledger.state == state and q.ledger.counts["late_submissions"] == late + 1
-        check()
+    def close_books(self) -> int:
+        """Admit nothing new, let the live agents finish (re-admitted work included), train; return next_id."""
+        q = self.q
+        q.close()
+        next_id = q.next_id
+        for _ in range(10):
+            for agent in self.alive:
+                self.holding[agent].extend(q.request(agent, 100))
+                for task in self.holding.pop(agent, []):
+                    q.submit(agent, self.finished_group(task))
+            if q.queue:
+                self.consume(len(q.queue))
+            self.check()
+            if outstanding(q) == 0:
+                break
+        assert q.next_id == next_id
+        return next_id
 
-    # close the books: admit nothing new, let the live agents finish (re-admitted work included), train
-    q.close()
-    next_id = q.next_id
-    for _ in range(10):
-        for agent in alive:
-            holding[agent].extend(q.request(agent, 100))
-            for task in holding.pop(agent, []):
-                q.submit(agent, finished_group(task))
-        if q.queue:
-            consume(len(q.queue))
-        check()
-        if outstanding(q) == 0:
-            break
-    assert q.next_id == next_id
+
+@given(st.data())
+def test_random_event_simulation_keeps_budget_and_books(data):
+    sim = _Simulation(data)
+    events = {"request": sim.request, "finish": sim.finish, "consume": sim.consume, "publish": sim.publish,
+              "fail": sim.fail, "late": sim.late}
+    for _ in range(data.draw(st.integers(0, 60))):
+        events[data.draw(st.sampled_from(["request", "finish", "finish", "consume", "publish", "fail", "late"]))]()
+        sim.check()
+    next_id = sim.close_books()
+    q = sim.q
     summary = q.ledger.summary()
     assert summary["admitted"] == summary["trained"] + summary["dropped"] == next_id
-    counted = collections.Counter(pid for pid, _ in ended)
+    counted = collections.Counter(pid for pid, _ in sim.ended)
     assert set(counted) == set(range(next_id)) and set(counted.values()) <= {1}
-    assert {pid for pid, how in ended if how == "trained"} == set(q.ledger.ids("trained"))
-    assert {pid: how for pid, how in ended if how != "trained"} == q.ledger.dropped
+    assert {pid for pid, how in sim.ended if how == "trained"} == set(q.ledger.ids("trained"))
+    assert {pid: how for pid, how in sim.ended if how != "trained"} == q.ledger.dropped
     assert q.ledger.counts["trained"] == summary["trained"]
-    if cap is None or policy == "wait":
+    if sim.cap is None or sim.policy == "wait":
         assert "stale" not in q.ledger.dropped.values()
     assert copy.deepcopy(q.state_dict())["unfinished"] == []
