@@ -149,8 +149,6 @@ class _PolicyGradient:
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no gradient)."""
 
-    name = "policy-gradient"
-
     def validate(self) -> None:
         owner = type(self).__name__
         if not 0 <= self.clip_ratio_low < 1:
@@ -201,7 +199,6 @@ class GRPO(_PolicyGradient):
 
     norm_adv_by_std: bool = True
     """Divide by the group's std (False: Dr.GRPO's mean-only baseline)."""
-    name = "grpo"
 
     def advantages(self, rewards, token_rewards, group_index, mask, values):
         return algos.grpo_advantage(rewards, group_index, mask, norm_by_std=self.norm_adv_by_std)
@@ -213,7 +210,6 @@ class DrGRPO(GRPO):
 
     norm_adv_by_std: bool = False
     loss_agg_mode: algos.LossAggMode = "seq-mean-token-sum-norm"
-    name = "dr_grpo"
 
 
 @dataclasses.dataclass
@@ -224,7 +220,6 @@ class DAPO(GRPO):
     clip_ratio_c: float | None = 10.0
     overlong_buffer_len: int = 512
     filter_groups: bool = True
-    name = "dapo"
 
 
 @dataclasses.dataclass
@@ -235,7 +230,6 @@ class GSPO(GRPO):
     clip_ratio_high: float = 4e-4
     clip_ratio_c: float | None = None
     loss_agg_mode: algos.LossAggMode = "seq-mean-token-mean"
-    name = "gspo"
 
     def policy_loss(self, logp, logp_old, advantages, mask, *, is_weights, num_tokens, num_seqs, norm_length):
         return algos.gspo_loss(logp, logp_old, advantages, mask, clip_ratio_low=self.clip_ratio_low,
@@ -248,7 +242,6 @@ class CISPO(GRPO):
 
     clip_ratio_low: float = 0.0
     clip_ratio_c: float | None = None
-    name = "cispo"
 
     def policy_loss(self, logp, logp_old, advantages, mask, *, is_weights, num_tokens, num_seqs, norm_length):
         low = None if self.clip_ratio_low == 0 else self.clip_ratio_low
@@ -261,8 +254,6 @@ class CISPO(GRPO):
 @dataclasses.dataclass
 class RLOO(_PolicyGradient):
     """REINFORCE leave-one-out baseline (arXiv:2402.14740) + PPO clip."""
-
-    name = "rloo"
 
     def advantages(self, rewards, token_rewards, group_index, mask, values):
         return algos.rloo_advantage(rewards, group_index, mask)
@@ -277,7 +268,6 @@ class ReinforcePP(_PolicyGradient):
     """Subtract the group-mean reward (REINFORCE++-baseline) instead of using discounted returns."""
     gamma: float = 1.0
     """Discount of the per-token return."""
-    name = "reinforce_pp"
 
     def advantages(self, rewards, token_rewards, group_index, mask, values):
         if self.group_baseline:
@@ -294,7 +284,6 @@ class PPO(_PolicyGradient):
     lam: float = 1.0
     """GAE λ."""
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
-    name = "ppo"
 
     @property
     def needs_critic(self) -> bool:
