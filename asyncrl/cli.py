@@ -18,7 +18,8 @@ __all__ = ["main"]
 
 def _presets_help() -> str:
     lines = ["usage: asyncrl train PRESET [--field value ...]", "", "presets:"]
-    lines += [f"  {name:12s} {description}" for name, (description, _) in PRESETS.items()]
+    width = max(map(len, PRESETS))
+    lines += [f"  {name:{width}s}  {description}" for name, (description, _) in PRESETS.items()]
     lines += ["", "`asyncrl train PRESET --help` lists every field; `algorithm:dapo` (grpo, dr-grpo, gspo, cispo,",
               "rloo, reinforce-pp, ppo) switches the algorithm."]
     return "\n".join(lines)

@@ -28,6 +28,11 @@ def _fail(owner: str, field: str, value, want: str) -> None:
     raise ValueError(f"{owner}.{field}={value!r} is invalid: {want}")
 
 
+def is_placeholder(value) -> bool:
+    """A preset's stand-in for a value the user must give (a path in angle brackets, '<...>')."""
+    return isinstance(value, str) and value.startswith("<") and value.endswith(">")
+
+
 @dataclasses.dataclass
 class OptimConfig:
     """AdamW with linear warmup and a constant or cosine schedule."""
@@ -446,13 +451,26 @@ class ModelConfig:
     seed: int = 0
     """Seed of random weights ('random:' models)."""
 
+    def validate(self) -> None:
+        if is_placeholder(self.path):
+            _fail("model", "path", self.path, "it is a preset placeholder; pass --model.path with an HF model "
+                  "directory (e.g. a local copy of Qwen/Qwen2.5-0.5B-Instruct) or a .gguf file")
+
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where prompts come from."""
+    """Where prompts come from: a prompt file (`path`) or a built-in procedural task (`task`)."""
 
+    path: str | None = None
+    """A .jsonl or .parquet prompt file (verl's row format, see `asyncrl data inspect`). When set, `task`,
+    `digits` and `operators` are ignored. GSM8K: `asyncrl data convert-gsm8k --src train.jsonl --out
+    data/gsm8k/train.parquet`."""
+    on_long: Literal["filter", "truncate"] = "filter"
+    """Prompt files: drop prompts longer than rollout.max_prompt_length tokens, or keep their last tokens."""
+    shuffle: bool = True
+    """Prompt files: visit the rows in a new order every epoch (seeded by `seed`)."""
     task: Literal["arithmetic", "countdown", "toy"] = "arithmetic"
-    """Built-in procedural task (files arrive through `path`)."""
+    """Built-in procedural task, used when `path` is not set."""
     digits: int = 1
     """arithmetic: digits per operand."""
     operators: str = "+"
@@ -461,6 +479,16 @@ class DataConfig:
     """System message of the chat template (None: the tokenizer's default)."""
     seed: int = 0
     """Seed of the task / shuffling."""
+
+    def validate(self) -> None:
+        if self.path is None:
+            return
+        if is_placeholder(self.path):
+            _fail("data", "path", self.path, "it is a preset placeholder; pass --data.path with a .jsonl or .parquet "
+                  "prompt file; for GSM8K make one with `asyncrl data convert-gsm8k --src gsm8k/train.jsonl "
+                  "--out data/gsm8k/train.parquet`")
+        if not self.path.endswith((".jsonl", ".parquet")):
+            _fail("data", "path", self.path, "must be a .jsonl or .parquet file")
 
 
 @dataclasses.dataclass
@@ -503,6 +531,8 @@ class RunConfig:
     """Seed of prompts' sampling seeds and shuffling."""
 
     def validate(self) -> None:
+        self.model.validate()
+        self.data.validate()
         self.algorithm.validate()
         self.rollout.validate()
         self.trainer.validate()

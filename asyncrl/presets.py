@@ -23,6 +23,34 @@ CPU_DEMO = RunConfig(
 )
 """SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async."""
 
+GSM8K_QWEN2_5_0_5B = RunConfig(
+    model=ModelConfig(path="<path to Qwen2.5-0.5B-Instruct>"),
+    data=DataConfig(path="<path to gsm8k train.parquet>", on_long="filter", shuffle=True),
+    algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode="token-mean", kl_loss_coef=0.001,
+                   kl_loss_type="low_var_kl", overlong_buffer_len=512, overlong_penalty_factor=1.0),
+    rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=3072, max_prompt_length=1024, max_slots=256),
+    trainer=TrainerConfig(mini_batch_size=32, use_dynamic_bsz=True, max_tokens_per_micro_batch=16384,
+                          gradient_checkpointing=True, temperature=1.0, max_response_length=3072,
+                          optim=OptimConfig(lr=1e-6, warmup_steps=10),
+                          off_policy=OffPolicyConfig(use_rollout_log_probs=True)),
+    async_training=AsyncConfig(staleness_threshold=0.2, trigger_parameter_sync_step=4, require_batches=1,
+                               partial_rollout=True, total_versions=120),
+    placement=PlacementConfig(launcher="rpc", trainer_devices=("cuda:0",), agent_devices=("cuda:1",)),
+    checkpoint_every=20,
+    run_dir="runs/gsm8k-qwen2.5-0.5b",
+)
+"""verl's fully-async GRPO on GSM8K with Qwen2.5-0.5B-Instruct on two GPUs (trainer cuda:0, rollout cuda:1):
+
+    asyncrl data convert-gsm8k --src gsm8k/train.jsonl --out data/gsm8k/train.parquet
+    asyncrl train gsm8k-qwen2.5-0.5b --model.path /models/Qwen2.5-0.5B-Instruct --data.path data/gsm8k/train.parquet
+
+A version is trigger 4 × require_batches 1 × mini-batch 32 = 128 prompts (1,024 responses); 120 versions are
+about two epochs of GSM8K's 7,473 training prompts. GSM8K prompts are 100-250 tokens, so 1,024 filters none.
+The rollout may run ahead by staleness 0.2 (153 prompts admitted per version); partial rollouts carry
+in-flight responses across weight updates. Micro-batches hold up to 16,384 tokens (4 full-length rows)."""
+
 PRESETS: dict[str, tuple[str, RunConfig]] = {
     "cpu-demo": ("SmolLM2-135M on single-digit arithmetic, fully async on CPU (the `make train` job)", CPU_DEMO),
+    "gsm8k-qwen2.5-0.5b": ("Qwen2.5-0.5B-Instruct GRPO on GSM8K, fully async on 2 GPUs (needs --model.path and "
+                           "--data.path)", GSM8K_QWEN2_5_0_5B),
 }

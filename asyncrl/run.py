@@ -19,7 +19,8 @@ import torch
 
 from asyncrl.config import DataConfig, RunConfig
 from asyncrl.data.scoring import Scorer
-from asyncrl.data.sources import GeneratedSource
+from asyncrl.data.files import load_prompt_file
+from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
 from asyncrl.rewards import arithmetic_reward, countdown_reward, even_token_reward, gsm8k_reward, math_reward
 from asyncrl.rpc.controller import RunSummary
@@ -75,7 +76,9 @@ class SourceFactory:
     model_path: str
     max_prompt_length: int
 
-    def __call__(self) -> GeneratedSource:
+    def __call__(self) -> PromptSource:
+        if self.data.path is not None:
+            return self._file_source()
         tokenizer = _tokenizer(self.model_path)
         if tokenizer is not None and self.data.system_prompt:
             tokenizer = _SystemTokenizer(tokenizer, self.data.system_prompt)
@@ -89,6 +92,24 @@ class SourceFactory:
             return prompt
 
         return GeneratedSource(make)
+
+    def _file_source(self) -> DatasetSource:
+        tokenizer = _tokenizer(self.model_path)
+        if tokenizer is None:
+            raise ValueError(f"data.path={self.data.path!r} needs a tokenizer to render its prompts, and "
+                             f"model.path={self.model_path!r} has none; use a model with a tokenizer, or "
+                             "data.task=toy for random models")
+        prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
+                                          on_long=self.data.on_long, system_prompt=self.data.system_prompt)
+        log.info("data: %s: %d rows, %d kept, %d filtered (longer than %d tokens), %d truncated", self.data.path,
+                 stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length, stats["truncated"])
+        if not stats["rows"]:
+            raise ValueError(f"data.path={self.data.path!r} holds no rows; check the file")
+        if not prompts:
+            raise ValueError(f"data.path={self.data.path!r}: all {stats['rows']} prompts are longer than "
+                             f"rollout.max_prompt_length={self.max_prompt_length} tokens; raise it or set "
+                             "data.on_long=truncate")
+        return DatasetSource(prompts, seed=self.data.seed, shuffle=self.data.shuffle)
 
 
 @dataclasses.dataclass
@@ -132,6 +153,7 @@ def _config_dict(cfg: RunConfig) -> dict:
 
 def train(cfg: RunConfig) -> RunSummary | None:
     """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json."""
+    cfg.validate()  # before anything is written: a bad config leaves no run directory behind
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, default=str))

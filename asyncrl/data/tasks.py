@@ -8,19 +8,28 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Mapping, Sequence
 
 from asyncrl.types import Prompt
 
 __all__ = ["ArithmeticTask", "CountdownTask", "ToyTask", "render_chat"]
 
 
-def render_chat(tokenizer, user: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt through the tokenizer's chat template (plain text if it has none)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+def render_chat(tokenizer, user: str | Sequence[Mapping[str, str]], system: str | None = None) -> list[int]:
+    """Token ids of a chat prompt through the tokenizer's chat template, ending with the generation prompt.
+
+    `user` is the text of a one-turn prompt, or a whole message list (`[{"role": ..., "content": ...}, ...]`,
+    verl's `prompt` column). `system` is prepended as a system message unless the list already starts with
+    one (a row's own system message wins). Without a chat template the system message is dropped and the
+    text (or the messages' contents joined by blank lines) is encoded as plain text.
+    """
+    turns = [{"role": "user", "content": user}] if isinstance(user, str) else [dict(m) for m in user]
+    has_system = bool(turns) and turns[0].get("role") == "system"
+    messages = ([{"role": "system", "content": system}] if system and not has_system else []) + turns
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-    return tokenizer.encode(user)
+    return tokenizer.encode(user if isinstance(user, str) else "\n\n".join(m["content"] for m in turns))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,260 @@
+"""Prompt files: JSONL and Parquet in verl's row format, rendered through the model's chat template.
+
+    prompts, stats = load_prompt_file("data/gsm8k/train.parquet", tokenizer, max_prompt_length=1024)
+    source = DatasetSource(prompts, seed=0)
+
+Two row formats are read (they may be mixed in one file):
+
+* verl's: `{"prompt": [{"role": "user", "content": "..."}], "data_source": "openai/gsm8k",
+  "reward_model": {"ground_truth": "72"}, "extra_info": {...}}` (`extra_info` is optional and unused);
+* plain text: `{"prompt": "...", "ground_truth": "72", "data_source": "openai/gsm8k"}`.
+
+`data_source` selects the reward function (`asyncrl.run.REWARDS`); the ground truth may be a string or a
+number (numbers are turned into strings). Every error names the file, the row (`path:LINE` for JSONL,
+`path: row I` with I counted from 0 for Parquet), the field and the fix.
+
+Prompts longer than `max_prompt_length` tokens (after the chat template) are dropped (`on_long="filter"`)
+or left-truncated (`on_long="truncate"`): the first tokens go, so the end of the prompt — the question's
+last words and the template's generation prompt (`<|im_start|>assistant\\n`) — survives, as with verl's
+`truncation="left"`. A left-truncated prompt loses its system message and the start of the question, so
+filtering is the default; truncation is for data sets with a few overlong rows you'd rather keep.
+
+`convert_gsm8k` writes the GSM8K files (`question`, `answer` ending in "#### N") in verl's format, the
+same rows as verl's `examples/data_preprocess/gsm8k.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Literal, Mapping, Sequence
+
+from asyncrl.data.tasks import render_chat
+from asyncrl.rewards.gsm8k import gsm8k_ground_truth
+from asyncrl.types import Prompt
+
+__all__ = [
+    "read_jsonl", "read_parquet", "write_rows", "rows_to_prompts", "load_prompt_file", "convert_gsm8k",
+    "GSM8K_INSTRUCTION", "SUFFIXES",
+]
+
+OnLong = Literal["filter", "truncate"]
+SUFFIXES = (".jsonl", ".parquet")
+GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+
+_FORMATS = ('rows must look like verl\'s {"prompt": [{"role": "user", "content": "..."}], "data_source": "...", '
+            '"reward_model": {"ground_truth": "..."}} or plain {"prompt": "...", "ground_truth": "...", '
+            '"data_source": "..."}')
+
+
+def _check_exists(path: pathlib.Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file" + ("" if not path.exists() else " (it is a directory)"))
+
+
+def _read_jsonl_numbered(path: str | os.PathLike) -> list[tuple[int, dict]]:
+    """(line number, row) for every non-blank line."""
+    path = pathlib.Path(path)
+    _check_exists(path)
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err}); each line must be one JSON object"
+                                 ) from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append((number, row))
+    return rows
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSONL file (one JSON object per line; blank lines are skipped).
+
+    Raises:
+      ValueError: the file is missing, or a line is not a JSON object (`path:LINE: ...`).
+    """
+    return [row for _, row in _read_jsonl_numbered(path)]
+
+
+def read_parquet(path: str | os.PathLike) -> list[dict]:
+    """The rows of a Parquet file as dicts (nested columns become nested dicts and lists).
+
+    Raises:
+      ValueError: the file is missing or is not Parquet.
+    """
+    import pyarrow
+    import pyarrow.parquet as pq
+    path = pathlib.Path(path)
+    _check_exists(path)
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
+
+
+def write_rows(rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike) -> int:
+    """Write rows as `.jsonl` or `.parquet` (by suffix), atomically (a temporary file renamed over `out_path`)."""
+    out = pathlib.Path(out_path)
+    if out.suffix not in SUFFIXES:
+        raise ValueError(f"{out}: the output must end in .jsonl or .parquet")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        if out.suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), tmp)
+        else:
+            with tmp.open("w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(rows)
+
+
+def _ground_truth(value, where: str, field: str) -> str:
+    if value is None:
+        raise ValueError(f"{where}: missing field '{field}'; {_FORMATS}")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: field '{field}' must be a string or a number, got {type(value).__name__} "
+                         f"({str(value)[:60]}); store the reference answer as text")
+    return str(value)
+
+
+def _parse_row(row, where: str) -> tuple[str | list[dict], str, str]:
+    """(the prompt text or message list, data_source, ground truth) of one row."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected a row object, got {type(row).__name__}; {_FORMATS}")
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise ValueError(f"{where}: missing field 'prompt'; {_FORMATS}")
+    if isinstance(prompt, str):
+        ground_truth = _ground_truth(row.get("ground_truth"), where, "ground_truth")
+    elif isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError(f"{where}: field 'prompt' is an empty message list; give at least one user message")
+        for i, message in enumerate(prompt):
+            if not isinstance(message, Mapping):
+                raise ValueError(f"{where}: prompt[{i}] must be a message object {{\"role\": ..., \"content\": ...}}, "
+                                 f"got {type(message).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    got = "nothing" if message.get(key) is None else type(message.get(key)).__name__
+                    raise ValueError(f"{where}: prompt[{i}].{key} must be a string, got {got}")
+        reward_model = row.get("reward_model")
+        if reward_model is not None and not isinstance(reward_model, Mapping):
+            raise ValueError(f"{where}: field 'reward_model' must be an object {{\"ground_truth\": ...}}, "
+                             f"got {type(reward_model).__name__}")
+        ground_truth = _ground_truth((reward_model or {}).get("ground_truth"), where, "reward_model.ground_truth")
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise ValueError(f"{where}: field 'prompt' must be a message list or a string, got {type(prompt).__name__}; "
+                         f"{_FORMATS}")
+    data_source = row.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        got = "missing" if data_source is None else f"{data_source!r} ({type(data_source).__name__})"
+        raise ValueError(f"{where}: field 'data_source' must be a non-empty string (it selects the reward function, "
+                         f"e.g. 'openai/gsm8k'), got {got}")
+    return prompt, data_source, ground_truth
+
+
+def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prompt_length: int,
+                    on_long: OnLong = "filter", system_prompt: str | None = None,
+                    line_numbers: Sequence[int] | None = None) -> tuple[list[Prompt], dict]:
+    """Render rows (either format, see the module docstring) into `Prompt`s through the chat template.
+
+    Args:
+      source: the file the rows came from (for error messages).
+      max_prompt_length: longest prompt in tokens; longer ones are dropped or left-truncated (`on_long`).
+      system_prompt: system message for rows without one of their own.
+      line_numbers: the JSONL line of each row, for error messages (default: `row I`, counted from 0).
+
+    Returns:
+      (prompts, stats) with stats {"rows", "kept", "filtered_too_long", "truncated"}. `Prompt.index` is the
+      row's position in `rows`; `Prompt.text` is the plain prompt, or the content of the last message.
+
+    Raises:
+      ValueError: a row misses a field or has the wrong type (file, row, field and the fix), or bad arguments.
+    """
+    if tokenizer is None:
+        raise ValueError(f"{source}: rendering prompts needs a tokenizer (a random model has none); "
+                         "use a model with a tokenizer (an HF directory, a .gguf file or 'smollm2')")
+    if max_prompt_length < 1:
+        raise ValueError(f"rows_to_prompts: max_prompt_length={max_prompt_length} must be >= 1")
+    if on_long not in ("filter", "truncate"):
+        raise ValueError(f"rows_to_prompts: on_long={on_long!r} must be 'filter' or 'truncate'")
+    if line_numbers is not None and len(line_numbers) != len(rows):
+        raise ValueError(f"rows_to_prompts: {len(line_numbers)} line numbers for {len(rows)} rows")
+    stats = {"rows": len(rows), "kept": 0, "filtered_too_long": 0, "truncated": 0}
+    prompts = []
+    for index, row in enumerate(rows):
+        where = f"{source}:{line_numbers[index]}" if line_numbers is not None else f"{source}: row {index}"
+        prompt, data_source, ground_truth = _parse_row(row, where)
+        ids = render_chat(tokenizer, prompt, system=system_prompt)
+        if len(ids) > max_prompt_length:
+            if on_long == "filter":
+                stats["filtered_too_long"] += 1
+                continue
+            ids = ids[-max_prompt_length:]
+            stats["truncated"] += 1
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        prompts.append(Prompt(list(ids), data_source=data_source, ground_truth=ground_truth, text=text, index=index))
+    stats["kept"] = len(prompts)
+    return prompts, stats
+
+
+def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: int, on_long: OnLong = "filter",
+                     system_prompt: str | None = None) -> tuple[list[Prompt], dict]:
+    """Read a `.jsonl` or `.parquet` prompt file and render it (`rows_to_prompts`): (prompts, stats)."""
+    path = pathlib.Path(path)
+    if path.suffix == ".jsonl":
+        numbered = _read_jsonl_numbered(path)
+        rows, lines = [row for _, row in numbered], [n for n, _ in numbered]
+    elif path.suffix == ".parquet":
+        rows, lines = read_parquet(path), None
+    else:
+        raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}; give a .jsonl or .parquet file")
+    return rows_to_prompts(rows, tokenizer, source=str(path), max_prompt_length=max_prompt_length, on_long=on_long,
+                           system_prompt=system_prompt, line_numbers=lines)
+
+
+def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,
+                  instruction: str = GSM8K_INSTRUCTION) -> int:
+    """Convert a GSM8K JSONL file (`question`, `answer` ending in "#### N") to verl rows; returns the row count.
+
+    Each row: prompt [{"role": "user", "content": question + " " + instruction}], data_source "openai/gsm8k",
+    reward_model {"style": "rule", "ground_truth": N (commas removed)}, extra_info {"index", "question",
+    "answer"}. The output is `.parquet` or `.jsonl` by its suffix.
+    """
+    out = pathlib.Path(out_path)
+    if out.suffix not in SUFFIXES:
+        raise ValueError(f"{out}: the output must end in .jsonl or .parquet")
+    rows = []
+    for index, (number, row) in enumerate(_read_jsonl_numbered(src_jsonl)):
+        where = f"{src_jsonl}:{number}"
+        for field in ("question", "answer"):
+            if not isinstance(row.get(field), str):
+                raise ValueError(f"{where}: field '{field}' must be a string; is this a GSM8K file "
+                                 "(fields 'question' and 'answer')?")
+        try:
+            truth = gsm8k_ground_truth(row["answer"])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        rows.append({
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{row['question']} {instruction}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"index": index, "question": row["question"], "answer": row["answer"]},
+        })
+    if not rows:
+        raise ValueError(f"{src_jsonl}: no rows to convert")
+    return write_rows(rows, out)
