@@ -361,7 +361,7 @@ def _loss_mask(off: OffPolicyConfig, batch: RolloutBatch, logp_old: Tensor, vers
 
 
 def _prepare(state: LearnerState, batch: RolloutBatch) -> _Prepared:
-    cfg, algo, off = state.config, state.algorithm, state.config.off_policy
+    algo, off = state.algorithm, state.config.off_policy
     metrics: dict = {}
     logp_old = batch.logp_behaviour if off.use_rollout_log_probs else _forward_all(state, state.policy, batch)
     logp_ref = _forward_all(state, state.reference, batch) if state.reference is not None else None

@@ -1,9 +1,13 @@
 """Test settings shared by the whole suite."""
 
 import os
+import pathlib
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+GSM8K_DIR = pathlib.Path(os.environ.get("ASYNCRL_GSM8K_DIR", pathlib.Path(__file__).parent / "fixtures" / "gsm8k"))
 
 # Property tests: enough examples to find edge cases, bounded so the suite stays fast on 2 CPU cores.
 settings.register_profile("default", max_examples=60, deadline=None,
@@ -16,3 +20,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # thread only adds an OpenMP barrier per small matmul (10-50x slower when trainer and agent threads
 # share the cores). Tests that need more set it themselves.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """ASYNCRL_CACHE pointed at one fresh directory for the whole session (subprocesses inherit it): the
+    packaged SmolLM2 GGUF is converted once per run, and the tests never touch ~/.cache."""
+    root = tmp_path_factory.mktemp("asyncrl-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASYNCRL_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test_file() -> pathlib.Path:
+    """GSM8K's test split (1,319 rows of {"question", "answer"}; MIT), vendored under tests/fixtures."""
+    return GSM8K_DIR / "test.jsonl"

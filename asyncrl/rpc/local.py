@@ -12,8 +12,6 @@ import dataclasses
 import logging
 from typing import Callable
 
-import torch
-
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.config import AsyncConfig, RolloutConfig
 from asyncrl.data.scoring import Scorer

@@ -1,32 +1,9 @@
-"""Fixtures of the data tests: the real GSM8K files and the SmolLM2 tokenizer (converted once per session
-into a private cache, so the tests never touch ~/.cache)."""
+"""Fixtures of the data tests: the SmolLM2 tokenizer (from the suite's shared session cache). The GSM8K
+test split comes from tests/conftest.py."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import pytest
-
-GSM8K_DIR = pathlib.Path(os.environ.get("ASYNCRL_GSM8K_DIR", "/work/shared/data/gsm8k"))
-
-
-@pytest.fixture(scope="session")
-def gsm8k_test_file() -> pathlib.Path:
-    """GSM8K's test split (1,319 rows of {"question", "answer"}; MIT)."""
-    path = GSM8K_DIR / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"GSM8K not found at {path}; set ASYNCRL_GSM8K_DIR to a directory holding test.jsonl")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory):
-    """ASYNCRL_CACHE pointed at a fresh directory for the whole session (subprocesses inherit it)."""
-    root = tmp_path_factory.mktemp("asyncrl-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ASYNCRL_CACHE", str(root))
-        yield root
 
 
 @pytest.fixture(scope="session")

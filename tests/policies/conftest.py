@@ -7,15 +7,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory):
-    """ASYNCRL_CACHE pointed at a fresh directory for the whole session."""
-    root = tmp_path_factory.mktemp("asyncrl-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ASYNCRL_CACHE", str(root))
-        yield root
-
-
-@pytest.fixture(scope="session")
 def smollm2(smollm2_cache):
     """SmolLM2-135M-Instruct via `load_model('smollm2')` (first load converts the GGUF: ~20–40 s)."""
     from asyncrl.policies import load_model

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from asyncrl.rewards import extract_gsm8k_answer, gsm8k_ground_truth, gsm8k_reward
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = Path(__file__).resolve().parents[1] / "fixtures" / "gsm8k" / "test.jsonl"
 
 # --------------------------------------------------------------------------------------------------------------
 # ground truth
