@@ -529,6 +529,8 @@ class RunConfig:
     """Continue from the newest checkpoint in run_dir."""
     seed: int = 0
     """Seed of prompts' sampling seeds and shuffling."""
+    strict_rewards: bool = False
+    """A reward function that raises stops the run (default: it scores 0 and counts in reward/errors)."""
 
     def validate(self) -> None:
         self.model.validate()

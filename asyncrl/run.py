@@ -134,7 +134,7 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
     return RunSpec(model=model, algorithm=cfg.algorithm, trainer=cfg.trainer, rollout=cfg.rollout,
                    async_=cfg.async_training,
                    source_factory=SourceFactory(cfg.data, cfg.model.path, cfg.rollout.max_prompt_length),
-                   scorer_factory=ScorerFactory(cfg.model.path), agents=agents,
+                   scorer_factory=ScorerFactory(cfg.model.path, strict=cfg.strict_rewards), agents=agents,
                    trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    log_fn=log_fn, master_addr=cfg.placement.master_addr,
