@@ -1,0 +1,321 @@
+"""Benchmarks that compare our pieces with Hugging Face in the same process (`asyncrl bench ...`).
+
+    asyncrl bench engine                                  # GPU: Qwen2.5-0.5B shape, bf16, batch 64 and 256
+    asyncrl bench engine --model smollm2 --device cpu --dtype float32 --batch-sizes 8 \
+        --prompt-len 64 --new-tokens 64                   # CPU: SmolLM2-135M
+    asyncrl bench learner                                 # GPU: Qwen2.5-0.5B shape, 16 × 320 tokens
+
+`engine`: the embedded engine against `transformers` `generate`. Both sides get the same random prompts,
+generate exactly `new_tokens` tokens per sequence (EOS ignored) by sampling at temperature 1, and are
+timed after a warm-up run (CUDA graphs captured, kernels loaded). Printed per batch size: our output
+tok/s, HF's, the ratio, our mean decode-step time, and the fraction of the memory-bandwidth ceiling that
+step reaches (weights + KV read once per step). Also the logprob mismatch between the engine and a
+training forward of the same tokens (mean |Δlogp| and KL(engine‖train) estimated on the sampled tokens).
+
+`learner`: a GRPO `train_step` against a plain HF training step. Both sides: fp32 master weights, bf16
+autocast on CUDA, gradient checkpointing, AdamW, one optimizer step over `rows` sequences of
+`prompt_len + response_len` tokens. Ours is the full `train_step` (collate, group advantages, PPO clip
+loss over response tokens, token-budget micro-batches); HF's is `model(input_ids, labels=...)` + backward
++ step. Prints trained tokens/s of both, the ratio and peak memory.
+
+`scripts/bench_engine.py` and `scripts/bench_learner.py` are thin wrappers over this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import tempfile
+import time
+
+import torch
+
+__all__ = ["EngineBenchArgs", "LearnerBenchArgs", "bench_engine", "bench_learner", "bench_main",
+           "peak_bandwidth", "step_bytes", "logprob_mismatch", "groups_for"]
+
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s, SXM parts
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def _hf_copy(model, dtype: torch.dtype, device: str):
+    """The same weights as a `transformers` model (saved and re-opened through a temporary directory)."""
+    import transformers
+
+    from asyncrl.policies import save_pretrained
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+
+
+# ------------------------------------------------------------------------------------------- engine
+@dataclasses.dataclass
+class EngineBenchArgs:
+    """Engine vs `transformers` generate: output tokens/s at each batch size."""
+
+    model: str = "random:qwen2.5-0.5b"
+    """Model: an HF dir, a .gguf, 'smollm2', or 'random:<preset>'."""
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    batch_sizes: tuple[int, ...] = (64, 256)
+    prompt_len: int = 128
+    new_tokens: int = 512
+    baseline: bool = True
+    """Also time transformers' generate."""
+    cuda_graphs: bool = True
+    seed: int = 0
+    out: str | None = None
+    """Write the results as JSON here."""
+
+
+def peak_bandwidth() -> float | None:
+    """Nominal HBM bandwidth of the current GPU (bytes/s), when it is one we know."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+
+
+def step_bytes(model, batch: int, attend_len: int) -> float:
+    """Bytes a decode step must move at least: every weight once (the embedding only for B rows) + KV."""
+    cfg = model.config
+    elem = torch.finfo(model.dtype).bits // 8
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * elem
+    if cfg.tie_word_embeddings:
+        weights += cfg.vocab_size * cfg.hidden_size * elem
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    return weights + batch * attend_len * kv_per_token
+
+
+def _time_engine(engine, prompts: list[list[int]], params, device: str):
+    """(outputs, output tok/s, seconds per decode step), after a warm-up run that captures the graphs."""
+    engine.generate(prompts, params)
+    engine.stats.clear()
+    _sync(device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    return outs, tokens / seconds, seconds / max(engine.stats["decode_steps"], 1)
+
+
+def _time_hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> float:
+    hf = _hf_copy(model, model.dtype, device).eval()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+                  top_p=1.0, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:, :8], max_new_tokens=8, do_sample=True, pad_token_id=0)  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        _sync(device)
+    seconds = time.perf_counter() - start
+    del hf
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / seconds
+
+
+@torch.inference_mode()
+def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
+    """Engine behaviour log-probs vs a training forward of the same tokens."""
+    from asyncrl.policies import token_logprobs
+    diffs, kls = [], []
+    for out in outs[:max_rows]:
+        for c in out.completions:
+            seq = torch.tensor([out.prompt_ids + c.token_ids], device=model.device)
+            logits = model.logits(model(seq))[0, len(out.prompt_ids) - 1:-1]
+            train = token_logprobs(logits, seq[0, len(out.prompt_ids):])
+            engine = torch.tensor(c.logprobs, device=model.device)
+            diffs.append((engine - train).abs().mean().item())
+            kls.append((engine - train).mean().item())  # k1 estimate of KL(engine ‖ train) on engine samples
+    return {"mean_abs_dlogp": sum(diffs) / len(diffs), "kl_engine_train": sum(kls) / len(kls)}
+
+
+def bench_engine(args: EngineBenchArgs) -> list[dict]:
+    """Run the engine benchmark; print one JSON row per batch size and return the rows."""
+    from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed)
+    results, bandwidth = [], peak_bandwidth()
+    for batch in args.batch_sizes:
+        prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+        engine = Engine(model, EngineConfig(max_slots=batch, max_len=args.prompt_len + args.new_tokens,
+                                            cuda_graphs=args.cuda_graphs))
+        outs, ours, step_s = _time_engine(engine, prompts, params, args.device)
+        if engine.fused:
+            print("compiled pieces:", engine.fused, flush=True)
+        row = {"device": _device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ours_tok_s": ours,
+               "decode_step_ms": step_s * 1e3, **logprob_mismatch(model, outs)}
+        if bandwidth and args.device.startswith("cuda"):
+            mean_attend = args.prompt_len + args.new_tokens / 2
+            row["bandwidth_fraction"] = step_bytes(model, batch, int(mean_attend)) / bandwidth / step_s
+        del engine, outs
+        if args.baseline:
+            row["hf_tok_s"] = _time_hf_generate(model, prompts, args.new_tokens, args.device)
+            row["ratio"] = ours / row["hf_tok_s"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    _write(args.out, results)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ learner
+@dataclasses.dataclass
+class LearnerBenchArgs:
+    """Learner train_step vs a plain `transformers` training step: trained tokens/s."""
+
+    model: str = "random:qwen2.5-0.5b"
+    """Model: an HF dir, a .gguf, 'smollm2', or 'random:<preset>'."""
+    device: str = "cuda"
+    rows: int = 16
+    """Sequences per optimizer step."""
+    prompt_len: int = 64
+    response_len: int = 256
+    group_size: int = 8
+    max_tokens_per_micro_batch: int = 8192
+    gradient_checkpointing: bool = True
+    steps: int = 5
+    """Timed optimizer steps (after one warm-up step)."""
+    baseline: bool = True
+    """Also time a transformers training step."""
+    out: str | None = None
+    """Write the result as JSON here."""
+
+
+def groups_for(args: LearnerBenchArgs, vocab: int, seed: int) -> list:
+    """`rows // group_size` groups of random prompts and responses of the configured lengths."""
+    from asyncrl.types import Completion, Group
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(args.rows // args.group_size):
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+        comps = [Completion(torch.randint(0, vocab, (args.response_len,), generator=gen).tolist(),
+                            (-torch.rand(args.response_len, generator=gen) * 4).tolist(), [0] * args.response_len,
+                            "length") for _ in range(args.group_size)]
+        out.append(Group(g, prompt, comps, torch.rand(args.group_size, generator=gen).tolist()))
+    return out
+
+
+def _time_train_step(args: LearnerBenchArgs, model) -> float:
+    from asyncrl.config import GRPO, OptimConfig, TrainerConfig
+    from asyncrl.learner import build_learner, train_step
+    cfg = TrainerConfig(mini_batch_size=max(args.rows // args.group_size, 1),
+                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                        gradient_checkpointing=args.gradient_checkpointing, optim=OptimConfig(lr=1e-6))
+    state = build_learner(model, cfg, GRPO())
+    tokens = args.rows * (args.prompt_len + args.response_len)
+    train_step(state, groups_for(args, model.config.vocab_size, 0))  # warm-up
+    _sync(args.device)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        train_step(state, groups_for(args, model.config.vocab_size, step + 1))
+    _sync(args.device)
+    return tokens * args.steps / (time.perf_counter() - start)
+
+
+def _time_hf_train(args: LearnerBenchArgs, model) -> float:
+    hf = _hf_copy(model, torch.float32, args.device)
+    if args.gradient_checkpointing:
+        hf.gradient_checkpointing_enable()
+    hf.train()
+    optim = torch.optim.AdamW(hf.parameters(), lr=1e-6)
+    seq = args.prompt_len + args.response_len
+    micro = max(args.max_tokens_per_micro_batch // seq, 1)
+    on_cuda = args.device.startswith("cuda")
+
+    def step(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (args.rows, seq), generator=gen).to(args.device)
+        for i in range(0, args.rows, micro):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
+                loss = hf(ids[i:i + micro], labels=ids[i:i + micro]).loss
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    step(0)
+    _sync(args.device)
+    start = time.perf_counter()
+    for s in range(args.steps):
+        step(s + 1)
+    _sync(args.device)
+    return args.rows * seq * args.steps / (time.perf_counter() - start)
+
+
+def bench_learner(args: LearnerBenchArgs) -> dict:
+    """Run the learner benchmark; print one JSON row and return it."""
+    from asyncrl.policies import load_model
+    if args.rows < args.group_size or args.rows % args.group_size:
+        raise ValueError(f"bench learner: rows={args.rows} must be a positive multiple of group_size="
+                         f"{args.group_size}")
+    on_cuda = args.device.startswith("cuda")
+    model = load_model(args.model, dtype=torch.float32, device=args.device)
+    reference = copy.deepcopy(model) if args.baseline else None
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ours = _time_train_step(args, model)
+    row = {"device": _device_name(args.device), "model": args.model, "rows": args.rows,
+           "tokens_per_row": args.prompt_len + args.response_len, "ours_tok_s": ours}
+    if on_cuda:
+        row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.baseline:
+        del model
+        if on_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        row["hf_tok_s"] = _time_hf_train(args, reference)
+        row["ratio"] = ours / row["hf_tok_s"]
+        if on_cuda:
+            row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(row), flush=True)
+    _write(args.out, row)
+    return row
+
+
+def _write(path: str | None, results) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+BENCHMARKS = {
+    "engine": (EngineBenchArgs, bench_engine, "rollout engine vs transformers generate (output tok/s)"),
+    "learner": (LearnerBenchArgs, bench_learner, "learner train_step vs a transformers training step (tok/s)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: asyncrl bench BENCHMARK [--field value ...]", "", "benchmarks:"]
+    lines += [f"  {name:10s} {description}" for name, (_, _, description) in BENCHMARKS.items()]
+    lines += ["", "`asyncrl bench BENCHMARK --help` lists its options."]
+    return "\n".join(lines)
+
+
+def bench_main(args: list[str]) -> None:
+    """`asyncrl bench engine|learner [...]`."""
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        raise SystemExit(0 if args else 2)
+    if args[0] not in BENCHMARKS:
+        raise SystemExit(f"asyncrl bench: unknown benchmark {args[0]!r}; choose one of {', '.join(BENCHMARKS)}"
+                         f"\n\n{_usage()}")
+    import tyro
+    config_type, run, description = BENCHMARKS[args[0]]
+    config = tyro.cli(config_type, args=args[1:], prog=f"asyncrl bench {args[0]}", description=description)
+    try:
+        run(config)
+    except ValueError as err:
+        raise SystemExit(f"asyncrl bench {args[0]}: {err}") from None

@@ -1,0 +1,211 @@
+"""Evaluate a policy on a task: mean reward, pass@k and response length (`asyncrl eval ...`).
+
+    asyncrl eval --model smollm2 --data.task arithmetic --num-prompts 32 --n 4 --k 1 4
+    asyncrl eval --model runs/cpu-demo/checkpoints/step_00000012 --data.task arithmetic --out eval.json
+
+    result = evaluate("smollm2", DataConfig(task="arithmetic"), num_prompts=32, n=4, k=(1, 4))
+
+`model` is anything `load_model` opens (an HF directory, a .gguf, 'smollm2', 'random:<preset>') or a
+checkpoint directory `RUN/checkpoints/step_XXXXXXXX`, which is exported to a temporary HF directory
+first; its tokenizer comes from the run's config.json (the model path it trained from) unless
+`tokenizer` is given. The toy task uses no tokenizer (its prompts and rewards are token ids).
+
+Prompts and rewards are the training ones (`SourceFactory` / `ScorerFactory`): prompts `first_prompt`
+... `first_prompt + num_prompts - 1` of the task. Use another `data.seed` (or a `first_prompt` past what
+the run consumed) for prompts the run never saw, and the run's data settings (e.g. `--data.system-prompt`,
+see its config.json) to score it as it was trained.
+
+Each prompt gets `n` samples from the embedded engine. A sample is *correct* when its reward reaches
+`success_threshold` (1.0: the 0/1 task rewards). pass@k is the unbiased estimator from n samples with c
+correct, 1 − C(n−c, k) / C(n, k), averaged over prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import tempfile
+import time
+from typing import Literal, Sequence
+
+from asyncrl.config import DataConfig
+
+__all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 − C(n−c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    # C(n−c, k) / C(n, k) = Π_{i=n−c+1}^{n} (1 − k / i), stable for large n
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def is_checkpoint(path: str | pathlib.Path) -> bool:
+    return (pathlib.Path(path) / "learner.pt").is_file()
+
+
+def _run_model_path(checkpoint: pathlib.Path) -> str | None:
+    """The model path the run that wrote `checkpoint` trained from (its config.json), if recorded."""
+    config = checkpoint.resolve().parent.parent / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())["model"]["path"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_source(model: str, tokenizer: str | None, data: DataConfig) -> str:
+    """What SourceFactory / ScorerFactory load the tokenizer from ('random:...' means none)."""
+    if data.task == "toy":
+        return "random:"  # token-level prompts and rewards: the scorer must see ids, not decoded text
+    if tokenizer is not None:
+        source = tokenizer
+    elif is_checkpoint(model):
+        source = _run_model_path(pathlib.Path(model))
+        if source is None:
+            raise ValueError(f"eval: checkpoint {model} has no run config.json next to its checkpoints/ "
+                             "directory to take the tokenizer from; pass tokenizer= (--tokenizer PATH)")
+    else:
+        source = model
+    if source.startswith("random:") or (pathlib.Path(source).is_dir() and not any(
+            (pathlib.Path(source) / name).is_file() for name in _TOKENIZER_FILES)):
+        raise ValueError(f"eval: task {data.task!r} needs a tokenizer but {source!r} has none; pass tokenizer= "
+                         "(--tokenizer smollm2 or an HF directory with tokenizer files) or use --data.task toy")
+    return source
+
+
+def _default_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4, k: int | Sequence[int] = (1,),
+             temperature: float = 1.0, max_new_tokens: int = 256, max_slots: int = 64, seed: int = 0,
+             device: str = "cpu", tokenizer: str | None = None, dtype: str = "auto", first_prompt: int = 0,
+             max_prompt_length: int = 1024, success_threshold: float = 1.0, cuda_graphs: bool = True) -> dict:
+    """Sample `n` responses for each of `num_prompts` prompts of `data` and score them.
+
+    Returns {"model", "task", "prompts", "n", "samples", "temperature", "mean_reward", "accuracy",
+    "pass@<k>" for each k, "mean_response_length", "truncated_fraction", "reward_errors", "seconds"}.
+    Raises ValueError on bad arguments (naming the argument)."""
+    import torch
+
+    from asyncrl.checkpoint import export_hf
+    from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
+    from asyncrl.run import ScorerFactory, SourceFactory
+
+    ks = (k,) if isinstance(k, int) else tuple(k)
+    checks = [(num_prompts >= 1, "num_prompts", num_prompts, ">= 1"), (n >= 1, "n", n, ">= 1"),
+              (bool(ks) and all(1 <= x <= n for x in ks), "k", ks, f"values in [1, n={n}]"),
+              (temperature >= 0, "temperature", temperature, ">= 0 (0: greedy)"),
+              (max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
+              (max_slots >= n, "max_slots", max_slots, f">= n={n} (a prompt's samples run together)"),
+              (first_prompt >= 0, "first_prompt", first_prompt, ">= 0")]
+    for ok, name, value, want in checks:
+        if not ok:
+            raise ValueError(f"eval: {name}={value!r} is invalid: must be {want}")
+    token_source = _tokenizer_source(model, tokenizer, data)
+    source = SourceFactory(data, token_source, max_prompt_length)()
+    source.load_state_dict({"index": first_prompt})
+    prompts = [source.next() for _ in range(num_prompts)]
+    scorer = ScorerFactory(token_source)()
+
+    torch_dtype = getattr(torch, _default_dtype(dtype, device))
+    if is_checkpoint(model):
+        with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
+            export_hf(model, tmp)
+            policy = load_model(tmp, dtype=torch_dtype, device=device)
+    else:
+        policy = load_model(model, dtype=torch_dtype, device=device, seed=seed)
+
+    start = time.perf_counter()
+    longest = max(len(p.prompt_ids) for p in prompts)
+    engine = Engine(policy, EngineConfig(max_slots=max_slots, max_len=longest + max_new_tokens,
+                                         cuda_graphs=cuda_graphs, seed=seed))
+    params = [SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                             seed=seed * 1_000_000 + first_prompt + i) for i in range(num_prompts)]
+    outputs = engine.generate([p.prompt_ids for p in prompts], params)
+
+    rewards, correct, lengths, truncated = [], [], [], 0
+    for prompt, out in zip(prompts, outputs):
+        scores = [scorer.score(prompt, c)[0] for c in out.completions]
+        rewards += scores
+        correct.append(sum(r >= success_threshold - 1e-6 for r in scores))
+        lengths += [len(c.token_ids) for c in out.completions]
+        truncated += sum(c.finish_reason == "length" for c in out.completions)
+    samples = len(rewards)
+    result = {"model": model, "task": data.task, "prompts": num_prompts, "n": n, "samples": samples,
+              "temperature": temperature, "mean_reward": sum(rewards) / samples,
+              "accuracy": sum(correct) / samples}
+    for x in ks:
+        result[f"pass@{x}"] = sum(pass_at_k(n, c, x) for c in correct) / num_prompts
+    result.update({"mean_response_length": sum(lengths) / samples, "truncated_fraction": truncated / samples,
+                   "reward_errors": scorer.errors, "seconds": time.perf_counter() - start})
+    return result
+
+
+@dataclasses.dataclass
+class EvalArgs:
+    """Evaluate a model or a checkpoint on a task: mean reward, pass@k, response length."""
+
+    model: str = "smollm2"
+    """An HF directory, a .gguf, 'smollm2', 'random:<preset>', or a checkpoint RUN/checkpoints/step_XXXXXXXX."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    tokenizer: str | None = None
+    """Tokenizer source (default: the model; for a checkpoint, the model path in the run's config.json)."""
+    num_prompts: int = 64
+    """Prompts to evaluate."""
+    first_prompt: int = 0
+    """Index of the first prompt (the task's prompt k is fixed by data.seed and k)."""
+    n: int = 4
+    """Samples per prompt."""
+    k: tuple[int, ...] = (1,)
+    """pass@k for each of these (each <= n)."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    max_new_tokens: int = 256
+    max_prompt_length: int = 1024
+    max_slots: int = 64
+    """Sequences the engine decodes together."""
+    success_threshold: float = 1.0
+    """A sample counts as correct (for accuracy and pass@k) when its reward reaches this."""
+    seed: int = 0
+    """Sampling seed (and the seed of 'random:' weights)."""
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bfloat16 on CUDA, float32 otherwise."""
+    cuda_graphs: bool = True
+    out: str | None = None
+    """Also write the result as JSON here."""
+
+
+def eval_main(args: list[str]) -> None:
+    """`asyncrl eval [...]`: print the result as one JSON line (and write --out)."""
+    import tyro
+    a = tyro.cli(EvalArgs, args=args, prog="asyncrl eval")
+    try:
+        result = evaluate(a.model, a.data, num_prompts=a.num_prompts, n=a.n, k=a.k, temperature=a.temperature,
+                          max_new_tokens=a.max_new_tokens, max_slots=a.max_slots, seed=a.seed, device=a.device,
+                          tokenizer=a.tokenizer, dtype=a.dtype, first_prompt=a.first_prompt,
+                          max_prompt_length=a.max_prompt_length, success_threshold=a.success_threshold,
+                          cuda_graphs=a.cuda_graphs)
+    except ValueError as err:
+        raise SystemExit(f"asyncrl eval: {err}") from None
+    print(json.dumps(result), flush=True)
+    if a.out:
+        path = pathlib.Path(a.out)
+        if path.parent != pathlib.Path(""):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")

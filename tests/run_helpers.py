@@ -1,0 +1,31 @@
+"""One real tiny training run shared by the report / eval tests, and a subprocess helper for CLI tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`asyncrl ARGS...` in a subprocess (through `python -m asyncrl.cli`, so PATH does not matter), with one
+    intra-op thread like the rest of the suite (two OpenMP threads on a 2-core box make the tiny models'
+    matmuls ~30x slower)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def tiny_run(tmp_path_factory) -> pathlib.Path:
+    """A finished 3-version fully-async run of random:tiny-qwen2 on the toy task, with a checkpoint at
+    version 3 (~10 s on 2 cores). Made once per test session: later callers find it on disk."""
+    run_dir = tmp_path_factory.getbasetemp() / "shared-tiny-run"
+    if not (run_dir / "summary.json").is_file():
+        out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
+                  "--async-training.total-versions", "3", "--checkpoint-every", "3", "--wandb", "off",
+                  "--run-dir", str(run_dir), timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir

@@ -1,0 +1,118 @@
+"""`asyncrl eval`: the pass@k estimator, a smoke eval of a tiny random model on the toy task, eval from
+checkpoint directories (a hand-made one and a real run's), argument errors, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from asyncrl.checkpoint import save_checkpoint
+from asyncrl.config import GRPO, DataConfig, TrainerConfig
+from asyncrl.evaluate import evaluate, pass_at_k
+from asyncrl.learner import build_learner
+from asyncrl.policies import ARCH_PRESETS, random_model, save_pretrained
+from tests.run_helpers import cli, tiny_run
+
+TOY = DataConfig(task="toy")
+TINY = dict(num_prompts=6, n=4, max_new_tokens=6, max_slots=16)
+
+
+def same_numbers(a: dict, b: dict) -> bool:
+    drop = ("model", "seconds")
+    return {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 1, 2, 0.5),            # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (4, 1, 1, 0.25),           # pass@1 = c/n
+    (4, 2, 2, 5 / 6),          # 1 - C(2,2)/C(4,2) = 1 - 1/6
+    (4, 0, 4, 0.0),            # nothing correct
+    (4, 4, 1, 1.0),            # everything correct
+    (5, 2, 4, 1.0),            # n - c < k: every 4-subset holds a correct sample
+    (10, 3, 5, 11 / 12),       # 1 - C(7,5)/C(10,5) = 1 - 21/252
+    (16, 1, 16, 1.0),
+])
+def test_pass_at_k_golden_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)]:
+        with pytest.raises(ValueError, match="pass_at_k"):
+            pass_at_k(n, c, k)
+
+
+def test_smoke_eval_of_a_tiny_random_model_is_sane():
+    result = evaluate("random:tiny-qwen2", TOY, k=(1, 2, 4), success_threshold=0.75, **TINY)
+    assert result["prompts"] == 6 and result["n"] == 4 and result["samples"] == 24 and result["task"] == "toy"
+    assert 0.0 <= result["mean_reward"] <= 1.0
+    assert 1 <= result["mean_response_length"] <= 6
+    assert 0.0 <= result["truncated_fraction"] <= 1.0
+    assert result["pass@1"] == pytest.approx(result["accuracy"])  # the unbiased pass@1 is the mean correctness
+    assert 0.0 <= result["pass@1"] <= result["pass@2"] <= result["pass@4"] <= 1.0
+    assert result["reward_errors"] == 0
+    # fixed seeds: the same evaluation again gives the same numbers; another seed samples differently
+    assert same_numbers(result, evaluate("random:tiny-qwen2", TOY, k=(1, 2, 4), success_threshold=0.75, **TINY))
+
+
+def test_greedy_samples_agree_so_pass_at_k_is_pass_at_1():
+    result = evaluate("random:tiny-qwen2", TOY, k=(1, 4), temperature=0.0, success_threshold=0.5, **TINY)
+    assert result["pass@1"] == pytest.approx(result["pass@4"])
+    assert result["pass@1"] * TINY["num_prompts"] == pytest.approx(round(result["pass@1"] * TINY["num_prompts"]))
+
+
+def test_eval_from_a_checkpoint_matches_the_same_weights_as_an_hf_dir(tmp_path):
+    # weights unlike `random:tiny-qwen2` (a larger init), so reading anything but the checkpoint would show
+    policy = random_model(dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.2), seed=3)
+    state = build_learner(policy, TrainerConfig(mini_batch_size=1), GRPO())
+    checkpoint = save_checkpoint(tmp_path / "run", state)
+    hf_dir = save_pretrained(policy, tmp_path / "hf")
+    from_checkpoint = evaluate(str(checkpoint), TOY, k=(1, 4), success_threshold=0.5, **TINY)
+    from_hf = evaluate(str(hf_dir), TOY, k=(1, 4), success_threshold=0.5, **TINY)
+    assert same_numbers(from_checkpoint, from_hf)
+    assert from_checkpoint["model"] == str(checkpoint)
+    # no run config.json next to checkpoints/ and a task that needs a tokenizer: the error says what to pass
+    with pytest.raises(ValueError, match="tokenizer"):
+        evaluate(str(checkpoint), DataConfig(task="arithmetic"), **TINY)
+    # an HF directory without tokenizer files, likewise (transformers would build an empty tokenizer)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        evaluate(str(hf_dir), DataConfig(task="arithmetic"), **TINY)
+
+
+def test_eval_from_a_real_runs_checkpoint(tmp_path_factory):
+    run_dir = tiny_run(tmp_path_factory)
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert (checkpoint / "learner.pt").is_file()
+    result = evaluate(str(checkpoint), TOY, k=(1, 2), success_threshold=0.75, **TINY)
+    assert result["samples"] == 24 and 0.0 <= result["mean_reward"] <= 1.0
+    # the run's model path (random:tiny-qwen2) has no tokenizer, so a text task names the fix
+    with pytest.raises(ValueError, match="--tokenizer"):
+        evaluate(str(checkpoint), DataConfig(task="arithmetic"), **TINY)
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(k=(5,)), "k"), (dict(k=(0,)), "k"),
+                                            (dict(num_prompts=0), "num_prompts"), (dict(max_slots=2), "max_slots"),
+                                            (dict(temperature=-1.0), "temperature")])
+def test_bad_arguments_name_the_field(kwargs, field):
+    args = {**TINY, **kwargs}
+    with pytest.raises(ValueError, match=f"eval: {field}="):
+        evaluate("random:tiny-qwen2", TOY, **args)
+
+
+def test_cli_help_and_smoke_run(tmp_path):
+    out = cli("eval", "--help")
+    assert out.returncode == 0
+    for flag in ("--model", "--data.task", "--num-prompts", "--n", "--k", "--tokenizer", "--out"):
+        assert flag in out.stdout, flag
+    target = tmp_path / "eval" / "result.json"
+    out = cli("eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--num-prompts", "4", "--n", "2",
+              "--k", "1", "2", "--max-new-tokens", "4", "--out", str(target))
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert printed["prompts"] == 4 and "pass@1" in printed and "pass@2" in printed
+    assert json.loads(target.read_text()) == printed
+    out = cli("eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--n", "2", "--k", "3")
+    assert out.returncode != 0 and "k=(3,)" in out.stderr
