@@ -118,7 +118,8 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
             raise ValueError(f"eval: {name}={value!r} is invalid: must be {want}")
     token_source = _tokenizer_source(model, tokenizer, data)
     source = SourceFactory(data, token_source, max_prompt_length)()
-    source.load_state_dict({"index": first_prompt})
+    for _ in range(first_prompt):  # works for generated tasks and prompt files alike
+        source.next()
     prompts = [source.next() for _ in range(num_prompts)]
     scorer = ScorerFactory(token_source)()
 
@@ -146,7 +147,7 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
         lengths += [len(c.token_ids) for c in out.completions]
         truncated += sum(c.finish_reason == "length" for c in out.completions)
     samples = len(rewards)
-    result = {"model": model, "task": data.task, "prompts": num_prompts, "n": n, "samples": samples,
+    result = {"model": model, "task": data.path or data.task, "prompts": num_prompts, "n": n, "samples": samples,
               "temperature": temperature, "mean_reward": sum(rewards) / samples,
               "accuracy": sum(correct) / samples}
     for x in ks:
