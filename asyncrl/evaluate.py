@@ -27,9 +27,12 @@ import json
 import pathlib
 import tempfile
 import time
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from asyncrl.config import DataConfig
+
+if TYPE_CHECKING:
+    from asyncrl.policies import Engine, SamplingParams
 
 __all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
 
@@ -91,6 +94,19 @@ def _default_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+def _generate_with_progress(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    """`engine.generate`, with a progress bar over finished prompts (stderr)."""
+    from tqdm import tqdm
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done = {}
+    with tqdm(total=len(ids), desc="eval", unit="prompt", leave=False) as bar:
+        while len(done) < len(ids):
+            for out in engine.step():
+                done[out.request_id] = out
+                bar.update(1)
+    return [done[i] for i in ids]
+
+
 def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4, k: int | Sequence[int] = (1,),
              temperature: float = 1.0, max_new_tokens: int = 256, max_slots: int = 64, seed: int = 0,
              device: str = "cpu", tokenizer: str | None = None, dtype: str = "auto", first_prompt: int = 0,
@@ -137,7 +153,7 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
                                          cuda_graphs=cuda_graphs, seed=seed))
     params = [SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                              seed=seed * 1_000_000 + first_prompt + i) for i in range(num_prompts)]
-    outputs = engine.generate([p.prompt_ids for p in prompts], params)
+    outputs = _generate_with_progress(engine, [p.prompt_ids for p in prompts], params)
 
     rewards, correct, lengths, truncated = [], [], [], 0
     for prompt, out in zip(prompts, outputs):
