@@ -410,7 +410,13 @@ class AsyncConfig:
     total_versions: int = 10
     """Weight publications in the run (each follows trigger_parameter_sync_step learner steps)."""
     colocated: bool = False
-    """One device: the engine sleeps (frees its KV cache) while the learner trains."""
+    """Generation and training share devices: with the rpc/torchrun launchers each trainer rank hosts a
+    rollout engine on its own device (placement.agent_devices must equal trainer_devices); with the local
+    launcher the engines live where agent_devices says. Use with staleness 0 and trigger 1 for verl's
+    colocated synchronous baseline."""
+    colocated_sleep: bool = True
+    """Colocated engines free their KV cache and CUDA graphs while waiting (memory for training), at the
+    cost of re-allocating and re-capturing them each version; False keeps them when memory allows."""
     take_timeout_s: float = 600.0
     """The trainer fails if it waits longer than this for groups."""
     agent_timeout_s: float = 120.0
@@ -546,5 +552,8 @@ class RunConfig:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
         if not self.placement.trainer_devices or not self.placement.agent_devices:
             _fail("placement", "agent_devices", self.placement.agent_devices, "need at least one trainer and one agent")
-        if self.async_training.colocated and self.placement.launcher != "local":
-            _fail("async_training", "colocated", True, "colocated mode shares one device: use placement.launcher=local")
+        if (self.async_training.colocated and self.placement.launcher != "local"
+                and tuple(self.placement.agent_devices) != tuple(self.placement.trainer_devices)):
+            _fail("placement", "agent_devices", self.placement.agent_devices,
+                  f"colocated runs host one engine in each trainer process: set it equal to trainer_devices="
+                  f"{self.placement.trainer_devices}")

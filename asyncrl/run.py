@@ -138,7 +138,8 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
                    trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    log_fn=log_fn, master_addr=cfg.placement.master_addr,
-                   threads_per_process=cfg.placement.threads_per_process)
+                   threads_per_process=cfg.placement.threads_per_process,
+                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")
 
 
 def _config_dict(cfg: RunConfig) -> dict:

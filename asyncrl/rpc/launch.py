@@ -11,6 +11,10 @@ Weights travel by torch.distributed: one two-member group {rank 0, agent} per ag
 on CPU), so a dead agent never blocks the others; the full weights go in flat buckets, the agent side
 receiving in an RPC thread while its engine waits paused at a step boundary.
 
+Colocated placement (`colocate=True`): no agent processes; trainer rank i also hosts agent i on its own
+device (both GPUs generate, then both train). A publication gathers the full weights on every trainer rank
+(FSDP2 all-gathers) and each rank copies them into its own engine: no transfer between processes.
+
 Fail loud: every RPC carries a timeout; process groups are created with a timeout so a collective whose
 peer is gone raises; agents that fall silent are declared dead by the controller. RPC uses pickle: the
 launcher binds to loopback (127.0.0.1) unless `master_addr` says otherwise — never expose it to an
@@ -48,11 +52,13 @@ from asyncrl.rpc.controller import Controller, RunSummary
 from asyncrl.rpc.param_server import AgentSet, SyncFailed
 from asyncrl.rpc.queue import SampleQueue
 
-__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_worker", "run_torchrun", "CollectivePublisher"]
+__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_worker", "run_torchrun", "CollectivePublisher",
+           "ColocatedPublisher"]
 
 log = logging.getLogger("asyncrl.launch")
 
 _GROUPS: dict[str, Any] = {}  # this process's weight groups, filled at bootstrap
+_HOSTED: dict[str, "AgentServer"] = {}  # colocated placement: the agent this trainer process hosts
 
 
 # ------------------------------------------------------------------------------------------- specs
@@ -111,6 +117,13 @@ class RunSpec:
     bucket_mb: int = 256
     master_addr: str = "127.0.0.1"
     threads_per_process: int = 1
+    colocate: bool = False
+    """Host agent i inside trainer rank i's process, on its device (needs one agent per trainer)."""
+
+    def __post_init__(self):
+        if self.colocate and len(self.agents) != len(self.trainer_devices):
+            raise ValueError(f"colocate=True hosts one agent per trainer rank: got {len(self.agents)} agents for "
+                             f"{len(self.trainer_devices)} trainer devices; give one AgentSpec per trainer device")
 
     @property
     def num_trainers(self) -> int:
@@ -118,10 +131,14 @@ class RunSpec:
 
     @property
     def world_size(self) -> int:
-        return self.num_trainers + len(self.agents)
+        return self.num_trainers if self.colocate else self.num_trainers + len(self.agents)
 
     def agent_name(self, i: int) -> str:
         return f"agent{i}"
+
+    def agent_worker(self, i: int) -> str:
+        """The RPC worker hosting agent i: its own process, or trainer rank i's when colocated."""
+        return f"trainer{i}" if self.colocate else self.agent_name(i)
 
 
 # ------------------------------------------------------------------------------------ agent process
@@ -139,10 +156,13 @@ class AgentServer:
                                             cuda_graphs=spec.rollout.cuda_graphs, seed=spec.seed + index))
         handle = _RemoteController(controller_rref, spec.rpc_timeout_s, aspec)
         self.agent = RolloutAgent(self.name, engine, spec.scorer_factory(), spec.rollout, handle,
-                                  colocated=spec.async_.colocated, step_delay_s=aspec.step_delay_s)
+                                  colocated=spec.async_.colocated and spec.async_.colocated_sleep,
+                                  step_delay_s=aspec.step_delay_s)
         handle.agent = self.agent
-        self.group = _GROUPS[self.name]
+        self.group = _GROUPS.get(self.name)  # None when colocated: weights are copied in-process
         self.device = torch.device(aspec.device)
+        if spec.colocate:
+            _HOSTED["agent"] = self
 
     def ready(self) -> bool:
         return True
@@ -156,7 +176,11 @@ class AgentServer:
                 "error": repr(self.agent.error) if self.agent.error else None}
 
     def window_metrics(self) -> dict:
-        return self.agent.window_metrics()
+        metrics = self.agent.window_metrics()
+        if self.device.type == "cuda":
+            metrics["rollouter/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            metrics["rollouter/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        return metrics
 
     @rpc.functions.async_execution
     def prepare(self, partial: bool, timeout: float) -> torch.futures.Future:
@@ -293,6 +317,36 @@ class CollectivePublisher(AgentSet):
         return future.wait()
 
 
+class ColocatedPublisher(AgentSet):
+    """Rank 0's side of a publication when every trainer rank hosts its own agent: pause them all over RPC,
+    then every rank gathers the full weights and copies them into its own engine (`_load_hosted`)."""
+
+    def __init__(self, agents: dict[str, rpc.RRef], *, partial_rollout: bool, timeout: float, load_fn: Callable):
+        super().__init__(agents)
+        self.partial, self.timeout, self.load_fn = partial_rollout, timeout, load_fn
+
+    def publish(self, state, version: int) -> dict:
+        start = time.perf_counter()
+        prepares = [rref.rpc_async(timeout=self.timeout).prepare(self.partial, self.timeout)
+                    for rref in self._agents.values()]
+        for future in prepares:  # a colocated agent shares its trainer's process: a failure here is fatal
+            future.wait()
+        paused = time.perf_counter()
+        self.load_fn(state, version)
+        done = time.perf_counter()
+        return {"timing_s/param_sync": done - start, "timing_s/param_drain": paused - start,
+                "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0}
+
+
+def _load_hosted(state, dtype: torch.dtype, version: int) -> None:
+    """Every trainer rank (together: FSDP2 gathers): copy the full weights into the engine this process hosts."""
+    server = _HOSTED["agent"]
+    for name, tensor in full_weights(state.policy, dtype=dtype):
+        server.agent.load_weights([(name, tensor.to(server.device))], None)
+    server.agent.load_weights([], version)
+    server.agent.resume()
+
+
 # --------------------------------------------------------------------------------- bootstrap
 def _free_port() -> int:
     with socket.socket() as s:
@@ -308,7 +362,7 @@ def _local_device(device: str) -> str:
 def _bootstrap(spec: RunSpec, rank: int, port_pg: int, port_rpc: int) -> None:
     """torch.distributed (weights, FSDP2) and RPC (control, samples), with timeouts; weight groups."""
     torch.set_num_threads(spec.threads_per_process)
-    devices = [_local_device(d) for d in spec.trainer_devices + [a.device for a in spec.agents]]
+    devices = [_local_device(d) for d in spec.trainer_devices + ([] if spec.colocate else [a.device for a in spec.agents])]
     backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
     timeout = datetime.timedelta(seconds=spec.async_.sync_timeout_s)
     # under torchrun, MASTER_PORT already hosts torchrun's store: join it through env:// (port_pg = 0)
@@ -316,14 +370,19 @@ def _bootstrap(spec: RunSpec, rank: int, port_pg: int, port_rpc: int) -> None:
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=spec.world_size, timeout=timeout)
     if devices[rank].startswith("cuda"):
         torch.cuda.set_device(torch.device(devices[rank]))
-    _GROUPS["trainer"] = dist.new_group(list(range(spec.num_trainers)), timeout=timeout)
-    for i in range(len(spec.agents)):  # every rank creates every group, in the same order
-        _GROUPS[spec.agent_name(i)] = dist.new_group([0, spec.num_trainers + i], timeout=timeout)
+    trainers = list(range(spec.num_trainers))
+    _GROUPS["trainer"] = dist.new_group(trainers, timeout=timeout)
+    # rank 0's commands to the other trainer ranks travel on a CPU group whose timeout covers the longest
+    # wait between two commands (the trainer waiting for samples), so idle followers never time out
+    idle = datetime.timedelta(seconds=spec.async_.take_timeout_s + 2 * spec.async_.sync_timeout_s)
+    _GROUPS["commands"] = dist.new_group(trainers, timeout=idle, backend="gloo")
+    if not spec.colocate:
+        for i in range(len(spec.agents)):  # every rank creates every group, in the same order
+            _GROUPS[spec.agent_name(i)] = dist.new_group([0, spec.num_trainers + i], timeout=timeout)
     _GROUPS["backend"] = backend
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{spec.master_addr}:{port_rpc}",
                                               rpc_timeout=spec.rpc_timeout_s, num_worker_threads=16)
-    name = "trainer0" if rank == 0 else (f"trainer{rank}" if rank < spec.num_trainers
-                                          else spec.agent_name(rank - spec.num_trainers))
+    name = f"trainer{rank}" if rank < spec.num_trainers else spec.agent_name(rank - spec.num_trainers)
     # RPC gets its own store on port_rpc, served by rank 0; under torchrun the rendezvous would otherwise
     # make every rank a client of torchrun's agent store (which does not listen on port_rpc)
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -340,9 +399,10 @@ def _build_learner(spec: RunSpec, rank: int):
     reference = spec.model.build(device, "bfloat16" if device.startswith("cuda") else "float32") \
         if spec.reference else None
     group = _GROUPS["trainer"] if spec.num_trainers > 1 else None
-    if group is not None:
+    if group is not None:  # shard over the trainer ranks only (the default group also holds the agents)
+        from torch.distributed.device_mesh import DeviceMesh
         from asyncrl.learner import shard_model
-        shard_model(policy)
+        shard_model(policy, DeviceMesh.from_group(group, torch.device(_local_device(device)).type))
     return build_learner(policy, spec.trainer, spec.algorithm, reference=reference, group=group)
 
 
@@ -363,16 +423,21 @@ def _run_controller(spec: RunSpec) -> RunSummary:
     controller = Controller(queue, state, None, spec.async_, log_metrics=spec.log_fn, run_dir=spec.run_dir,
                             checkpoint_every=spec.checkpoint_every)
     me = rpc.RRef(controller)
-    agents = {spec.agent_name(i): rpc.remote(spec.agent_name(i), AgentServer, args=(spec, i, me),
+    agents = {spec.agent_name(i): rpc.remote(spec.agent_worker(i), AgentServer, args=(spec, i, me),
                                              timeout=max(spec.rpc_timeout_s, 600))
               for i in range(len(spec.agents))}
     for rref in agents.values():
         rref.rpc_sync(timeout=max(spec.rpc_timeout_s, 600)).ready()  # waits until every engine is built
     engine_dtype = getattr(torch, spec.agents[0].engine_dtype)
-    controller.publisher = CollectivePublisher(
-        agents, partial_rollout=spec.async_.partial_rollout, timeout=spec.async_.sync_timeout_s,
-        bucket_mb=spec.bucket_mb, dtype=engine_dtype, on_cuda=_GROUPS["backend"] == "nccl",
-        weights_fn=trainers.weights)
+    if spec.colocate:
+        controller.publisher = ColocatedPublisher(
+            agents, partial_rollout=spec.async_.partial_rollout, timeout=spec.async_.sync_timeout_s,
+            load_fn=lambda state, version: trainers.load_hosted(state, engine_dtype, version))
+    else:
+        controller.publisher = CollectivePublisher(
+            agents, partial_rollout=spec.async_.partial_rollout, timeout=spec.async_.sync_timeout_s,
+            bucket_mb=spec.bucket_mb, dtype=engine_dtype, on_cuda=_GROUPS["backend"] == "nccl",
+            weights_fn=trainers.weights)
     controller.last_heard = {name: time.monotonic() for name in agents}
     controller.step_fn = trainers.step
     controller.on_step = getattr(spec.log_fn, "log_samples", None)
@@ -420,18 +485,22 @@ class _TrainerCommands:
 
     def command(self, *cmd) -> None:
         if self.multi:
-            dist.broadcast_object_list([cmd], src=0, group=_GROUPS["trainer"])
+            dist.broadcast_object_list([cmd], src=0, group=_GROUPS["commands"])
 
     def step(self, state, groups):
-        self.command("step", groups)
+        self.command("step", groups, state.version)  # followers learn the version only through commands
         return train_step(state, groups)
 
     def weights(self, state, dtype):
         self.command("weights", str(dtype).removeprefix("torch."))
         return list(full_weights(state.policy, dtype=dtype))
 
+    def load_hosted(self, state, dtype, version: int) -> None:
+        self.command("load_hosted", str(dtype).removeprefix("torch."), version)
+        _load_hosted(state, dtype, version)
+
     def checkpoint(self, controller: Controller):
-        self.command("checkpoint", controller.run_dir)
+        self.command("checkpoint", controller.run_dir, controller.state.version)
         return controller.checkpoint()
 
 
@@ -440,18 +509,23 @@ def _follow(spec: RunSpec, rank: int) -> None:
     state = _build_learner(spec, rank)
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=_GROUPS["trainer"])
+        dist.broadcast_object_list(box, src=0, group=_GROUPS["commands"])
         cmd, *args = box[0]
         if cmd == "step":
+            state.version = args[1]
             state, _ = train_step(state, args[0])
         elif cmd == "weights":
             for _ in full_weights(state.policy, dtype=getattr(torch, args[0])):
                 pass
+        elif cmd == "load_hosted":
+            _load_hosted(state, getattr(torch, args[0]), args[1])
+            state.version = args[1]
         elif cmd == "load":
             from asyncrl.checkpoint import load_checkpoint
             load_checkpoint(args[0], state)
         elif cmd == "checkpoint":
             from asyncrl.checkpoint import save_checkpoint
+            state.version = args[1]
             save_checkpoint(args[0], state, keep_last=3)
         elif cmd == "stop":
             return
@@ -495,6 +569,7 @@ def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=No
             _follow(spec, rank)
     except BaseException as err:
         graceful = False
+        log.exception("rank %d failed", rank)  # the exit below would swallow the traceback
         if results is not None:
             results.put(pickle.dumps(RuntimeError(f"rank {rank} failed: {err!r}")))
         raise

@@ -55,7 +55,8 @@ class LocalRun:
                                  lag_policy=self.config.lag_policy)
         delays = self.step_delays or [0.0] * len(self.engines)
         self.agents = [RolloutAgent(f"agent{i}", engine, self.scorer, self.rollout, None,
-                                    colocated=self.config.colocated, step_delay_s=delays[i])
+                                    colocated=self.config.colocated and self.config.colocated_sleep,
+                                    step_delay_s=delays[i])
                        for i, engine in enumerate(self.engines)]
         dtype = self.engines[0].model.dtype
         self.publisher = LocalPublisher(self.agents, partial_rollout=self.config.partial_rollout,

@@ -132,3 +132,41 @@ def test_collective_with_a_gone_or_hung_peer_raises_instead_of_hanging():
         assert outcome == "raised" and seconds < 10, (case, outcome, seconds, detail)
     # the hung peer's group raised on its own timeout (about 3 s), not on a closed connection
     assert 2.0 <= outcomes["hung peer, receiving"][1], outcomes
+
+
+# ------------------------------------------------------------------------ trainer groups, colocation
+def test_two_trainer_ranks_and_two_agents_learn_with_fsdp2():
+    """The scaled layout (issue: FSDP2 trainer group + several agents): 2 trainer ranks sharding the policy
+    over gloo, 2 rollout agents each fed from rank 0 over its own group; 4 processes."""
+    spec = make_spec([AgentSpec(), AgentSpec()], total_versions=8, lr=6e-3)
+    spec.trainer_devices = ["cpu", "cpu"]
+    summary = launch(spec, timeout_s=300)
+    assert summary.versions == 8 and summary.dead_agents == []
+    assert_books_balance(summary, spec)
+    scores = [m["critic/score/mean"] for m in summary.history]
+    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
+
+
+def test_colocated_sync_run_hosts_an_engine_in_each_trainer_rank_and_stays_on_policy():
+    """verl's colocated baseline: 2 processes, each a trainer rank (FSDP2) hosting its own engine; staleness 0,
+    trigger 1, no partial rollout: every trained token was sampled by the weights being trained."""
+    spec = make_spec([AgentSpec(), AgentSpec()], total_versions=8, lr=6e-3, staleness_threshold=0.0,
+                     trigger_parameter_sync_step=1, partial_rollout=False, colocated=True, concurrent_prompts=MINI // 2)
+    spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
+    assert spec.world_size == 2
+    summary = launch(spec, timeout_s=300)
+    assert summary.versions == 8 and summary.dead_agents == []
+    assert_books_balance(summary, spec)
+    assert all(m["training/version_lag/max"] == 0 for m in summary.history), \
+        [m["training/version_lag/max"] for m in summary.history]
+    assert all(m["fully_async/partial/partial_ratio"] == 0 for m in summary.history)
+    scores = [m["critic/score/mean"] for m in summary.history]
+    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+
+
+def test_colocate_needs_one_agent_per_trainer_rank():
+    with pytest.raises(ValueError, match="one agent per trainer rank"):
+        RunSpec(model=ModelSpec(config=MODEL_CONFIG), algorithm=GRPO(), trainer=TrainerConfig(),
+                rollout=RolloutConfig(), async_=AsyncConfig(), source_factory=source, scorer_factory=scorer,
+                agents=[AgentSpec()], trainer_devices=["cpu", "cpu"], colocate=True)
