@@ -297,6 +297,14 @@ BENCHMARKS = {
 }
 
 
+def _async_bench():
+    from asyncrl.bench_async import AsyncBenchArgs, bench_async
+    return AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"
+
+
+BENCHMARKS["async"] = (None, None, "colocated sync vs one-step-off / stream / stale+partial training runs")
+
+
 def _usage() -> str:
     lines = ["usage: asyncrl bench BENCHMARK [--field value ...]", "", "benchmarks:"]
     lines += [f"  {name:10s} {description}" for name, (_, _, description) in BENCHMARKS.items()]
@@ -313,7 +321,7 @@ def bench_main(args: list[str]) -> None:
         raise SystemExit(f"asyncrl bench: unknown benchmark {args[0]!r}; choose one of {', '.join(BENCHMARKS)}"
                          f"\n\n{_usage()}")
     import tyro
-    config_type, run, description = BENCHMARKS[args[0]]
+    config_type, run, description = BENCHMARKS[args[0]] if args[0] != "async" else _async_bench()
     config = tyro.cli(config_type, args=args[1:], prog=f"asyncrl bench {args[0]}", description=description)
     try:
         run(config)

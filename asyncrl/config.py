@@ -409,6 +409,8 @@ class AsyncConfig:
     """Over the cap: drop the group at dequeue, or hold back publication until old work is consumed."""
     total_versions: int = 10
     """Weight publications in the run (each follows trigger_parameter_sync_step learner steps)."""
+    time_budget_s: float | None = None
+    """Stop after the version that crosses this many seconds of training (None: run all total_versions)."""
     colocated: bool = False
     """Generation and training share devices: with the rpc/torchrun launchers each trainer rank hosts a
     rollout engine on its own device (placement.agent_devices must equal trainer_devices); with the local
@@ -441,6 +443,8 @@ class AsyncConfig:
             _fail(owner, "lag_policy", self.lag_policy, f"'wait' with max_version_lag=0 can never publish when "
                   f"staleness_threshold={self.staleness_threshold} > 0; use lag_policy='drop', "
                   "max_version_lag >= 1 or staleness_threshold=0")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            _fail(owner, "time_budget_s", self.time_budget_s, "must be > 0 seconds or None")
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
             if not getattr(self, field) > 0:
                 _fail(owner, field, getattr(self, field), "must be > 0 seconds")
@@ -456,6 +460,9 @@ class ModelConfig:
     """Rollout precision: auto = bf16 on CUDA, fp32 on CPU."""
     seed: int = 0
     """Seed of random weights ('random:' models)."""
+    tokenizer: str | None = None
+    """Tokenizer (HF directory, .gguf or 'smollm2') when not the model's own: lets a 'random:' model of a real
+    shape read prompt files (throughput benchmarks)."""
 
     def validate(self) -> None:
         if is_placeholder(self.path):
@@ -550,6 +557,11 @@ class RunConfig:
                   f"must equal rollout.temperature={self.rollout.temperature} (log-probs of the sampled distribution)")
         if self.checkpoint_every < 0:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if (self.model.path.startswith("random:") and self.model.tokenizer is None
+                and (self.data.path is not None or self.data.task != "toy")):
+            _fail("model", "tokenizer", None, f"model.path={self.model.path!r} has no tokenizer, and "
+                  f"{'data.path' if self.data.path else 'data.task=' + self.data.task} needs one to render prompts: "
+                  "set model.tokenizer (an HF directory, .gguf or 'smollm2') or use data.task=toy")
         if not self.placement.trainer_devices or not self.placement.agent_devices:
             _fail("placement", "agent_devices", self.placement.agent_devices, "need at least one trainer and one agent")
         if (self.async_training.colocated and self.placement.launcher != "local"

@@ -97,7 +97,7 @@ class SourceFactory:
         tokenizer = _tokenizer(self.model_path)
         if tokenizer is None:
             raise ValueError(f"data.path={self.data.path!r} needs a tokenizer to render its prompts, and "
-                             f"model.path={self.model_path!r} has none; use a model with a tokenizer, or "
+                             f"model.path={self.model_path!r} has none; use a model with a tokenizer, set model.tokenizer, or "
                              "data.task=toy for random models")
         prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
                                           on_long=self.data.on_long, system_prompt=self.data.system_prompt)
@@ -131,10 +131,11 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
     cfg.validate()
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
     agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d)) for d in cfg.placement.agent_devices]
+    tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it
     return RunSpec(model=model, algorithm=cfg.algorithm, trainer=cfg.trainer, rollout=cfg.rollout,
                    async_=cfg.async_training,
-                   source_factory=SourceFactory(cfg.data, cfg.model.path, cfg.rollout.max_prompt_length),
-                   scorer_factory=ScorerFactory(cfg.model.path, strict=cfg.strict_rewards), agents=agents,
+                   source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length),
+                   scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards), agents=agents,
                    trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    log_fn=log_fn, master_addr=cfg.placement.master_addr,

@@ -43,6 +43,8 @@ class ControllerHandle(Protocol):
 
     def heartbeat(self, agent: str) -> None: ...
 
+    def agent_failed(self, agent: str, why: str) -> None: ...
+
 
 class RolloutAgent:
     def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
@@ -82,9 +84,15 @@ class RolloutAgent:
         try:
             while not self._stop.is_set():
                 self._tick()
-        except BaseException as err:  # surface it: the controller sees the agent fall silent, tests see .error
+        except BaseException as err:  # surface it: tell the controller at once (else it sees the agent fall silent)
             self.error = err
             log.exception("agent %s stopped on an error", self.name)
+            report = getattr(self.controller, "agent_failed", None)
+            if report is not None:
+                try:
+                    report(self.name, f"its generation loop raised {err!r}")
+                except Exception:  # noqa: BLE001 - the controller may be gone too; the timeout still catches it
+                    log.warning("agent %s could not report its failure", self.name)
 
     def _tick(self) -> None:
         now = time.monotonic()

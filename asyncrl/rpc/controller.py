@@ -61,6 +61,7 @@ class Controller:
         self.history: list[dict] = []
         self.reward_errors: dict[str, int] = {}
         self.stop_requested = threading.Event()
+        self.fatal: BaseException | None = None  # set from an RPC thread, raised by the trainer loop
 
     # --------------------------------------------------------------------- agent-facing (RPC threads)
     def _heard(self, agent: str) -> None:
@@ -81,8 +82,17 @@ class Controller:
     def heartbeat(self, agent: str) -> None:
         self._heard(agent)
 
+    def agent_failed(self, agent: str, why: str) -> None:
+        """An agent whose loop raised says so: dead now, not after agent_timeout_s of silence."""
+        try:
+            self.declare_dead(agent, why)
+        except RuntimeError as err:  # the last agent: the trainer loop raises it
+            self.fatal = err
+
     # ---------------------------------------------------------------------------- agent health
     def _check_agents(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
         now = time.monotonic()
         with self.lock:
             silent = [a for a, t in self.last_heard.items()
@@ -179,8 +189,13 @@ class Controller:
         return metrics
 
     def run(self) -> RunSummary:
-        """Train until `total_versions` publications; then admit nothing more and close the books."""
+        """Train until `total_versions` publications (or `time_budget_s`); then admit nothing more and close
+        the books."""
+        start, budget = time.monotonic(), self.config.time_budget_s
         while self.state.version < self.config.total_versions and not self.stop_requested.is_set():
+            if budget is not None and time.monotonic() - start >= budget:
+                log.info("time budget of %.0f s spent after version %d", budget, self.state.version)
+                break
             metrics = self._window()
             self.history.append(metrics)
             self.log_metrics(metrics, self.state.version)

@@ -234,6 +234,9 @@ class _RemoteController:
     def heartbeat(self, agent: str) -> None:
         self.rref.rpc_sync(timeout=self.timeout).heartbeat(agent)
 
+    def agent_failed(self, agent: str, why: str) -> None:
+        self.rref.rpc_sync(timeout=self.timeout).agent_failed(agent, why)
+
 
 def _numel(shape) -> int:
     n = 1

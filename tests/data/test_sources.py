@@ -123,3 +123,14 @@ def test_gsm8k_preset_mirrors_the_experiment_and_demands_its_paths():
     with pytest.raises(ValueError, match=r"data\.path='train\.csv' is invalid: must be a \.jsonl or \.parquet file"):
         bad.validate()
     assert RunConfig().data.path is None  # the other presets keep their procedural tasks
+
+
+def test_random_model_reading_text_prompts_needs_a_tokenizer_at_startup():
+    cfg = dataclasses.replace(PRESETS["cpu-demo"][1], model=dataclasses.replace(PRESETS["cpu-demo"][1].model,
+                                                                                  path="random:tiny-qwen2"))
+    with pytest.raises(ValueError, match=r"model\.tokenizer.*set model\.tokenizer"):
+        cfg.validate()
+    cfg.model.tokenizer = "smollm2"
+    cfg.validate()  # a random model of a real shape may borrow a tokenizer
+    spec = build_spec(cfg)
+    assert spec.source_factory.model_path == "smollm2" and spec.scorer_factory.model_path == "smollm2"

@@ -304,3 +304,28 @@ def test_agent_whose_weight_sync_fails_is_declared_dead_and_its_prompts_readmitt
     for pid in holding:
         assert ledger.agent[pid] == "agent0" or ledger.dropped.get(pid) == "run_end", pid
     check_books(ledger, summary.ledger, rec.trained_ids, stale_drops_allowed=False)
+
+
+def test_agent_whose_loop_raises_is_declared_dead_at_once_and_the_last_one_stops_the_run():
+    config = AsyncConfig(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=True,
+                         total_versions=4, take_timeout_s=60, agent_timeout_s=60)
+    run = local_run(config, mini_batch_size=MINI, engines=2, concurrent_prompts=2)
+    deaths = _record_deaths(run)
+    broken = run.agents[1]
+
+    def fail():
+        raise RuntimeError("injected: engine crashed")
+
+    broken.engine.step = fail
+    start = time.monotonic()
+    summary = run.run()
+    assert summary.versions == 4 and summary.dead_agents == ["agent1"]
+    assert deaths[0][0] == "agent1" and "injected: engine crashed" in deaths[0][1]
+    assert deaths[0][2] - start < 10, "declared dead only after agent_timeout_s of silence"
+    # the last agent failing ends the run with its reason instead of waiting out take_timeout_s
+    run = local_run(config, mini_batch_size=MINI, engines=1, concurrent_prompts=2)
+    run.agents[0].engine.step = fail
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="every rollout agent is dead.*injected: engine crashed"):
+        run.run()
+    assert time.monotonic() - start < 10

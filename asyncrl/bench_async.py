@@ -1,0 +1,393 @@
+"""Synchronous vs asynchronous training on the same devices: `asyncrl bench async`.
+
+    asyncrl bench async --devices cuda:0 cuda:1 --model random:qwen2.5-0.5b --tokenizer smollm2 \\
+        --data data/gsm8k/train.parquet --variants sync one-step-off stream stale-partial
+
+Every variant is one real training run (the multi-process launcher, `asyncrl.run.train`) with the same model,
+data and hyperparameters; only the mode and the placement differ:
+
+    sync           colocated: every device hosts a trainer rank (FSDP2) and an engine; generate, then train
+                   (staleness 0, trigger 1, no partial rollout) — verl's colocated baseline
+    one-step-off   split: generation of batch k+1 overlaps training on batch k (staleness 1, trigger 1)
+    stream         split: the trainer takes mini-batches as they stream in (staleness 0, trigger 4)
+    stale-partial  split: fully async (staleness 0.5, trigger 4, partial rollout)
+
+A variant may override knobs after a colon: `stale-partial:staleness=0.1,trigger=1,partial=0,slots=128,
+split=2+2` (split = trainer devices + rollout devices, taken in order from --devices). Each mode trains the
+same number of learner steps (`--steps`, or until `--time-budget-s`); the first version is a warm-up (model
+build, CUDA-graph capture, pipeline fill) and is left out of the rates. Per variant: trained tokens/s, time
+per learner step, samples/s, steps/s, trainer and rollouter idle ratios, version lag, weight-sync time
+(beside a bare NCCL broadcast of the same bytes), queue utilisation, peak memory per role, GPU utilisation
+(nvidia-smi) and reward against wall-clock. Writes results.json, bench_async.md and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import pathlib
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+
+from asyncrl.config import GRPO, AsyncConfig, DataConfig, ModelConfig, OptimConfig, PlacementConfig, RolloutConfig, \
+    RunConfig, TrainerConfig
+
+__all__ = ["AsyncBenchArgs", "MODES", "variant_config", "summarize", "broadcast_seconds", "bench_async"]
+
+MODES: dict[str, dict] = {
+    "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True),
+    "one-step-off": dict(staleness=1.0, trigger=1, partial=False),
+    "stream": dict(staleness=0.0, trigger=4, partial=False),
+    "stale-partial": dict(staleness=0.5, trigger=4, partial=True),
+}
+"""Mode -> knobs (verl's names: staleness_threshold, trigger_parameter_sync_step, partial_rollout)."""
+
+
+@dataclasses.dataclass
+class AsyncBenchArgs:
+    variants: tuple[str, ...] = ("sync", "one-step-off", "stream", "stale-partial")
+    """Modes to run, each optionally with overrides: `mode:key=value,...` (keys: staleness, trigger, partial,
+    slots, split, sleep)."""
+    devices: tuple[str, ...] = ("cuda:0", "cuda:1")
+    """The devices every variant gets (sync: all of them colocated; the others: split, default 1 trainer)."""
+    model: str = "random:qwen2.5-0.5b"
+    tokenizer: str | None = None
+    """Tokenizer for a 'random:' model reading --data."""
+    data: str | None = None
+    """Prompt file (verl parquet / JSONL); None = the built-in arithmetic task."""
+    n: int = 8
+    mini_batch_size: int = 16
+    """Prompts per learner step."""
+    max_new_tokens: int = 1024
+    max_prompt_length: int = 512
+    temperature: float = 1.0
+    lr: float = 1e-6
+    slots: int = 256
+    """Engine slots (sequences decoded together) per rollout device."""
+    steps: int = 12
+    """Learner steps per variant (versions = steps / trigger, rounded up)."""
+    time_budget_s: float | None = None
+    """Stop each variant after this many seconds instead (reward-vs-wall-clock comparisons)."""
+    trainer_dtype: str = "float32"
+    gradient_checkpointing: bool = True
+    max_tokens_per_micro_batch: int = 16384
+    seed: int = 0
+    out: str = "runs/bench-async"
+    nccl_reference: bool = True
+    """Time a bare broadcast of the model's bytes between the first two devices, for the weight-sync ratio."""
+    threads_per_process: int = 4
+
+
+# ----------------------------------------------------------------------------------------- configs
+def parse_variant(text: str) -> tuple[str, dict]:
+    mode, _, rest = text.partition(":")
+    if mode not in MODES:
+        raise ValueError(f"variant {text!r}: unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    knobs = dict(MODES[mode])
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key in ("staleness",):
+            knobs[key] = float(value)
+        elif key in ("trigger", "slots"):
+            knobs[key] = int(value)
+        elif key in ("partial", "sleep"):
+            knobs[key] = value.lower() in ("1", "true", "on", "yes")
+        elif key == "split":
+            t, _, r = value.partition("+")
+            knobs["split"] = (int(t), int(r))
+        else:
+            raise ValueError(f"variant {text!r}: unknown key {key!r}; use staleness, trigger, partial, slots, "
+                             "split (e.g. split=1+1) or sleep")
+    return mode, knobs
+
+
+def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
+    """The RunConfig of one variant: shared hyperparameters, the mode's knobs and placement."""
+    mode, k = parse_variant(text)
+    devices = list(args.devices)
+    if k.get("colocated"):
+        trainers = agents = devices
+    else:
+        t, r = k.get("split", (1, len(devices) - 1))
+        if t < 1 or r < 1 or t + r > len(devices):
+            raise ValueError(f"variant {text!r}: split {t}+{r} needs {t + r} of the {len(devices)} --devices "
+                             "and at least one of each role")
+        trainers, agents = devices[:t], devices[t:t + r]
+    trigger = k["trigger"]
+    per_agent = math.ceil(args.mini_batch_size / len(agents)) if k.get("colocated") else None
+    name = text.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "p")
+    return RunConfig(
+        model=ModelConfig(path=args.model, tokenizer=args.tokenizer, seed=args.seed),
+        data=DataConfig(path=args.data, task="toy" if args.model.startswith("random:") and not args.tokenizer
+                        else "arithmetic", digits=2, seed=args.seed),
+        algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots),
+                              max_concurrent_prompts=per_agent),
+        trainer=TrainerConfig(mini_batch_size=args.mini_batch_size, temperature=args.temperature,
+                              max_response_length=args.max_new_tokens, param_dtype=args.trainer_dtype,
+                              gradient_checkpointing=args.gradient_checkpointing,
+                              max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                              optim=OptimConfig(lr=args.lr)),
+        async_training=AsyncConfig(staleness_threshold=k["staleness"], trigger_parameter_sync_step=trigger,
+                                   partial_rollout=k["partial"], colocated=bool(k.get("colocated")),
+                                   colocated_sleep=k.get("sleep", False),
+                                   total_versions=math.ceil(args.steps / trigger) + 1,  # + the warm-up version
+                                   time_budget_s=args.time_budget_s),
+        placement=PlacementConfig(launcher="rpc", trainer_devices=tuple(trainers), agent_devices=tuple(agents),
+                                  threads_per_process=args.threads_per_process),
+        run_dir=str(pathlib.Path(args.out) / name), wandb="off", seed=args.seed,
+    )
+
+
+# -------------------------------------------------------------------------------------- measuring
+class GpuSampler:
+    """nvidia-smi in the background: (time, gpu index, utilisation %, memory MiB) twice a second."""
+
+    def __init__(self):
+        self.rows: list[tuple[float, int, float, float]] = []
+        self._proc = None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                 "-lms", "500"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self._proc.stdout:
+            try:
+                i, util, mem = (float(x) for x in line.split(","))
+                self.rows.append((time.time(), int(i), util, mem))
+            except ValueError:
+                continue
+
+    def stop(self):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(5)
+
+    def window(self, start: float, end: float, gpus: list[int]) -> dict:
+        out = {}
+        for g in gpus:
+            rows = [(u, m) for t, i, u, m in self.rows if i == g and start <= t <= end]
+            if rows:
+                out[f"gpu{g}/util_mean"] = statistics.fmean(u for u, _ in rows)
+                out[f"gpu{g}/mem_max_gib"] = max(m for _, m in rows) / 1024
+        return out
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize(run_dir: str | pathlib.Path, *, n: int, warmup_versions: int = 1) -> dict:
+    """Rates over the versions after the warm-up, from a run's metrics.jsonl (verl's metric names)."""
+    rows = [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    if len(rows) <= warmup_versions:
+        raise ValueError(f"{run_dir}: {len(rows)} versions logged, need more than the {warmup_versions} warm-up "
+                         "version(s); raise --steps")
+    warm, measured = rows[warmup_versions - 1] if warmup_versions else None, rows[warmup_versions:]
+    wall = measured[-1]["wall_s"] - (warm["wall_s"] if warm else 0.0)
+    steps = measured[-1]["training/global_step"] - (warm["training/global_step"] if warm else 0)
+    previous = [warm["training/global_step"] if warm else 0] + [r["training/global_step"] for r in measured[:-1]]
+    groups = sum(r["training/num_groups"] * (r["training/global_step"] - p) for r, p in zip(measured, previous))
+    tokens = sum(r["perf/total_num_tokens"] for r in measured)
+    lag = [r.get("training/version_lag/mean") for r in measured]
+    util = [r["fully_async/count/staleness_samples"] / r["fully_async/static/max_required_samples"]
+            for r in measured if r.get("fully_async/static/max_required_samples")]
+    return {
+        "versions_measured": len(measured), "steps_measured": steps, "wall_s": wall,
+        "tokens_per_s": tokens / wall, "time_per_step_s": wall / max(steps, 1), "steps_per_s": steps / wall,
+        "samples_per_s": groups * n / wall,
+        "trainer_idle_ratio": _mean(measured, "trainer/idle_ratio"),
+        "rollouter_idle_ratio": _mean(measured, "rollouter/idle_ratio"),
+        "version_lag_mean": statistics.fmean(x for x in lag if x is not None) if any(x is not None for x in lag) else None,
+        "version_lag_max": max((r.get("training/version_lag/max", 0) for r in measured), default=0),
+        "param_sync_s": _mean(measured, "timing_s/param_sync"),
+        "param_transfer_s": _mean(measured, "timing_s/param_transfer"),
+        "queue_utilisation": statistics.fmean(util) if util else None,
+        "trainer_max_memory_gib": max((r.get("perf/max_memory_allocated_gb", 0) for r in rows), default=0),
+        "rollouter_max_memory_gib": max((r.get("rollouter/max_memory_allocated_gb", 0) for r in rows), default=0),
+        "response_length_mean": _mean(measured, "response_length/mean"),
+        "reward_first": rows[0].get("critic/score/mean"), "reward_last": rows[-1].get("critic/score/mean"),
+        "curve": [(r["wall_s"], r.get("critic/score/mean"), r["step"]) for r in rows],
+        "_window": (warm["wall_s"] if warm else 0.0, measured[-1]["wall_s"]),
+    }
+
+
+def _broadcast_member(rank: int, port: int, devices: list[str], numel: int, repeats: int, results) -> None:
+    import datetime
+    import torch
+    import torch.distributed as dist
+    device = torch.device(devices[rank])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    flat = torch.randn(numel, device=device).to(torch.bfloat16)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dist.broadcast(flat, src=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:  # two warm-ups: communicator setup
+            times.append(time.perf_counter() - start)
+    if rank == 1:
+        results.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def broadcast_seconds(num_bytes: int, devices: list[str], repeats: int = 10) -> float:
+    """Median seconds of one bare torch.distributed broadcast of `num_bytes` (bf16) between two processes."""
+    from asyncrl.rpc.launch import _free_port
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_broadcast_member, args=(r, port, devices, num_bytes // 2, repeats, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+
+
+def weight_bytes(model: str, dtype: str = "bfloat16") -> int:
+    """Bytes a publication moves: every weight (tied lm_head once) in the engine's dtype."""
+    import torch
+    from asyncrl.policies.loading import load_model
+    m = load_model(model, dtype=getattr(torch, dtype), device="meta") if model.startswith("random:") else \
+        load_model(model, dtype=getattr(torch, dtype))
+    tied = getattr(m.config, "tie_word_embeddings", False)
+    return sum(t.numel() * t.element_size() for name, t in m.state_dict().items()
+               if not (tied and name == "lm_head.weight"))
+
+
+# ------------------------------------------------------------------------------------------ the run
+def bench_async(args: AsyncBenchArgs) -> list[dict]:
+    from asyncrl.run import train
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [(v, variant_config(args, v)) for v in args.variants]  # every variant parses before any runs
+    for _, cfg in configs:
+        cfg.validate()
+    reference = None
+    if args.nccl_reference and len(args.devices) >= 2:
+        num_bytes = weight_bytes(args.model)
+        reference = {"bytes": num_bytes, "seconds": broadcast_seconds(num_bytes, list(args.devices[:2]))}
+        print(f"[bench async] bare broadcast of {num_bytes / 2**20:.0f} MiB: {reference['seconds'] * 1e3:.1f} ms",
+              flush=True)
+    sampler = GpuSampler()
+    results = []
+    try:
+        for text, cfg in configs:
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)
+            print(f"[bench async] {text}: trainers {cfg.placement.trainer_devices}, rollout "
+                  f"{cfg.placement.agent_devices}, {cfg.async_training.total_versions} versions", flush=True)
+            start = time.time()
+            try:
+                summary = train(cfg)
+            except Exception as err:  # noqa: BLE001 - one failed variant is reported, the others still run
+                print(f"[bench async] {text} FAILED: {err!r}", flush=True)
+                results.append({"variant": text, "error": repr(err)})
+                _write(out, results, reference)
+                continue
+            row = {"variant": text, "trainer_devices": list(cfg.placement.trainer_devices),
+                   "agent_devices": list(cfg.placement.agent_devices),
+                   "staleness": cfg.async_training.staleness_threshold,
+                   "trigger": cfg.async_training.trigger_parameter_sync_step,
+                   "partial": cfg.async_training.partial_rollout, "slots": cfg.rollout.max_slots,
+                   "run_wall_s": time.time() - start, "ledger": summary.ledger,
+                   **summarize(cfg.run_dir, n=cfg.rollout.n)}
+            lo, hi = row.pop("_window")
+            gpus = sorted({int(d.split(":")[1]) for d in cfg.placement.trainer_devices + cfg.placement.agent_devices
+                           if d.startswith("cuda:")})
+            row.update(sampler.window(start + lo, start + hi, gpus))
+            results.append(row)
+            _write(out, results, reference)
+            print("[bench async] " + _line(row), flush=True)
+    finally:
+        sampler.stop()
+    _plots(out, results)
+    print(_table(results, reference))
+    return results
+
+
+def _line(r: dict) -> str:
+    return (f"{r['variant']}: {r['tokens_per_s']:,.0f} tok/s, {r['time_per_step_s']:.2f} s/step, idle trainer "
+            f"{r['trainer_idle_ratio'] or 0:.2f} rollout {r['rollouter_idle_ratio'] or 0:.2f}, lag "
+            f"{r['version_lag_mean'] or 0:.2f}, sync {(r['param_sync_s'] or 0) * 1e3:.0f} ms")
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _table(results: list[dict], reference: dict | None) -> str:
+    ok = [r for r in results if "error" not in r]
+    base = next((r["tokens_per_s"] for r in ok if r["variant"] == "sync"), None)
+    lines = ["| variant | trainer+rollout devices | tokens/s | × sync | s/step | samples/s | idle trainer | "
+             "idle rollout | lag mean/max | sync ms (transfer) | queue util | mem GiB trainer/rollout | "
+             "reward first→last |", "|" + "---|" * 13]
+    for r in ok:
+        ratio = f"{r['tokens_per_s'] / base:.2f}×" if base else "–"
+        lines.append(
+            f"| {r['variant']} | {len(r['trainer_devices'])}+{len(r['agent_devices'])}"
+            f"{' (colocated)' if r['variant'].startswith('sync') else ''} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"{r['time_per_step_s']:.2f} | {r['samples_per_s']:.1f} | {_fmt(r['trainer_idle_ratio'], '.2f')} | "
+            f"{_fmt(r['rollouter_idle_ratio'], '.2f')} | {_fmt(r['version_lag_mean'], '.2f')}/{r['version_lag_max']} | "
+            f"{_fmt((r['param_sync_s'] or 0) * 1e3, '.0f')} ({_fmt((r['param_transfer_s'] or 0) * 1e3, '.0f')}) | "
+            f"{_fmt(r['queue_utilisation'], '.2f')} | {r['trainer_max_memory_gib']:.1f}/{r['rollouter_max_memory_gib']:.1f} | "
+            f"{_fmt(r['reward_first'], '.3f')}→{_fmt(r['reward_last'], '.3f')} |")
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | FAILED: {r['error'][:120]} |")
+    if reference:
+        lines.append(f"\nBare broadcast of the {reference['bytes'] / 2**20:.0f} MiB of weights between two devices: "
+                     f"{reference['seconds'] * 1e3:.1f} ms.")
+    return "\n".join(lines)
+
+
+def _write(out: pathlib.Path, results: list[dict], reference: dict | None) -> None:
+    (out / "results.json").write_text(json.dumps({"reference_broadcast": reference, "variants": results}, indent=1))
+    (out / "bench_async.md").write_text(_table(results, reference) + "\n")
+
+
+def _plots(out: pathlib.Path, results: list[dict]) -> None:
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in ok:
+        xs = [w for w, s, _ in r["curve"] if s is not None]
+        left.plot(xs, [s for _, s, _ in r["curve"] if s is not None], marker=".", label=r["variant"])
+    left.set(xlabel="wall-clock (s)", ylabel="mean reward (critic/score/mean)", title="reward vs wall-clock")
+    left.legend(fontsize=8)
+    right.barh([r["variant"] for r in ok], [r["tokens_per_s"] for r in ok], color="tab:blue")
+    right.set(xlabel="trained tokens/s (after the warm-up version)", title="throughput")
+    fig.tight_layout()
+    fig.savefig(out / "bench_async.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    import tyro
+    bench_async(tyro.cli(AsyncBenchArgs, args=argv, prog="asyncrl bench async"))
