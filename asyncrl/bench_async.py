@@ -60,6 +60,9 @@ class AsyncBenchArgs:
     """Tokenizer for a 'random:' model reading --data."""
     data: str | None = None
     """Prompt file (verl parquet / JSONL); None = the built-in arithmetic task."""
+    digits: int = 1
+    """Arithmetic task (no --data): digits per operand."""
+    system_prompt: str | None = None
     n: int = 8
     mini_batch_size: int = 16
     """Prompts per learner step."""
@@ -124,7 +127,7 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
     return RunConfig(
         model=ModelConfig(path=args.model, tokenizer=args.tokenizer, seed=args.seed),
         data=DataConfig(path=args.data, task="toy" if args.model.startswith("random:") and not args.tokenizer
-                        else "arithmetic", digits=2, seed=args.seed),
+                        else "arithmetic", digits=args.digits, system_prompt=args.system_prompt, seed=args.seed),
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots),

@@ -465,6 +465,11 @@ class _DecodeGraphs:
         self.pool = None
 
     def _capture(self, batch: int):
+        # streams and graphs belong to the *current* device, which is per thread: make it the engine's
+        with torch.cuda.device(self.tokens.device):
+            return self._capture_on_device(batch)
+
+    def _capture_on_device(self, batch: int):
         model, cache = self.engine.model, self.engine.cache
 
         def run() -> tuple[Tensor, Tensor, Tensor]:

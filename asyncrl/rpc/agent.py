@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Iterable, Protocol
 
+import torch
 from torch import Tensor
 
 from asyncrl.config import RolloutConfig
@@ -82,6 +83,9 @@ class RolloutAgent:
 
     def _run(self) -> None:
         try:
+            device = getattr(getattr(self.engine, "model", None), "device", None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread; this one works on the engine's
             while not self._stop.is_set():
                 self._tick()
         except BaseException as err:  # surface it: tell the controller at once (else it sees the agent fall silent)

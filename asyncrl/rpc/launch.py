@@ -199,6 +199,8 @@ class AgentServer:
 
     def receive(self, version: int, layout: list[list[tuple[str, tuple, str]]], on_cuda: bool) -> float:
         """Receive the weight buckets broadcast by rank 0 and load them; returns the seconds it took."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # an RPC thread: its current device is not the engine's
         start = time.perf_counter()
         buffer_device = self.device if on_cuda else torch.device("cpu")
         for bucket in layout:
