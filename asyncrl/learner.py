@@ -403,7 +403,9 @@ def _world(state: LearnerState) -> tuple[int, int]:
 def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     if _world(state)[1] == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    # a NCCL group reduces only accelerator tensors; gloo takes host ones
+    device = state.device if dist.get_backend(state.group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=state.group)
     return t.tolist()
 
