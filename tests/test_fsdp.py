@@ -150,3 +150,24 @@ def test_export_hf_from_a_sharded_learner(sharded):
     """Every rank called export_hf; rank 0 wrote the full model."""
     exported = load_pretrained(sharded["export_dir"])
     assert max_diff(weights(exported), sharded["ranks"][0]["train"]["ppo"]["policy"]) == 0
+
+
+def test_count_all_reduce_uses_the_groups_device(monkeypatch):
+    """NCCL reduces only accelerator tensors: the learner's count all-reduce must follow the group's backend
+    (a host tensor stopped every multi-rank GPU run at its first step)."""
+    import torch.distributed as dist
+
+    from asyncrl import learner
+    seen = []
+
+    class State:
+        group = object()
+        device = torch.device("meta")  # stands in for the trainer's GPU
+
+    monkeypatch.setattr(learner, "_world", lambda state: (0, 2))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen.append(t.device))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: [0.0])
+    for backend, expected in (("nccl", "meta"), ("gloo", "cpu")):
+        monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
+        learner._all_reduce(State(), [1.0])
+        assert seen[-1].type == expected, backend

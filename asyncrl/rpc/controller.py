@@ -73,7 +73,10 @@ class Controller:
         self._heard(agent)
         if agent in self.dead:
             return []
-        return self.queue.request(agent, n)
+        live = len(self.last_heard) - len(self.dead)
+        # fair share of a version's admissions among the live agents (first come would let one take it all)
+        share = -(-self.queue.budget.max_required_samples // live) if live > 1 else None
+        return self.queue.request(agent, n, share=share)
 
     def submit(self, agent: str, group: Group) -> None:
         self._heard(agent)

@@ -51,17 +51,21 @@ class Ledger:
         self.agent: dict[int, str] = {}
         self.dropped: dict[int, str] = {}
         self.counts = collections.Counter()
+        self.in_flight = collections.Counter()  # agent -> prompts it holds now
 
     def _move(self, pid: int, expect: tuple[str, ...], to: str) -> None:
         now = self.state.get(pid)
         if now not in expect:
             raise RuntimeError(f"prompt {pid}: cannot go from {now!r} to {to!r} (expected {' or '.join(map(str, expect))}); "
                                "a prompt was delivered twice or after it ended")
+        if now == "in_flight":
+            self.in_flight[self.agent[pid]] -= 1
         self.state[pid] = to
 
     def admit(self, pid: int, agent: str) -> None:
         self._move(pid, (None, "pending"), "in_flight")
         self.agent[pid] = agent
+        self.in_flight[agent] += 1
         self.counts["admissions"] += 1
 
     def pending(self, pid: int) -> None:  # back from a failed agent, waiting for re-admission
@@ -113,10 +117,13 @@ class SampleQueue:
         self.closed = False
 
     # ----------------------------------------------------------------------------------- agents
-    def request(self, agent: str, n: int) -> list[Task]:
+    def request(self, agent: str, n: int, *, share: int | None = None) -> list[Task]:
         """Admit up to `n` prompts for `agent` within the budget (re-admitted prompts first, outside it:
-        they were charged when first admitted)."""
+        they were charged when first admitted). `share` caps what the agent may hold at once, so that one
+        agent cannot take a whole version's budget while the others idle."""
         with self.lock:
+            if share is not None:
+                n = min(n, share - self.ledger.in_flight[agent])
             out: list[Task] = []
             while self.readmit and len(out) < n:
                 task = self.tasks[self.readmit.popleft()]

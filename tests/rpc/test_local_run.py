@@ -329,3 +329,20 @@ def test_agent_whose_loop_raises_is_declared_dead_at_once_and_the_last_one_stops
     with pytest.raises(RuntimeError, match="every rollout agent is dead.*injected: engine crashed"):
         run.run()
     assert time.monotonic() - start < 10
+
+
+def test_agents_get_a_fair_share_of_a_versions_admissions():
+    """First come, first served let one agent take a whole version's budget while others idled (seen with
+    1 trainer + 3 rollout GPUs): each live agent may hold at most ceil(budget / live agents) prompts."""
+    config = AsyncConfig(staleness_threshold=0.5, trigger_parameter_sync_step=2, total_versions=1)
+    run = local_run(config, mini_batch_size=MINI, engines=3, concurrent_prompts=8)
+    budget = run.queue.budget.max_required_samples  # int(2 × 1.5 × 2) = 6
+    assert budget == 6
+    controller = run.controller
+    assert len(controller.request("agent0", 8)) == 2  # ceil(6 / 3)
+    assert controller.request("agent0", 8) == []  # holds its share already
+    assert len(controller.request("agent1", 8)) == 2 and len(controller.request("agent2", 8)) == 2
+    controller.declare_dead("agent2", "test")  # its 2 prompts go back; the share grows to ceil(6 / 2) = 3
+    got = controller.request("agent0", 8)
+    assert len(got) == 1 and got[0].prompt_id in (4, 5)  # re-admitted first
+    assert run.queue.ledger.in_flight == {"agent0": 3, "agent1": 2, "agent2": 0}

@@ -59,8 +59,8 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     handed_out = []
     inner_request = run_b.queue.request
 
-    def request(agent, n):
-        tasks = inner_request(agent, n)
+    def request(agent, n, **kw):
+        tasks = inner_request(agent, n, **kw)
         handed_out.extend(tasks)
         return tasks
 
