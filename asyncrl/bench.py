@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from asyncrl.bench_async import AsyncBenchArgs, bench_async
+
 __all__ = ["EngineBenchArgs", "LearnerBenchArgs", "bench_engine", "bench_learner", "bench_main",
            "peak_bandwidth", "step_bytes", "logprob_mismatch", "groups_for"]
 
@@ -294,15 +296,8 @@ def _write(path: str | None, results) -> None:
 BENCHMARKS = {
     "engine": (EngineBenchArgs, bench_engine, "rollout engine vs transformers generate (output tok/s)"),
     "learner": (LearnerBenchArgs, bench_learner, "learner train_step vs a transformers training step (tok/s)"),
+    "async": (AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"),
 }
-
-
-def _async_bench():
-    from asyncrl.bench_async import AsyncBenchArgs, bench_async
-    return AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"
-
-
-BENCHMARKS["async"] = (None, None, "colocated sync vs one-step-off / stream / stale+partial training runs")
 
 
 def _usage() -> str:
@@ -313,7 +308,7 @@ def _usage() -> str:
 
 
 def bench_main(args: list[str]) -> None:
-    """`asyncrl bench engine|learner [...]`."""
+    """`asyncrl bench engine|learner|async [...]`."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         raise SystemExit(0 if args else 2)
@@ -321,7 +316,7 @@ def bench_main(args: list[str]) -> None:
         raise SystemExit(f"asyncrl bench: unknown benchmark {args[0]!r}; choose one of {', '.join(BENCHMARKS)}"
                          f"\n\n{_usage()}")
     import tyro
-    config_type, run, description = BENCHMARKS[args[0]] if args[0] != "async" else _async_bench()
+    config_type, run, description = BENCHMARKS[args[0]]
     config = tyro.cli(config_type, args=args[1:], prog=f"asyncrl bench {args[0]}", description=description)
     try:
         run(config)

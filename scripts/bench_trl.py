@@ -95,35 +95,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    args = parse_args(argv)
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    completions_per_step = args.prompts_per_step * args.n
-    if completions_per_step % world:
-        raise SystemExit(f"prompts-per-step × n = {completions_per_step} is not divisible by {world} processes")
-    per_process = completions_per_step // world
-    micro = min(args.per_device_batch_size, per_process)
-    if per_process % micro:
-        raise SystemExit(f"{per_process} completions per process are not divisible by micro-batch {micro}")
-    accumulation = per_process // micro
-
-    if torch.cuda.is_available():
-        # on torch 2.11 (H200), TRL's masked, left-padded batches got NaN gradients from the cuDNN SDPA backward
-        # (anomaly detection named ScaledDotProductCudnnAttentionBackward0) and then crashed in sampling; the
-        # memory-efficient kernel is correct on those inputs.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    dataset = Dataset.from_list(load_prompts(args.data, tokenizer, args.max_prompt_length))
-
-    config = GRPOConfig(
+def _grpo_config(args: argparse.Namespace, micro: int, accumulation: int):
+    """TRL's GRPOConfig for our hyperparameters (the TRL-specific choices are commented)."""
+    from trl import GRPOConfig
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
         # Batch geometry: one optimizer step = per_device_train_batch_size × processes × accumulation
         # = prompts-per-step × n completions, and steps_per_generation = accumulation makes the generation
@@ -150,8 +125,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, disable_tqdm=True,
     )
-    if config.world_size != world:
-        raise SystemExit(f"WORLD_SIZE={world} but the trainer sees {config.world_size} processes")
+
+
+def _step_timer():
+    """A TrainerCallback timing each optimizer step (CUDA synchronised) and collecting TRL's logs."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -172,25 +150,14 @@ def main(argv: list[str] | None = None) -> dict | None:
             if logs and "completions/mean_length" in logs:
                 self.logs.append(dict(logs))
 
-    timer = StepTimer()
-    trainer = GRPOTrainer(model=args.model, reward_funcs=gsm8k, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    return StepTimer()
 
-    generate = trainer._generate_single_turn  # this process's share of the step's generation round
 
-    def timed_generate(*a, **kw):
-        _sync()
-        start = time.perf_counter()
-        out = generate(*a, **kw)
-        _sync()
-        timer._gen += time.perf_counter() - start
-        return out
-
-    trainer._generate_single_turn = timed_generate
-    trainer.train()
-
-    if not trainer.accelerator.is_main_process:
-        return None
+def _summary(args: argparse.Namespace, timer, world: int, completions_per_step: int, prompts: int,
+             micro: int, accumulation: int) -> dict:
+    """The JSON result: per-step lists, and medians / rates over the timed steps."""
+    import transformers
+    import trl
     skip = args.warmup_steps_excluded
     mean_len = [log["completions/mean_length"] for log in timer.logs]
     completion_tokens = [round(m * completions_per_step) for m in mean_len]
@@ -215,13 +182,66 @@ def main(argv: list[str] | None = None) -> dict | None:
                    "completions_per_step": completions_per_step, "per_device_train_batch_size": micro,
                    "gradient_accumulation_steps": accumulation, "steps_per_generation": accumulation,
                    "num_iterations": 1, "loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28,
-                   "beta": 0.0, "prompts_in_dataset": len(dataset)},
+                   "beta": 0.0, "prompts_in_dataset": prompts},
     }
     print(f"trl {trl.__version__} world={world}: {result['time_per_step_s']:.2f} s/step (median of "
           f"{args.steps - skip}), {result['completion_tokens_per_s']:.1f} completion tok/s, "
           f"{result['total_tokens_per_s']:.1f} total tok/s, mean completion length "
           f"{statistics.mean(mean_len[skip:]):.1f}, mean reward "
           f"{statistics.mean(r or 0.0 for r in result['reward_mean'][skip:]):.3f}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    completions_per_step = args.prompts_per_step * args.n
+    if completions_per_step % world:
+        raise SystemExit(f"prompts-per-step × n = {completions_per_step} is not divisible by {world} processes")
+    per_process = completions_per_step // world
+    micro = min(args.per_device_batch_size, per_process)
+    if per_process % micro:
+        raise SystemExit(f"{per_process} completions per process are not divisible by micro-batch {micro}")
+    accumulation = per_process // micro
+
+    if torch.cuda.is_available():
+        # on torch 2.11 (H200), TRL's masked, left-padded batches got NaN gradients from the cuDNN SDPA backward
+        # (anomaly detection named ScaledDotProductCudnnAttentionBackward0) and then crashed in sampling; the
+        # memory-efficient kernel is correct on those inputs.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = Dataset.from_list(load_prompts(args.data, tokenizer, args.max_prompt_length))
+
+    config = _grpo_config(args, micro, accumulation)
+    if config.world_size != world:
+        raise SystemExit(f"WORLD_SIZE={world} but the trainer sees {config.world_size} processes")
+
+    timer = _step_timer()
+    trainer = GRPOTrainer(model=args.model, reward_funcs=gsm8k, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+
+    generate = trainer._generate_single_turn  # this process's share of the step's generation round
+
+    def timed_generate(*a, **kw):
+        _sync()
+        start = time.perf_counter()
+        out = generate(*a, **kw)
+        _sync()
+        timer._gen += time.perf_counter() - start
+        return out
+
+    trainer._generate_single_turn = timed_generate
+    trainer.train()
+
+    if not trainer.accelerator.is_main_process:
+        return None
+    result = _summary(args, timer, world, completions_per_step, len(dataset), micro, accumulation)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
