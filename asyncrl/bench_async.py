@@ -122,7 +122,6 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                              "and at least one of each role")
         trainers, agents = devices[:t], devices[t:t + r]
     trigger = k["trigger"]
-    per_agent = math.ceil(args.mini_batch_size / len(agents)) if k.get("colocated") else None
     name = text.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "p")
     return RunConfig(
         model=ModelConfig(path=args.model, tokenizer=args.tokenizer, seed=args.seed),
@@ -130,8 +129,7 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                         else "arithmetic", digits=args.digits, system_prompt=args.system_prompt, seed=args.seed),
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                              max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots),
-                              max_concurrent_prompts=per_agent),
+                              max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots)),
         trainer=TrainerConfig(mini_batch_size=args.mini_batch_size, temperature=args.temperature,
                               max_response_length=args.max_new_tokens, param_dtype=args.trainer_dtype,
                               gradient_checkpointing=args.gradient_checkpointing,

@@ -43,6 +43,7 @@ from asyncrl.types import Group
 __all__ = [
     "RolloutBatch", "collate", "filter_groups", "LearnerState", "build_learner", "train_step", "shard_model",
     "full_weights", "make_scheduler", "response_logprobs", "chunked_logprobs", "micro_batches", "policy_gradients",
+    "memory_metrics",
 ]
 
 
@@ -633,16 +634,16 @@ def _batch_metrics(prep: _Prepared, seconds: float, state: LearnerState) -> dict
         "training/global_step": state.step,
         "training/num_groups": len(batch.prompt_ids),
         "perf/total_num_tokens": int((batch.prompt_lens + batch.response_lens).sum()),
-        **_memory_metrics(state.device),
+        **memory_metrics(state.device),
     }
 
 
-def _memory_metrics(device: torch.device) -> dict:
+def memory_metrics(device: torch.device, prefix: str = "perf") -> dict:
     """Peak accelerator memory of this process since it started (verl's names), empty off CUDA."""
     if device.type != "cuda":
         return {}
-    return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {f"{prefix}/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            f"{prefix}/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 # -------------------------------------------------------------------------------------------- FSDP2

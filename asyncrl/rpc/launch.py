@@ -43,7 +43,7 @@ from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.config import AlgorithmConfig, AsyncConfig, RolloutConfig, TrainerConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
-from asyncrl.learner import build_learner, full_weights, train_step
+from asyncrl.learner import build_learner, full_weights, memory_metrics, train_step
 from asyncrl.policies.engine import Engine, EngineConfig
 from asyncrl.policies.loading import load_model, random_model
 from asyncrl.policies.model import CausalLM
@@ -176,11 +176,7 @@ class AgentServer:
                 "error": repr(self.agent.error) if self.agent.error else None}
 
     def window_metrics(self) -> dict:
-        metrics = self.agent.window_metrics()
-        if self.device.type == "cuda":
-            metrics["rollouter/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            metrics["rollouter/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        return metrics
+        return {**self.agent.window_metrics(), **memory_metrics(self.device, "rollouter")}
 
     @rpc.functions.async_execution
     def prepare(self, partial: bool, timeout: float) -> torch.futures.Future:
