@@ -81,6 +81,8 @@ class AsyncBenchArgs:
     max_tokens_per_micro_batch: int = 16384
     seed: int = 0
     out: str = "runs/bench-async"
+    sync_timeout_s: float = 300.0
+    """Weight-sync timeout, also the trainer group's collective timeout (a hung collective is reported then)."""
     nccl_reference: bool = True
     """Time a bare broadcast of the model's bytes between the first two devices, for the weight-sync ratio."""
     threads_per_process: int = 4
@@ -139,7 +141,7 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                                    partial_rollout=k["partial"], colocated=bool(k.get("colocated")),
                                    colocated_sleep=k.get("sleep", False),
                                    total_versions=math.ceil(args.steps / trigger) + 1,  # + the warm-up version
-                                   time_budget_s=args.time_budget_s),
+                                   time_budget_s=args.time_budget_s, sync_timeout_s=args.sync_timeout_s),
         placement=PlacementConfig(launcher="rpc", trainer_devices=tuple(trainers), agent_devices=tuple(agents),
                                   threads_per_process=args.threads_per_process),
         run_dir=str(pathlib.Path(args.out) / name), wandb="off", seed=args.seed,

@@ -315,6 +315,8 @@ class TrainerConfig:
     """Token budget of one forward/backward (rows × longest row), verl `ppo_max_token_len_per_gpu`."""
     micro_batch_size: int = 4
     """Rows per forward/backward when `use_dynamic_bsz` is off."""
+    logits_chunk_tokens: int = 4096
+    """Response tokens per LM-head chunk: only one [chunk, vocab] logits tensor exists at a time."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -338,7 +340,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         owner = "trainer"
-        for field in ("mini_batch_size", "ppo_epochs", "max_tokens_per_micro_batch", "micro_batch_size"):
+        for field in ("mini_batch_size", "ppo_epochs", "max_tokens_per_micro_batch", "micro_batch_size",
+                      "logits_chunk_tokens"):
             if getattr(self, field) < 1:
                 _fail(owner, field, getattr(self, field), "must be >= 1")
         if not self.temperature > 0:

@@ -43,7 +43,7 @@ from asyncrl.types import Group
 __all__ = [
     "RolloutBatch", "collate", "filter_groups", "LearnerState", "build_learner", "train_step", "shard_model",
     "full_weights", "make_scheduler", "response_logprobs", "chunked_logprobs", "micro_batches", "policy_gradients",
-    "memory_metrics",
+    "grad_norm_", "memory_metrics",
 ]
 
 
@@ -174,9 +174,10 @@ def chunked_logprobs(model: CausalLM, hidden: Tensor, targets: Tensor, *, temper
 
 def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: Tensor, *, temperature: float = 1.0,
                       entropy: bool = False, autocast: bool = False, entropy_grad: bool = False,
-                      width: int | None = None) -> tuple[Tensor, Tensor | None]:
+                      width: int | None = None, chunk_tokens: int = 4096) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of the response tokens of `rows`: [m, T] each. Only response positions go
-    through the LM head, in checkpointed chunks, and each micro-batch is cut to its own longest row.
+    through the LM head, in checkpointed chunks of `chunk_tokens`, and each micro-batch is cut to its own
+    longest row.
     The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise it is a metric."""
     prompt_lens, mask = batch.prompt_lens[rows], batch.response_mask[rows]
     t = batch.response_mask.shape[1]
@@ -187,7 +188,8 @@ def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: Tensor, *, tem
     targets = tokens.gather(1, targets_idx)
     with _autocast(tokens.device, autocast):
         hidden = _gather_response(model(tokens), prompt_lens, t)
-        logp, ent = chunked_logprobs(model, hidden, targets, temperature=temperature, entropy_grad=entropy_grad)
+        logp, ent = chunked_logprobs(model, hidden, targets, temperature=temperature, entropy_grad=entropy_grad,
+                                     chunk_tokens=chunk_tokens)
     return logp, ent if entropy else None
 
 
@@ -281,7 +283,8 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
     policy.gradient_checkpointing = config.gradient_checkpointing
     device = next(policy.parameters()).device
     if config.fused_kernels and device.type == "cuda":
-        use_fused_kernels(True, device, torch.bfloat16 if config.autocast_bf16 else next(policy.parameters()).dtype)
+        use_fused_kernels(True, device, torch.bfloat16 if config.autocast_bf16 else next(policy.parameters()).dtype,
+                          model=policy)
     optimizer = _adamw(policy.parameters(), config.optim.lr, config.optim)
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
                          reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group)
@@ -328,7 +331,8 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, val
                 out[idx] = response_values(model, batch, idx, autocast=autocast).to(out.dtype)
             else:
                 out[idx] = response_logprobs(model, batch, idx, temperature=state.config.temperature,
-                                             autocast=autocast)[0].to(out.dtype)
+                                             autocast=autocast,
+                                             chunk_tokens=state.config.logits_chunk_tokens)[0].to(out.dtype)
     finally:
         model.train(was_training)
     return out.to(home)
@@ -401,6 +405,11 @@ def _world(state: LearnerState) -> tuple[int, int]:
     return dist.get_rank(state.group), dist.get_world_size(state.group)
 
 
+def _group(state: LearnerState):
+    """The trainer group when there is more than one rank, else None."""
+    return state.group if _world(state)[1] > 1 else None
+
+
 def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     if _world(state)[1] == 1:
         return values
@@ -422,16 +431,41 @@ def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[
 
 
 # --------------------------------------------------------------------------------------- the updates
-def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float) -> tuple[float, bool]:
+def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tensor:
+    """Global L2 norm of the gradients, and (max_norm > 0) scale them in place by min(1, max_norm / norm).
+
+        ‖g‖ = sqrt(Σ_ranks Σ_shards ‖g_shard‖²)   — one all-reduce of one scalar over `group`
+
+    FSDP2 gradients are DTensors sharded on dim 0: each rank squares its own shards and the sum is
+    all-reduced once, outside DTensor's dispatch (whose per-tensor redistributions do not line up across
+    ranks on NCCL). Replicated DTensors count once. Returns the norm (a 0-d tensor on the gradients' device).
+    """
+    locals_, scale = [], []
+    for p in params:
+        g = p.grad
+        if hasattr(g, "to_local"):
+            shards = sum(pl.is_shard() for pl in g.placements)
+            scale.append(1.0 if shards else 1.0 / dist.get_world_size(group))  # replicated: every rank has it
+            g = g.to_local()
+        else:
+            scale.append(1.0 / dist.get_world_size(group) if group is not None else 1.0)
+        locals_.append(g)
+    squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 * w for g, w in zip(locals_, scale)]).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+    return norm
+
+
+def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None) -> tuple[float, bool]:
     """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0, True
-    if clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = float(grad_norm_(params, clip, group))
     ok = math.isfinite(norm)
     if ok:
         optimizer.step()
@@ -475,7 +509,8 @@ def _actor_micro(state: LearnerState, prep: _Prepared, rows: list[int], counts) 
     need_entropy = algo.entropy_coef > 0
     width = max(prep.lengths[r] for r in rows) if rows else None
     logp, ent = response_logprobs(state.policy, prep.batch, idx, temperature=cfg.temperature, entropy=True,
-                                  autocast=cfg.autocast_bf16, entropy_grad=need_entropy, width=width)
+                                  autocast=cfg.autocast_bf16, entropy_grad=need_entropy, width=width,
+                                  chunk_tokens=cfg.logits_chunk_tokens)
     mask = prep.mask[idx] & (not empty)
     tokens, seqs, length = counts
     loss_fn_args = dict(num_tokens=tokens, num_seqs=seqs, norm_length=length)
@@ -536,7 +571,8 @@ def _actor_update(state: LearnerState, prep: _Prepared) -> dict:
     for epoch in range(cfg.ppo_epochs):
         for groups in _minibatches(state, num_groups, epoch):
             _accumulate(state, prep, groups, sums)
-            norm, ok = _optimizer_step(state.policy, state.optimizer, state.scheduler, cfg.optim.grad_clip)
+            norm, ok = _optimizer_step(state.policy, state.optimizer, state.scheduler, cfg.optim.grad_clip,
+                                       _group(state))
             grad_norms.append(norm)
             updates += 1
             state.optimizer_steps += 1
@@ -572,7 +608,7 @@ def _critic_update(state: LearnerState, prep: _Prepared) -> dict:
                 losses.append(float(vl.loss.detach()) * _world(state)[1])
                 clipfracs.append(float(vl.clipfrac))
             norm, ok = _optimizer_step(state.critic, state.critic_optimizer, state.critic_scheduler,
-                                       cfg.optim.grad_clip)
+                                       cfg.optim.grad_clip, _group(state))
             updates += 1
             if ok:
                 norms.append(norm)
@@ -650,18 +686,20 @@ def memory_metrics(device: torch.device, prefix: str = "perf") -> dict:
 def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -> nn.Module:
     """Shard a CausalLM / ValueModel with FSDP2 (`fully_shard`): each decoder layer, then the root.
 
+    The root (embeddings, final norm, heads) stays gathered from its forward to the end of its backward, so
+    the heads (`logits`, `values`, called after forward()) use its full weights directly: one all-gather and
+    one reduce-scatter of the root per micro-batch, whatever the number of LM-head chunks. (Registering the
+    heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
+    count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
     `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kwargs = {"mesh": mesh} if mesh is not None else {}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    for method in ("logits", "values"):  # heads called outside forward() must gather their weights too
-        if hasattr(model, method):
-            register_fsdp_forward_method(model, method)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 

@@ -8,8 +8,15 @@
 #                                           #   colocated sync on GPUs 0,1 beside stale+partial on GPUs 2,3
 #   bash scripts/gpu_bench.sh scale4  OUT   # 4 GPUs: colocated sync vs 2+2 / 1+3 / 3+1 trainer+rollout splits
 #
+# On a 2-GPU host (`nvidia-h200-x2`) the same runs go one after another on GPUs 0,1:
+#   bash scripts/gpu_bench.sh modes2  OUT   # colocated sync vs stale+partial, then stale+partial without
+#                                           #   gradient checkpointing
+#   bash scripts/gpu_bench.sh reward-sync OUT; bash scripts/gpu_bench.sh reward-async OUT   # the reward stage
+#
 # Inputs (environment): TOK (tokenizer dir for the random-weight model), DATA (GSM8K in verl's parquet format,
-# from `asyncrl data convert-gsm8k`), SMOL (SmolLM2-135M-Instruct as an HF directory or .gguf).
+# from `asyncrl data convert-gsm8k`), SMOL (SmolLM2-135M-Instruct as an HF directory or .gguf), TASK=arithmetic
+# (the reward stages on the built-in sums task instead of GSM8K, DIGITS per operand).
+# BENCH_ARGS: extra `asyncrl bench async` flags for every job (e.g. "--sync-timeout-s 150").
 # Every sweep of one stage runs on the same pair of GPUs; the two pairs of a stage run at the same time.
 set -u
 STAGE=$1
@@ -21,13 +28,15 @@ LIMIT=${LIMIT:-560}   # seconds per job: partial results (written after each var
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 COMMON=(--n 8 --mini-batch-size 16 --max-new-tokens 1024 --max-prompt-length 512 --temperature 1.0)
+# the reward stages: GSM8K, or (TASK=arithmetic) the built-in sums task, where a 135M model has a signal
+if [ "${TASK:-gsm8k}" = arithmetic ]; then REWARD_DATA=(--digits "${DIGITS:-1}"); else REWARD_DATA=(--data "$DATA"); fi
 QWEN=(--model random:qwen2.5-0.5b --tokenizer "$TOK" --data "$DATA" --lr 1e-6 --steps 8)
 
 bench() {  # bench NAME DEVICES... -- ARGS...
   local name=$1; shift
   local devices=()
   while [ "$1" != "--" ]; do devices+=("$1"); shift; done; shift
-  timeout "$LIMIT" python3 -m asyncrl.cli bench async --devices "${devices[@]}" --out "$OUT/$name" "$@" \
+  timeout "$LIMIT" python3 -m asyncrl.cli bench async --devices "${devices[@]}" --out "$OUT/$name" "$@" ${BENCH_ARGS:-} \
     > "$OUT/$name.log" 2>&1
   echo "== $name (exit $?)"; tail -n 20 "$OUT/$name.log" | grep '^|\|bare broadcast' || tail -n 5 "$OUT/$name.log"
 }
@@ -54,13 +63,21 @@ case "$STAGE" in
     (trl; bench sweep_staleness cuda:2 cuda:3 -- "${QWEN[@]}" "${COMMON[@]}" --no-nccl-reference \
       --variants "stale-partial:staleness=0.1" "stale-partial:staleness=1" "stale-partial:trigger=1") &
     wait ;;
+  modes2)
+    bench modes2 cuda:0 cuda:1 -- "${QWEN[@]}" "${COMMON[@]}" --variants sync stale-partial
+    bench modes2_nogc cuda:0 cuda:1 -- "${QWEN[@]}" "${COMMON[@]}" --no-nccl-reference \
+      --no-gradient-checkpointing --variants stale-partial ;;
+  reward-sync|reward-async)
+    R=(--model "$SMOL" "${REWARD_DATA[@]}" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
+    bench "${STAGE/-/_}" cuda:0 cuda:1 -- "${R[@]}" "${COMMON[@]}" \
+      --variants "$([ "$STAGE" = reward-sync ] && echo sync || echo stale-partial)" ;;
   reward)
-    R=(--model "$SMOL" --data "$DATA" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
+    R=(--model "$SMOL" "${REWARD_DATA[@]}" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
     bench reward_sync cuda:0 cuda:1 -- "${R[@]}" "${COMMON[@]}" --variants sync &
     bench reward_async cuda:2 cuda:3 -- "${R[@]}" "${COMMON[@]}" --variants stale-partial &
     wait ;;
   scale4)
     bench scale4 cuda:0 cuda:1 cuda:2 cuda:3 -- "${QWEN[@]}" "${COMMON[@]}" \
       --variants sync "stale-partial:split=2+2" "stale-partial:split=1+3" "stale-partial:split=3+1" ;;
-  *) echo "unknown stage $STAGE (modes | reward | scale4)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (modes | reward | scale4 | modes2 | reward-sync | reward-async)"; exit 2 ;;
 esac

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from asyncrl.config import GRPO, PPO, CriticConfig, OptimConfig, TrainerConfig
-from asyncrl.learner import build_learner, full_weights, policy_gradients, shard_model, train_step
+from asyncrl.learner import build_learner, full_weights, grad_norm_, policy_gradients, shard_model, train_step
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.types import Group
 
@@ -159,21 +159,51 @@ def run_distributed(worker, out_dir: str | os.PathLike, *args, world_size: int =
                 p.join(5)
 
 
-# ------------------------------------------------------------------------------------------ worker
+# ------------------------------------------------------------------------------------------ workers
+def known_grads(model) -> dict[str, torch.Tensor]:
+    """A deterministic full gradient per parameter (by parameter name), the same on every rank."""
+    gen = torch.Generator().manual_seed(7)
+    return {name: torch.randn(tuple(p.shape), generator=gen) for name, p in model.named_parameters()}
+
+
+def clipped_grads(*, sharded: bool, max_norm: float) -> dict:
+    """Give `tiny_policy()` the gradients `known_grads`, sharded like its parameters when `sharded` (FSDP2
+    over the default group), then `grad_norm_`: the norm and the full gradients after clipping."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = tiny_policy()
+    if sharded:
+        shard_model(model)
+    full = known_grads(model)
+    for name, p in model.named_parameters():
+        g = full[name]
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if sharded else g
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = grad_norm_(params, max_norm, dist.group.WORLD if sharded else None)
+    grads = {n: (p.grad.full_tensor() if sharded else p.grad).clone() for n, p in model.named_parameters()}
+    return dict(norm=float(norm), grads=grads)
+
+
 def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], next_groups: list[Group],
                 modes: list[str], single_ckpt: str, run_dir: str, export_dir: str) -> None:
     """Every sharded scenario of tests/test_fsdp.py in one launch (a launch costs two torch imports):
 
-    1. `policy_gradients(groups)` of a sharded GRPO learner, per loss_agg_mode;
+    0. `grad_norm_` of known sharded gradients (`clipped_grads`), per max_norm;
+    1. `policy_gradients(groups)` of a sharded GRPO learner, per loss_agg_mode, and with 3-token LM-head chunks;
     2. one `train_step(groups)` of sharded GRPO and PPO learners: full weights and metrics;
     3. the PPO learner then saves a checkpoint, exports itself with export_hf, and steps on `next_groups`;
     4. a fresh sharded learner (other init) loads that checkpoint and takes the same step;
     5. another one loads `single_ckpt` (written by one process) and takes the same step.
     Writes its results to `out/rank{rank}.pt`."""
-    res: dict = {"grads": {}, "train": {}}
+    res: dict = {"grads": {}, "train": {}, "clip": {}}
+    for max_norm in (0.0, 0.5, 1e6):
+        res["clip"][max_norm] = clipped_grads(sharded=True, max_norm=max_norm)
     for mode in modes:
         state = build("grpo", sharded=True, algo_kwargs=dict(loss_agg_mode=mode))
         res["grads"][mode] = policy_gradients(state, groups)
+    # 3-token LM-head chunks: the ranks' micro-batches (different rows) run different numbers of chunks
+    res["grads_chunked"] = policy_gradients(build("grpo", sharded=True, config=trainer_config(logits_chunk_tokens=3)),
+                                            groups)
     for algorithm in ("grpo", "ppo"):
         state = build(algorithm, sharded=True)
         state, metrics = train_step(state, groups)
@@ -204,5 +234,5 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
 __all__ = [
     "VOCAB", "tiny_policy", "prompt_for", "reward_of", "sampling_params", "small_engine", "rollout",
     "sample_groups", "trainer_config", "ppo", "make_algorithm", "build", "weights", "max_diff", "free_port",
-    "run_distributed", "fsdp_worker",
+    "run_distributed", "known_grads", "clipped_grads", "fsdp_worker",
 ]

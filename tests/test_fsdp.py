@@ -20,7 +20,7 @@ from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoin
 from asyncrl.learner import micro_batches, policy_gradients, train_step
 from asyncrl.policies import load_pretrained
 from tests.dist_helpers import (
-    build, fsdp_worker, max_diff, run_distributed, sample_groups, trainer_config, weights,
+    build, clipped_grads, fsdp_worker, max_diff, run_distributed, sample_groups, trainer_config, weights,
 )
 
 pytestmark = pytest.mark.slow
@@ -73,6 +73,27 @@ def test_the_ranks_get_different_rows_and_micro_batch_counts(groups):
     assert len({len(c.token_ids) for g in groups for c in g.completions}) > 2  # varied response lengths
 
 
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_sharded_grad_norm_equals_the_unsharded_norm_and_clips_the_same(sharded, max_norm):
+    """`grad_norm_` over FSDP2 shards (one all-reduce of a scalar) against the same gradients unsharded, and
+    against torch's own clip_grad_norm_ on one process."""
+    want = clipped_grads(sharded=False, max_norm=max_norm)
+    params = [torch.nn.Parameter(g.clone()) for g in clipped_grads(sharded=False, max_norm=0.0)["grads"].values()]
+    for p in params:
+        p.grad = p.detach().clone()
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+    assert want["norm"] == pytest.approx(torch_norm, rel=1e-6)
+    assert want["norm"] > 10  # clip 0.5 really scales, 1e6 really does not
+    for rank, res in enumerate(sharded["ranks"]):
+        got = res["clip"][max_norm]
+        assert got["norm"] == pytest.approx(want["norm"], rel=1e-6), rank
+        assert max_diff(got["grads"], want["grads"]) <= 1e-6, rank
+    if max_norm == 0.5:
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want["grads"].values()]))
+        assert float(total) == pytest.approx(0.5, rel=1e-5)
+        assert max_diff(want["grads"], {n: p.grad for n, p in zip(want["grads"], params)}) <= 1e-6
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_policy_gradient_equals_the_single_process_gradient(groups, sharded, mode):
     want = policy_gradients(build("grpo", algo_kwargs=dict(loss_agg_mode=mode)), groups)
@@ -85,6 +106,15 @@ def test_sharded_policy_gradient_equals_the_single_process_gradient(groups, shar
         assert max_diff(got, want) <= 1e-6 * scale, (rank, max_diff(got, want), scale)
     # a wrong scale (FSDP2's average over ranks not undone) would be off by a factor of 2
     assert max_diff(sharded["ranks"][0]["grads"][mode], {k: v / 2 for k, v in want.items()}) > 0.1 * scale
+
+
+def test_lm_head_chunk_counts_that_differ_between_ranks_keep_the_gradient(groups, sharded):
+    """With 3-token LM-head chunks each rank runs as many chunks as its rows need, and the ranks hold different
+    rows: the root's collectives must not depend on the chunk count (they did, and NCCL hung)."""
+    want = policy_gradients(build("grpo"), groups)
+    scale = max(float(g.abs().max()) for g in want.values())
+    for rank, res in enumerate(sharded["ranks"]):
+        assert max_diff(res["grads_chunked"], want) <= 1e-6 * scale, rank
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -558,6 +559,9 @@ def run_worker(rank: int, spec: RunSpec, port_pg: int, port_rpc: int, results=No
     RPC while this thread blocks in `rpc.shutdown`, which keeps serving until rank 0 shuts down.
     """
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    dump_every = os.environ.get("ASYNCRL_STACK_DUMP_S")
+    if dump_every:  # diagnosing a hang: every process prints every thread's stack to stderr periodically
+        faulthandler.dump_traceback_later(float(dump_every), repeat=True)
     _bootstrap(spec, rank, port_pg, port_rpc)
     graceful, summary = True, None
     try:
