@@ -132,7 +132,7 @@ class Engine:
         on_cuda = model.device.type == "cuda"
         self.fused: dict[str, bool] = {}
         if on_cuda and config.fused_kernels:
-            self.fused = use_fused_kernels(True, model.device, model.dtype)
+            self.fused = use_fused_kernels(True, model.device, model.dtype, model=model)
             # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
         self._graphs = _DecodeGraphs(self) if (on_cuda and config.cuda_graphs) else None
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import warnings
 from typing import Any
 
@@ -137,13 +138,18 @@ def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 
 class _Kernels:
-    """The elementwise pieces of a layer. `use_fused_kernels(True)` swaps in torch.compile'd versions (one
-    fused kernel each, as nano-vllm does) — worth it on GPU, where a decode step is launch-bound."""
+    """The elementwise pieces of a layer (eager). `use_fused_kernels(True, model=m)` gives the layers of one
+    model torch.compile'd versions instead (one fused kernel each, as nano-vllm does) — worth it on GPU, where
+    a decode step is launch-bound. Layers read their pieces from `self.kernels` (this class unless set)."""
 
     rms_norm = staticmethod(_rms_norm)
     add_rms_norm = staticmethod(_add_rms_norm)
     apply_rope = staticmethod(_apply_rope)
     silu_mul = staticmethod(_silu_mul)
+
+
+class _UsesKernels:
+    kernels = _Kernels  # per instance after use_fused_kernels(..., model=...)
 
 
 def _probe_inputs(name: str, device: torch.device, dtype: torch.dtype) -> list[tuple]:
@@ -160,16 +166,18 @@ def _probe_inputs(name: str, device: torch.device, dtype: torch.dtype) -> list[t
 
 
 def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = None,
-                      dtype: torch.dtype = torch.bfloat16) -> dict[str, bool]:
-    """Compile (True) or restore (False) the elementwise pieces of every model in this process.
+                      dtype: torch.dtype = torch.bfloat16, *, model: nn.Module | None = None) -> dict[str, bool]:
+    """Compile (True) or restore (False) the elementwise pieces of `model`'s layers (None: every model in
+    this process without pieces of its own).
 
     Each compiled piece is first run on `device` with decode- and prefill-shaped inputs and compared with
     the eager version; a piece that fails to compile or disagrees stays eager. Returns {piece: compiled}.
-    Engine and learner should agree: enable it in both on GPU (results differ from eager only by rounding).
+    Per model, because a process may hold two: a colocated trainer's forward/backward (other shapes, dtypes
+    and grad modes) must not spend the engine's recompile budget — past it, a fullgraph compile fails.
     """
     pieces = {"rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
               "silu_mul": _silu_mul}
-    status = {}
+    status, table = {}, {}
     for name, fn in pieces.items():
         chosen = fn
         if enabled:
@@ -182,8 +190,16 @@ def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = 
                 chosen = compiled
             except Exception as err:  # an Inductor bug must not take the model down: stay eager
                 warnings.warn(f"use_fused_kernels: {name} stays eager ({type(err).__name__}: {str(err)[:200]})")
-        setattr(_Kernels, name, staticmethod(chosen))
         status[name] = chosen is not fn
+        table[name] = chosen
+    if model is None:
+        for name, fn in table.items():
+            setattr(_Kernels, name, staticmethod(fn))
+    else:
+        kernels = types.SimpleNamespace(**table)
+        for module in model.modules():
+            if isinstance(module, _UsesKernels):
+                module.kernels = kernels
     return status
 
 
@@ -194,7 +210,7 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     return int(window)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_UsesKernels, nn.Module):
     """x / sqrt(mean(x²) + eps) · w, computed in fp32 and cast back (as Hugging Face's Llama)."""
 
     def __init__(self, dim: int, eps: float):
@@ -203,7 +219,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def _rope_inv_freq(cfg: TransformerConfig) -> Tensor:
@@ -226,7 +242,7 @@ def _rope_inv_freq(cfg: TransformerConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
-class Attention(nn.Module):
+class Attention(_UsesKernels, nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -250,7 +266,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
-        q, k = _Kernels.apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+        q, k = self.kernels.apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if decode:
             # One query per row: view the H query heads as G = H / Hkv queries of each KV head, so SDPA
             # reads every cached K/V once (no repeat of K/V for grouped-query attention).
@@ -270,7 +286,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
+class MLP(_UsesKernels, nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -278,10 +294,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(_Kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_UsesKernels, nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
@@ -293,7 +309,7 @@ class DecoderLayer(nn.Module):
                 cache_slots: Tensor | None, positions: Tensor, decode: bool) -> Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache, cache_slots, positions, decode)
         norm = self.post_attention_layernorm
-        x, h = _Kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
+        x, h = self.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
         return x + self.mlp(h)
 
 

@@ -3,6 +3,7 @@ token_logprobs / token_entropy, gradient checkpointing."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -204,3 +205,31 @@ def test_unsupported_configs_are_rejected():
         random_model(tiny_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="rope type"):
         random_model(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_fused_kernels_given_to_one_model_leave_the_others_eager(monkeypatch):
+    """A colocated trainer and engine share a process: the engine's compiled pieces (`model=`) must not run
+    in the trainer's model, whose other shapes and grad modes would spend the compiler's recompile budget."""
+    from asyncrl.policies import model as model_mod
+
+    calls = collections.Counter()
+
+    def fake_compile(fn, **kwargs):
+        def compiled(*args):
+            calls[fn.__name__] += 1
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    engine_model, trainer_model = tiny_model(0, perturb=True), tiny_model(0, perturb=True)
+    tokens = torch.tensor(make_prompts([5, 5], seed=1))
+    assert model_mod.use_fused_kernels(True, "cpu", torch.float32, model=engine_model) == dict.fromkeys(
+        ("rms_norm", "add_rms_norm", "apply_rope", "silu_mul"), True)
+    calls.clear()  # the probes ran each piece
+    with torch.no_grad():
+        want = trainer_model(tokens)
+        assert not calls  # the other model stays eager
+        got = engine_model(tokens)
+    assert {"_rms_norm", "_add_rms_norm", "_apply_rope", "_silu_mul"} <= set(calls)
+    torch.testing.assert_close(got, want)
+    assert model_mod._Kernels.rms_norm is model_mod._rms_norm  # the process-wide pieces are untouched
