@@ -427,7 +427,8 @@ class AsyncConfig:
     agent_timeout_s: float = 120.0
     """An agent silent for longer is declared dead; its prompts go to the others."""
     sync_timeout_s: float = 300.0
-    """A weight sync (drain + transfer) taking longer fails (after one retry) naming the agent."""
+    """A weight sync (drain + transfer) taking longer fails (after one retry) naming the agent; also the
+    timeout of every collective of the trainer group (a mismatched collective raises instead of hanging)."""
 
     def validate(self) -> None:
         owner = "async"
