@@ -437,7 +437,7 @@ def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tenso
         ‖g‖ = sqrt(Σ_ranks Σ_shards ‖g_shard‖²)   — one all-reduce of one scalar over `group`
 
     FSDP2 gradients are DTensors sharded on dim 0: each rank squares its own shards and the sum is
-    all-reduced once (torch's clip_grad_norm_ on DTensors reduces each parameter's norm separately).
+    all-reduced once: one collective, whatever the number of parameters, outside DTensor's dispatch.
     Replicated tensors count once. Returns the norm (a 0-d tensor on the gradients' device).
     """
     locals_, scale = [], []
