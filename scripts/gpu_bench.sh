@@ -30,6 +30,7 @@ export PYTHONUNBUFFERED=1
 COMMON=(--n 8 --mini-batch-size 16 --max-new-tokens 1024 --max-prompt-length 512 --temperature 1.0)
 # the reward stages: GSM8K, or (TASK=arithmetic) the built-in sums task, where a 135M model has a signal
 if [ "${TASK:-gsm8k}" = arithmetic ]; then REWARD_DATA=(--digits "${DIGITS:-1}"); else REWARD_DATA=(--data "$DATA"); fi
+R=(--model "$SMOL" "${REWARD_DATA[@]}" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
 QWEN=(--model random:qwen2.5-0.5b --tokenizer "$TOK" --data "$DATA" --lr 1e-6 --steps 8)
 
 bench() {  # bench NAME DEVICES... -- ARGS...
@@ -68,11 +69,9 @@ case "$STAGE" in
     bench modes2_nogc cuda:0 cuda:1 -- "${QWEN[@]}" "${COMMON[@]}" --no-nccl-reference \
       --no-gradient-checkpointing --variants stale-partial ;;
   reward-sync|reward-async)
-    R=(--model "$SMOL" "${REWARD_DATA[@]}" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
     bench "${STAGE/-/_}" cuda:0 cuda:1 -- "${R[@]}" "${COMMON[@]}" \
       --variants "$([ "$STAGE" = reward-sync ] && echo sync || echo stale-partial)" ;;
   reward)
-    R=(--model "$SMOL" "${REWARD_DATA[@]}" --lr 1e-5 --steps 1000 --time-budget-s "${BUDGET:-400}" --no-nccl-reference)
     bench reward_sync cuda:0 cuda:1 -- "${R[@]}" "${COMMON[@]}" --variants sync &
     bench reward_async cuda:2 cuda:3 -- "${R[@]}" "${COMMON[@]}" --variants stale-partial &
     wait ;;
