@@ -34,6 +34,7 @@ from tests.learner_helpers import (
     VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
     tiny_policy, trainer_config, weights,
 )
+from tests.tolerances import close_tol, forward_tol
 
 NAN = float("nan")
 GRAD_TOL = 1e-9  # float64 model: observed ~1e-15; the issue asks for <= 1e-6 relative to the gradient's scale
@@ -48,6 +49,13 @@ def _grads(algo, groups, *, policy=None, reference=None, version: int = 0, **tra
     state = build_learner(policy, trainer_config(**trainer), algo, reference=reference)
     state.version = version
     return policy_gradients(state, groups)
+
+
+@torch.no_grad()
+def _logprob_tol(policy, groups: list[Group]) -> float:
+    """How far two float32 computations of the same log-probs of `groups` under `policy` may differ (other
+    padding, micro-batches, grad mode): `forward_tol` at the scale of the logits over the padded batch."""
+    return forward_tol(policy.logits(policy(collate(groups).tokens)), policy.config)
 
 
 def _ragged_groups(policy) -> list[Group]:
@@ -95,9 +103,10 @@ def test_response_logprobs_match_an_unpadded_forward_of_each_row():
             seq = batch.tokens[i:i + 1, :p + r]
             z = model.logits(model(seq))[0].float() / 0.7
             ref = torch.log_softmax(z, -1)[torch.arange(p - 1, p + r - 1), seq[0, p:p + r]]
-            torch.testing.assert_close(logp[out_row, :r], ref, atol=2e-5, rtol=0)
+            atol = forward_tol(z, model.config)  # logits / T of init 0.1: ~7e-5; a shifted position is O(0.1)
+            torch.testing.assert_close(logp[out_row, :r], ref, atol=atol, rtol=0)
             probs = torch.softmax(z[p - 1:p + r - 1], -1)
-            torch.testing.assert_close(ent[out_row, :r], -(probs * probs.log()).sum(-1), atol=2e-5, rtol=0)
+            torch.testing.assert_close(ent[out_row, :r], -(probs * probs.log()).sum(-1), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("field", ["logprobs", "versions"])
@@ -196,7 +205,9 @@ def test_ppo_surrogate_falls_to_its_clip_bound_with_a_fixed_old_policy():
         state, metrics = train_step(state, groups)
         losses.append(metrics["actor/pg_loss"])
     assert losses[1] < losses[0] - 0.05, losses
-    assert all(loss >= bound - 1e-5 for loss in losses), (losses, bound)
+    # float32 token mean of N terms of size ≤ 1.2·|A| (~1.5e-5 here); the bound is approached to 0.01 below
+    tol = close_tol(torch.float32, 1.2 * adv.abs().max(), terms=int(mask.sum()), depth=2)
+    assert all(loss >= bound - tol for loss in losses), (losses, bound)
     assert losses[-1] == pytest.approx(bound, abs=0.01), (losses, bound)
     assert metrics["actor/pg_clipfrac"] > 0.9
 
@@ -461,8 +472,12 @@ def test_kl_loss_starts_at_zero_against_a_copy_and_grows_as_the_policy_moves():
     groups = on_policy(policy, synthetic_groups(3, 4, seed=2))
     state = build_learner(policy, trainer_config(lr=3e-3), GRPO(kl_loss_coef=0.1, kl_in_reward_coef=0.05),
                           reference=reference)
+    lp_tol = _logprob_tol(policy, groups)  # ~5e-5 (logits O(3)); the KL after two steps is > 1e-4
     state, first = train_step(state, groups)
-    assert abs(first["actor/kl_loss"]) < 1e-6 and abs(first["actor/reward_kl"]) < 1e-5
+    # k3 = e^δ − δ − 1 with δ ≈ 0 cancels terms of size 1: float32 rounding over the token mean
+    n_tokens = int(collate(groups).response_mask.sum())
+    assert abs(first["actor/kl_loss"]) < close_tol(torch.float32, 1.0, terms=n_tokens, depth=2)
+    assert abs(first["actor/reward_kl"]) < lp_tol
     for _ in range(2):
         state, metrics = train_step(state, groups)
     assert metrics["actor/kl_loss"] > 1e-4 and math.isfinite(metrics["actor/reward_kl"])
@@ -479,11 +494,11 @@ def test_adaptive_kl_controller_moves_the_coefficient_toward_the_target(kl):
     groups = on_policy(policy, synthetic_groups(3, 4, seed=2), shift=-kl)
     algo = GRPO(kl_in_reward_coef=0.1, kl_target=0.05, kl_horizon=100)
     state = build_learner(policy, trainer_config(lr=1e-3), algo, reference=reference)
-    beta = []
+    beta, lp_tol = [], _logprob_tol(policy, groups)
     for _ in range(3):
         before = state.kl_coef
         state, metrics = train_step(state, groups)
-        assert metrics["actor/kl_coef"] == before and metrics["actor/reward_kl"] == pytest.approx(kl, abs=1e-5)
+        assert metrics["actor/kl_coef"] == before and metrics["actor/reward_kl"] == pytest.approx(kl, abs=lp_tol)
         error = min(max(metrics["actor/reward_kl"] / 0.05 - 1, -0.2), 0.2)
         assert state.kl_coef == pytest.approx(before * (1 + error * 12 / 100), rel=1e-12)
         beta.append(state.kl_coef)
@@ -555,10 +570,13 @@ def test_is_weights_are_one_when_behaviour_and_proximal_policies_agree(is_level)
     groups = on_policy(policy, synthetic_groups(3, 4, seed=2))
     off = OffPolicyConfig(use_rollout_log_probs=False, is_level=is_level)
     state = build_learner(policy, trainer_config(off_policy=off), GRPO())
+    lp_tol = _logprob_tol(policy, groups)  # ~5e-5: behaviour and proximal log-probs differ by rounding only
     _, metrics = train_step(state, groups)
-    assert abs(metrics["rollout_corr/mismatch_kl"]) < 1e-5
-    assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert metrics["rollout_corr/ess"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(metrics["rollout_corr/mismatch_kl"]) < lp_tol
+    assert metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=lp_tol)  # e^δ − 1 ≈ δ
+    n_tokens = int(collate(groups).response_mask.sum())
+    # ESS = (Σw)² / (N·Σw²) = 1 − O(δ²): float32 rounding of sums of N terms of size 1
+    assert metrics["rollout_corr/ess"] == pytest.approx(1.0, abs=close_tol(torch.float32, 1.0, terms=n_tokens, depth=2))
     assert metrics["rollout_corr/is_truncated_fraction"] == 0.0
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.policies.model import token_logprobs
 from asyncrl.types import GenerationOutput
+from tests.tolerances import forward_tol
 
 VOCAB = ARCH_PRESETS["tiny-qwen2"]["vocab_size"]  # 256
 EOS = ARCH_PRESETS["tiny-qwen2"]["eos_token_id"]  # 2
@@ -63,6 +64,15 @@ def forward_logprobs(model: CausalLM, prompt: list[int], tokens: list[int], temp
 
 
 @torch.no_grad()
+def logprob_tol(model: CausalLM, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> float:
+    """Tolerance for log-probs of `tokens` computed two ways (engine vs training forward, in a batch vs
+    alone): `forward_tol` at the scale of the logits they come from, over prompt + tokens, at `temperature`
+    (0, greedy, reports log-probs at 1)."""
+    logits = model.logits(model(torch.tensor([prompt + tokens])))
+    return forward_tol(logits, model.config, temperature=temperature)
+
+
+@torch.no_grad()
 def manual_greedy(model: CausalLM, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding by full re-forward of the growing sequence (no cache)."""
     seq = list(prompt)
@@ -93,13 +103,15 @@ def token_lists(out: GenerationOutput) -> list[list[int]]:
     return [c.token_ids for c in out.completions]
 
 
-def assert_same_output(a: GenerationOutput, b: GenerationOutput, atol: float = 1e-4) -> None:
-    """Same tokens, finish reasons and versions; log-probs equal up to batch-composition rounding."""
+def assert_same_output(a: GenerationOutput, b: GenerationOutput, model: CausalLM, params: SamplingParams) -> None:
+    """Same tokens, finish reasons and versions; log-probs equal up to batch-composition rounding (of the
+    `model` that generated both, sampling with `params`)."""
     assert len(a.completions) == len(b.completions)
     for i, (ca, cb) in enumerate(zip(a.completions, b.completions)):
         assert ca.token_ids == cb.token_ids, f"sample {i}: tokens differ"
         assert ca.finish_reason == cb.finish_reason, f"sample {i}: {ca.finish_reason} != {cb.finish_reason}"
         assert ca.versions == cb.versions
+        atol = logprob_tol(model, a.prompt_ids, ca.token_ids, params.temperature)
         torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=atol, rtol=0)
 
 

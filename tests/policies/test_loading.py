@@ -15,7 +15,8 @@ from asyncrl.policies import (
     load_tokenizer, named_weights, random_model, save_pretrained, smollm2_gguf_path,
 )
 from asyncrl.policies.loading import gguf_cache_dir, resolve_model_dir
-from tests.policies.helpers import forward_logprobs, make_prompts, tiny_config, tiny_model
+from tests.policies.helpers import forward_logprobs, logprob_tol, make_prompts, tiny_config, tiny_model
+from tests.tolerances import forward_tol
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,9 @@ def test_smollm2_transformers_tokenizer_and_engine_agree(smollm2, transformers):
     x = torch.tensor([ids])
     with torch.no_grad():
         ours, theirs = smollm2.logits(smollm2(x)), hf(x).logits
-    diff = (ours - theirs).abs().max().item()
-    assert diff <= 1e-4, f"SmolLM2: our logits vs transformers' differ by {diff:.3g}"
+    # logits up to ~31: measured 4e-5, the tolerance ~1.4e-3, a structural difference O(0.1..1)
+    diff, atol = (ours - theirs).abs().max().item(), forward_tol(theirs, smollm2.config)
+    assert diff <= atol, f"SmolLM2: our logits vs transformers' differ by {diff:.3g} > {atol:.3g}"
     engine = Engine(smollm2, EngineConfig(max_slots=2, max_len=64))
     out = engine.generate([ids], SamplingParams(temperature=0.0, max_new_tokens=8))[0].completions[0]
     with torch.no_grad():
@@ -69,7 +71,7 @@ def test_smollm2_transformers_tokenizer_and_engine_agree(smollm2, transformers):
     assert out.token_ids == ref.tolist()[:len(out.token_ids)]
     assert "Paris" in tok.decode(out.token_ids)
     torch.testing.assert_close(torch.tensor(out.logprobs), forward_logprobs(smollm2, ids, out.token_ids),
-                               atol=1e-4, rtol=0)
+                               atol=logprob_tol(smollm2, ids, out.token_ids), rtol=0)
 
 
 def test_smollm2_path_and_missing_gguf(tmp_path):
@@ -98,7 +100,7 @@ def test_save_load_round_trip_and_transformers_open_it(tmp_path, tied, transform
         assert torch.equal(loaded.logits(loaded(ids)), ref)
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         diff = (hf(ids).logits - ref).abs().max().item()
-    assert diff <= 1e-4
+    assert diff <= forward_tol(ref, model.config)  # ~3e-4 at init 0.5; a dropped bias or norm is O(0.1..1)
     # every HF parameter name is one of ours (update_weights relies on it)
     hf_names = set(hf.state_dict()) - ({"lm_head.weight"} if tied else set())
     assert {n for n, _ in named_weights(model)} == hf_names
