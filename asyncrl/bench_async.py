@@ -253,7 +253,7 @@ def _broadcast_member(rank: int, port: int, devices: list[str], numel: int, repe
 
 def broadcast_seconds(num_bytes: int, devices: list[str], repeats: int = 10) -> float:
     """Median seconds of one bare torch.distributed broadcast of `num_bytes` (bf16) between two processes."""
-    from asyncrl.rpc.launch import _free_port
+    from asyncrl.rpc.launch import free_port as _free_port
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

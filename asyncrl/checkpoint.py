@@ -7,17 +7,32 @@ resumed run neither loses nor repeats a prompt.
     export_hf(state, "out/policy", tokenizer=tok)     # or export_hf("run/checkpoints/step_00000012", ...)
 
 Layout: `run_dir/checkpoints/step_{step:08d}/` holding `learner.pt` (weights, optimizer, schedule,
-counters, RNG), `extra.pt` and `meta.json`; written to a temporary directory first and renamed, so a crash
-never leaves a half checkpoint. With FSDP2 the full state is gathered to rank 0 (the distributed
-state-dict API), which writes; every rank loads it back (broadcast from rank 0). The frozen reference model
-is not saved: it is rebuilt from the model path at start-up.
+counters, model config, RNG), `extra.json` and `meta.json`.
+
+A save never leaves a half checkpoint: the files go to `step_….tmp/`, which is renamed once complete and
+removed if anything fails (as are `.tmp` leftovers of a crashed earlier save). A save that cannot fit on
+the disk raises `CheckpointError` before writing, or after the failed write, naming the bytes needed and free.
+
+`learner.pt` holds only tensors and plain Python values (the model config as a dict, the RNG states as
+tensors and ints), so it loads with `torch.load(weights_only=True)`, which unpickles no arbitrary objects;
+`extra` must be JSON data (dicts with str keys, lists, tuples, str, numbers, bool, None) and comes back as
+parsed JSON (tuples as lists).
+
+With FSDP2 the full state is gathered to rank 0 (the distributed state-dict API), which writes; every rank
+loads it back (broadcast from rank 0). The frozen reference model is not saved: it is rebuilt from the
+model path at start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
+import os
 import pathlib
+import pickle
 import random
+import re
 import shutil
 import time
 
@@ -31,9 +46,17 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.learner import LearnerState
 from asyncrl.policies.loading import save_pretrained
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_hf"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
+           "list_checkpoints", "export_hf"]
 
 _COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
+_MARGIN_BYTES = 16 * 2**20  # zip headers, pickled structure, meta.json: a few KB; the rest is slack
+_MARGIN_FRACTION = 0.02
+
+
+class CheckpointError(OSError):
+    """A checkpoint does not fit on its disk. The message names the checkpoint directory, the bytes it needs
+    and the bytes free, and what to do."""
 
 
 def _distributed(state: LearnerState) -> bool:
@@ -44,15 +67,19 @@ def _is_writer(state: LearnerState) -> bool:
     return not _distributed(state) or dist.get_rank(state.group) == 0
 
 
+# ----------------------------------------------------------------------------- weights_only-safe payload
 def _rng_state() -> dict:
+    """RNG states as tensors, ints, tuples and str (numpy's key array as an int64 tensor)."""
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-        out["numpy"] = np.random.get_state()
     except ImportError:
-        pass
+        return out
+    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    out["numpy"] = {"algorithm": str(algorithm), "keys": torch.from_numpy(keys.astype(np.int64)),
+                    "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
     return out
 
 
@@ -63,7 +90,20 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     if "numpy" in rng:
         import numpy as np
-        np.random.set_state(rng["numpy"])
+        saved = rng["numpy"]
+        np.random.set_state((saved["algorithm"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                             saved["has_gauss"], saved["cached_gaussian"]))
+
+
+def _plain(value):
+    """A counter as a Python number (numpy and 0-d tensor scalars would not load under weights_only)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _model_config(model) -> dict | None:
+    """The policy's `TransformerConfig` as a plain dict, for `export_hf` from a checkpoint."""
+    config = getattr(model, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
 
 
 def _gather(state: LearnerState) -> dict:
@@ -79,6 +119,104 @@ def _gather(state: LearnerState) -> dict:
     return out
 
 
+def _learner_payload(state: LearnerState, gathered: dict) -> dict:
+    return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in _COUNTERS},
+            "config": _model_config(state.policy), "rng": _rng_state()}
+
+
+def _json_problem(value, where: str) -> str | None:
+    """'<where>: <what>' for the first part of `value` that is not JSON data (a type JSON refuses, or a
+    non-str key that JSON would turn into a str), else None. Tuples pass: they come back as lists."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return (f"{where}: key {key!r} is a {type(key).__name__}, JSON keys are str; "
+                        "convert the keys to str first")
+            found = _json_problem(item, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((found for i, item in enumerate(value) if (found := _json_problem(item, f"{where}[{i}]"))),
+                    None)
+    return f"{where}: {type(value).__name__} is not JSON-serialisable; convert it to dicts/lists first"
+
+
+def _extra_json(extra: dict) -> str:
+    """`extra` as JSON text; TypeError naming the first value that is not JSON data."""
+    problem = _json_problem(extra, "extra")
+    if problem:
+        raise TypeError(f"save_checkpoint: {problem}")
+    return json.dumps(extra, indent=None)
+
+
+# ------------------------------------------------------------------------------------ disk space
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _bytes_needed(payload: dict, extra_text: str) -> int:
+    """Bytes the checkpoint takes: every storage torch.save writes, once (tied weights share one), the
+    extra JSON, and a margin for the rest."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(payload)}
+    data = sum(storages.values()) + len(extra_text.encode("utf-8"))
+    return data + int(data * _MARGIN_FRACTION) + _MARGIN_BYTES
+
+
+def _free_bytes(path: pathlib.Path) -> int:
+    """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _written_bytes(directory: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _no_space(final: pathlib.Path, needed: int, free: int) -> CheckpointError:
+    return CheckpointError(f"no space left on device: {final} needs ~{_size(needed)}, {_size(free)} free; "
+                           "free space or point --run-dir elsewhere")
+
+
+def _is_enospc(exc: BaseException) -> bool:
+    """Whether an OSError with errno ENOSPC is anywhere in the chain of causes and contexts of `exc`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_if_disk_full(exc: BaseException, root: pathlib.Path, tmp: pathlib.Path, needed: int) -> int | None:
+    """The free bytes when the failed write `exc` came from a full disk (ENOSPC in its chain, or less free
+    space than the part of the checkpoint not yet written), else None."""
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a disk problem
+        return None
+    try:
+        free = _free_bytes(root)
+        short = free < needed - _written_bytes(tmp)
+    except OSError:
+        free, short = 0, False
+    return free if short or _is_enospc(exc) else None
+
+
+# ------------------------------------------------------------------------------------ writing
 def list_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
     root = pathlib.Path(run_dir) / "checkpoints"
     return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))) \
@@ -90,34 +228,82 @@ def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     return found[-1] if found else None
 
 
+def _remove_stale_tmp(root: pathlib.Path) -> None:
+    """Remove the `.tmp` directories that saves which crashed mid-write left behind."""
+    for stale in root.glob("step_*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _sync(directory: pathlib.Path) -> None:
+    """Flush the files of `directory` and the directory itself to disk, so a rename publishes full files."""
+    for path in [*sorted(p for p in directory.iterdir() if p.is_file()), directory]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_files(tmp: pathlib.Path, payload: dict, extra_text: str, meta: dict) -> None:
+    tmp.mkdir(parents=True)
+    torch.save(payload, tmp / "learner.pt")
+    (tmp / "extra.json").write_text(extra_text, encoding="utf-8")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    _sync(tmp)
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Rename the finished `tmp` to `final`; a step saved before is replaced only once the new copy is in."""
+    if not final.exists():
+        tmp.rename(final)
+        return
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta: dict) -> None:
+    """Write into `final`.tmp and rename; on any failure remove the `.tmp` and re-raise (a full disk as
+    `CheckpointError`: ENOSPC in the exception chain, or too little free space left for the rest)."""
+    root, tmp = final.parent, final.with_name(final.name + ".tmp")
+    if root.is_dir():
+        _remove_stale_tmp(root)
+    needed = _bytes_needed(payload, extra_text)
+    free = _free_bytes(root)
+    if free < needed:
+        raise _no_space(final, needed, free)
+    try:
+        _write_files(tmp, payload, extra_text, meta)
+        _publish(tmp, final)
+    except BaseException as exc:
+        free = _free_if_disk_full(exc, root, tmp, needed)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if free is not None:
+            raise _no_space(final, needed, free) from exc
+        raise
+
+
 def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dict | None = None, *,
                     keep_last: int = 3) -> pathlib.Path:
-    """Write a checkpoint of `state` (+ `extra`) and keep only the newest `keep_last`. Call it on every rank
-    of the trainer group; rank 0 writes."""
+    """Write a checkpoint of `state` (+ `extra`, JSON data) and keep only the newest `keep_last`. Call it on
+    every rank of the trainer group; rank 0 writes. Raises TypeError naming the first part of `extra` that
+    is not JSON data, `CheckpointError` when the disk is full; nothing is left behind on failure."""
     if keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
+    extra_text = _extra_json(extra or {})
     gathered = _gather(state)
     final = pathlib.Path(run_dir) / "checkpoints" / f"step_{state.step:08d}"
     if _is_writer(state):
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        gathered["counters"] = {k: getattr(state, k) for k in _COUNTERS}
-        gathered["config"] = getattr(state.policy, "config", None)  # for export_hf from a checkpoint
-        gathered["rng"] = _rng_state()
-        torch.save(gathered, tmp / "learner.pt")
-        torch.save(extra or {}, tmp / "extra.pt")
         meta = {"step": state.step, "version": state.version, "time": time.time(),
                 "algorithm": type(state.algorithm).__name__}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        _write_checkpoint(final, _learner_payload(state, gathered), extra_text, meta)
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     if _distributed(state):
@@ -125,12 +311,45 @@ def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dic
     return final
 
 
-def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
-    """Restore `state` in place from a checkpoint directory; return the run's `extra`."""
-    path = pathlib.Path(path)
+# ------------------------------------------------------------------------------------ reading
+def _unpickler_reason(exc: pickle.UnpicklingError) -> str:
+    """What torch's weights_only loader refused, e.g. 'global asyncrl.policies.model.TransformerConfig'."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    return f"global {found.group(1)}" if found else str(exc).strip().splitlines()[0]
+
+
+def _load_safe(file: pathlib.Path, fix: str) -> dict:
+    """`torch.load(file, weights_only=True)`; a ValueError naming the file, what was refused and `fix` when
+    it holds pickled Python objects (as files written by older versions do)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{file} holds pickled Python objects that weights_only loading refuses "
+                         f"({_unpickler_reason(exc)}); it was written by an older asyncrl: {fix}") from exc
+
+
+def _load_learner_file(path: pathlib.Path, caller: str) -> dict:
     if not (path / "learner.pt").is_file():
-        raise ValueError(f"load_checkpoint: {path} holds no learner.pt; pass a directory from list_checkpoints()")
-    saved = torch.load(path / "learner.pt", map_location="cpu", weights_only=False)
+        raise ValueError(f"{caller}: {path} holds no learner.pt; pass a directory from list_checkpoints()")
+    return _load_safe(path / "learner.pt", "export the policy with that version (export_hf) and start a new run "
+                      "from the export")
+
+
+def _load_extra(path: pathlib.Path) -> dict:
+    if (path / "extra.json").is_file():
+        return json.loads((path / "extra.json").read_text(encoding="utf-8"))
+    if (path / "extra.pt").is_file():  # older layout: readable when it holds only plain data
+        return _load_safe(path / "extra.pt", "write its content as plain JSON data to extra.json beside it")
+    raise ValueError(f"load_checkpoint: {path} holds no extra.json; the checkpoint is incomplete, "
+                     "pass another directory from list_checkpoints()")
+
+
+def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
+    """Restore `state` in place from a checkpoint directory; return the run's `extra` as parsed JSON (the
+    dict given to `save_checkpoint`, with tuples as lists)."""
+    path = pathlib.Path(path)
+    saved = _load_learner_file(path, "load_checkpoint")
+    extra = _load_extra(path)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed(state))
     set_model_state_dict(state.policy, saved["policy"], options=options)
     set_optimizer_state_dict(state.policy, state.optimizer, saved["optimizer"], options=options)
@@ -144,7 +363,22 @@ def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
     for key, value in saved["counters"].items():
         setattr(state, key, value)
     _set_rng_state(saved["rng"])
-    return torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+    return extra
+
+
+def describe_checkpoint(path: str | pathlib.Path) -> dict:
+    """What a checkpoint directory's meta.json records: {"step", "version", "time", "algorithm"}, without
+    loading its weights."""
+    meta = pathlib.Path(path) / "meta.json"
+    if not meta.is_file():
+        raise ValueError(f"describe_checkpoint: {path} holds no meta.json; pass a directory from list_checkpoints()")
+    return json.loads(meta.read_text(encoding="utf-8"))
+
+
+def _config_from_dict(fields: dict):
+    """The `TransformerConfig` that `_model_config` stored as a dict."""
+    from asyncrl.policies.model import TransformerConfig
+    return TransformerConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
 
 
 def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.Path, *, tokenizer=None,
@@ -157,10 +391,10 @@ def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.
         if _distributed(source) and not _is_writer(source):
             return pathlib.Path(out_dir)
     else:
-        saved = torch.load(pathlib.Path(source) / "learner.pt", map_location="cpu", weights_only=False)
-        weights, config = saved["policy"], saved.get("config")
-        if config is None:
+        saved = _load_learner_file(pathlib.Path(source), "export_hf")
+        if saved.get("config") is None:
             raise ValueError(f"export_hf: {source} does not record the model config; export from a live learner")
+        weights, config = saved["policy"], _config_from_dict(saved["config"])
     with torch.device("meta"):
         model = CausalLM(config)
     model.load_state_dict(weights, strict=False, assign=True)

@@ -3,6 +3,7 @@
     asyncrl train cpu-demo                          # the default job (what `make train` runs)
     asyncrl train cpu-demo --async-training.staleness-threshold 0 --run-dir runs/sync
     asyncrl train --help
+    asyncrl agent --join HOST:PORT --device cuda:3  # one more rollout agent for a running job
 """
 
 from __future__ import annotations
@@ -37,14 +38,56 @@ def train_main(args: list[str]) -> None:
     description, default = PRESETS[args[0]]
     config = tyro.cli(RunConfig, default=default, args=args[1:], prog=f"asyncrl train {args[0]}",
                       description=description)
+    import logging
+    from asyncrl.rpc.lifecycle import exit_code
+    from asyncrl.rpc.supervise import RunKilled
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(name)s %(levelname)s %(message)s")
     try:
         summary = train(config)
     except ValueError as err:  # configuration errors name the field and the fix
         raise SystemExit(f"asyncrl train: {err}") from None
+    except RunKilled as err:
+        print(f"asyncrl train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(err.signal_name)) from None
     if summary is None:  # a non-zero rank of a torchrun job
         return
+    if summary.interrupted is not None:
+        print(summary.interrupted_line(), flush=True)
+        raise SystemExit(exit_code(summary.interrupted))
     print(f"done: {summary.versions} versions, {summary.steps} learner steps; prompts {summary.ledger}"
           + (f"; dead agents: {summary.dead_agents}" if summary.dead_agents else ""))
+
+
+def agent_main(args: list[str]) -> None:
+    """`asyncrl agent --join HOST:PORT --device DEVICE`: one more rollout agent for a running job."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class AgentArgs:
+        """Join a running asyncrl job as one more rollout agent. The job prints its join address at start-up
+        ("more rollout agents can join this run: ..."); the agent takes the next free slot, receives the current
+        weights at the next publication, then generates. SIGTERM or Ctrl-C leaves cleanly (its unfinished
+        prompts go to the other agents)."""
+
+        join: str
+        """HOST:PORT of the job's store (--placement.join-port on the trainer's host; torchrun: MASTER_PORT+1)."""
+        device: str = "cpu"
+        """Device of this agent's engine (cuda:N, or cpu)."""
+        threads: int = 1
+        """torch intra-op threads (CPU)."""
+
+    parsed = tyro.cli(AgentArgs, args=args, prog="asyncrl agent")
+    host, _, port = parsed.join.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"asyncrl agent: --join {parsed.join!r} is not HOST:PORT (e.g. --join 10.0.0.5:29511)")
+    if parsed.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit(f"asyncrl agent: --device {parsed.device} requested but CUDA is not available; use cpu")
+    import torch
+    torch.set_num_threads(parsed.threads)
+    from asyncrl.rpc.launch import run_agent
+    raise SystemExit(run_agent(host, int(port), device=parsed.device))
 
 
 def _lazy(module: str, function: str):
@@ -56,6 +99,7 @@ def _lazy(module: str, function: str):
 
 COMMANDS = {
     "train": train_main,
+    "agent": agent_main,
     "eval": _lazy("asyncrl.evaluate", "eval_main"),
     "bench": _lazy("asyncrl.bench", "bench_main"),
     "data": _lazy("asyncrl.data.cli", "data_main"),

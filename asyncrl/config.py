@@ -523,6 +523,26 @@ class PlacementConfig:
     """Address the run's RPC and process groups bind to (loopback: RPC uses pickle, keep it private)."""
     threads_per_process: int = 1
     """torch intra-op threads per process (CPU)."""
+    join_port: int | None = None
+    """Port of the run's store on master_addr, where more rollout agents can join a running job
+    (`asyncrl agent --join HOST:PORT --device ...`); None picks a free port and prints it."""
+    restart_agents: int = 0
+    """Restart a rollout agent process that dies or hangs, up to this many times in all (rpc launcher)."""
+    restart_backoff_s: float = 2.0
+    """Seconds before restarting an agent; doubled for each further restart of the same agent."""
+    max_run_time_s: float | None = None
+    """Wall-clock cap of the whole job: when it passes, the job stops as on SIGTERM (a checkpoint, then exit
+    with status 124). None: no cap (bound the training itself with --async-training.time-budget-s)."""
+
+    def validate(self) -> None:
+        if self.restart_agents < 0:
+            _fail("placement", "restart_agents", self.restart_agents, "must be >= 0")
+        if self.restart_backoff_s < 0:
+            _fail("placement", "restart_backoff_s", self.restart_backoff_s, "must be >= 0 seconds")
+        if self.max_run_time_s is not None and not self.max_run_time_s > 0:
+            _fail("placement", "max_run_time_s", self.max_run_time_s, "must be > 0 seconds or None")
+        if self.join_port is not None and not 0 < self.join_port < 65536:
+            _fail("placement", "join_port", self.join_port, "must be a TCP port (1-65535) or None")
 
 
 @dataclasses.dataclass
@@ -543,7 +563,9 @@ class RunConfig:
     checkpoint_every: int = 0
     """Checkpoint every this many versions (0: never)."""
     resume: bool = False
-    """Continue from the newest checkpoint in run_dir."""
+    """Continue from the newest checkpoint in run_dir (refused when there is none)."""
+    resume_or_start: bool = False
+    """Continue from the newest checkpoint in run_dir when there is one, start fresh otherwise."""
     seed: int = 0
     """Seed of prompts' sampling seeds and shuffling."""
     strict_rewards: bool = False
@@ -556,6 +578,7 @@ class RunConfig:
         self.rollout.validate()
         self.trainer.validate()
         self.async_training.validate()
+        self.placement.validate()
         if self.trainer.temperature != self.rollout.temperature:
             _fail("trainer", "temperature", self.trainer.temperature,
                   f"must equal rollout.temperature={self.rollout.temperature} (log-probs of the sampled distribution)")

@@ -23,8 +23,10 @@ from asyncrl.data.files import load_prompt_file
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
 from asyncrl.rewards import arithmetic_reward, countdown_reward, even_token_reward, gsm8k_reward, math_reward
+from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch, run_torchrun
+from asyncrl.rpc.launch import launch, run_torchrun
+from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
 from asyncrl.tracking import Tracker, TrackingConfig
 
 __all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
@@ -138,9 +140,11 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
                    scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards), agents=agents,
                    trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                   log_fn=log_fn, master_addr=cfg.placement.master_addr,
-                   threads_per_process=cfg.placement.threads_per_process,
-                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")
+                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, master_addr=cfg.placement.master_addr,
+                   join_port=cfg.placement.join_port, threads_per_process=cfg.placement.threads_per_process,
+                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local",
+                   restart_agents=cfg.placement.restart_agents, restart_backoff_s=cfg.placement.restart_backoff_s,
+                   max_run_time_s=cfg.placement.max_run_time_s)
 
 
 def _config_dict(cfg: RunConfig) -> dict:
@@ -156,11 +160,13 @@ def _config_dict(cfg: RunConfig) -> dict:
 def train(cfg: RunConfig) -> RunSummary | None:
     """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json."""
     cfg.validate()  # before anything is written: a bad config leaves no run directory behind
+    spec = build_spec(cfg)
+    resume_checkpoint(spec)  # a resume without a checkpoint is refused before anything starts
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, default=str))
     tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=_config_dict(cfg))
-    spec = build_spec(cfg, log_fn=tracker)
+    spec = dataclasses.replace(spec, log_fn=tracker)
     start = time.time()
     if cfg.placement.launcher == "rpc":
         summary = launch(spec)
@@ -169,31 +175,23 @@ def train(cfg: RunConfig) -> RunSummary | None:
         if summary is None:  # not rank 0: nothing to report
             return None
     else:
-        summary = _train_local(cfg, spec, tracker)
+        summary = _train_local(spec, tracker)
     tracker.close()
     (run_dir / "summary.json").write_text(json.dumps(
         {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
-         "dead_agents": summary.dead_agents, "wall_s": time.time() - start}, indent=2))
+         "dead_agents": summary.dead_agents, "interrupted": summary.interrupted, "checkpoint": summary.checkpoint,
+         "wall_s": time.time() - start}, indent=2))
     return summary
 
 
-def _train_local(cfg: RunConfig, spec: RunSpec, tracker) -> RunSummary:
-    from asyncrl.checkpoint import latest_checkpoint, load_checkpoint
-    from asyncrl.learner import build_learner
-    from asyncrl.policies.engine import Engine, EngineConfig
+def _train_local(spec: RunSpec, tracker) -> RunSummary:
+    from asyncrl.rpc.lifecycle import StopRequest, on_signals
     from asyncrl.rpc.local import LocalRun
-    torch.set_num_threads(cfg.placement.threads_per_process)
-    device = spec.trainer_devices[0]
-    policy = spec.model.build(device, cfg.trainer.param_dtype)
-    reference = spec.model.build(device) if spec.reference else None
-    state = build_learner(policy, cfg.trainer, cfg.algorithm, reference=reference)
-    max_len = cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens
-    engines = [Engine(spec.model.build(a.device, a.engine_dtype),
-                      EngineConfig(max_slots=cfg.rollout.max_slots, max_len=max_len, cuda_graphs=cfg.rollout.cuda_graphs,
-                                   seed=cfg.seed + i)) for i, a in enumerate(spec.agents)]
-    run = LocalRun(state, engines, spec.source_factory(), spec.scorer_factory(), cfg.rollout, cfg.async_training,
-                   seed=cfg.seed, log_metrics=tracker, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every)
-    run.controller.on_step = tracker.log_samples
-    if cfg.resume and latest_checkpoint(cfg.run_dir) is not None:
-        run.resume(load_checkpoint(latest_checkpoint(cfg.run_dir), state))
-    return run.run()
+    torch.set_num_threads(spec.threads_per_process)
+    stop = StopRequest()
+    on_signals(stop.set)
+    run = LocalRun.from_spec(spec, log_metrics=tracker, on_step=tracker.log_samples, stop=stop)
+    summary = run.run()
+    if stop.is_set() and summary.interrupted is None:
+        summary.interrupted = stop.reason
+    return summary

@@ -83,10 +83,27 @@ class Tracker:
             self._wandb = wandb.init(project=self.config.project, name=self.config.name or run_dir.name,
                                      dir=str(run_dir), mode=mode, config=self.run_config, reinit=True)
 
+    def wall_s(self) -> float:
+        """Seconds since the run started (continued across resumes)."""
+        return time.time() - self._start
+
+    def resume(self, version: int, wall_s: float) -> None:
+        """Continue a run from its checkpoint at `version`: rows logged after that checkpoint by the
+        interrupted run are dropped from metrics.jsonl (they will be logged again), and the wall-clock goes on
+        from `wall_s`."""
+        self._start = time.time() - wall_s
+        path = pathlib.Path(self.config.run_dir) / "metrics.jsonl"
+        if path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= version]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+
     def __call__(self, metrics: dict, step: int) -> None:
         if self._file is None:
             self._open()
-        row = {"step": step, "wall_s": time.time() - self._start, **{k: _jsonable(v) for k, v in metrics.items()}}
+        row = {"step": step, "wall_s": self.wall_s(), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)

@@ -148,7 +148,7 @@ def test_sharded_checkpoint_round_trips_and_matches_the_single_process_one(shard
     A checkpoint written by one process → the sharded learner: the same, and the single run's next step."""
     (path,) = list_checkpoints(sharded["run_dir"])
     assert path.name == "step_00000001"
-    assert sorted(p.name for p in path.iterdir()) == ["extra.pt", "learner.pt", "meta.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["extra.json", "learner.pt", "meta.json"]
     for res in sharded["ranks"]:
         saved = res["train"]["ppo"]
         assert max_diff(res["loaded"]["policy"], saved["policy"]) == 0

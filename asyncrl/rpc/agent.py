@@ -11,8 +11,10 @@ A weight update happens at a decode-step boundary, because the engine's controls
                     version;
   no partial:       `pause_for_sync(partial=False)` stops asking for prompts and lets the running ones
                     finish ("wait"); weights are swapped when the engine is empty.
-`controller` is anything with `request(agent, n) -> list[Task]`, `submit(agent, group)` and
-`heartbeat(agent)`: the controller object itself in-process, an RPC proxy across processes.
+`controller` is anything with `request(agent, n) -> list[Task]`, `submit(agent, group)`, `heartbeat(agent)`
+and `agent_failed(agent, why)`: the run's `Roster` itself in-process, an RPC proxy of it across processes.
+The loop heartbeats every `heartbeat_s` whatever it is doing (generating, paused for a weight update, idle),
+so only a stuck loop or a stopped process falls silent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +32,7 @@ from asyncrl.data.scoring import Scorer
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.rpc.queue import Task
+from asyncrl.rpc.roster import Fenced
 from asyncrl.types import GenerationOutput, Group
 
 __all__ = ["RolloutAgent", "ControllerHandle"]
@@ -50,10 +53,11 @@ class ControllerHandle(Protocol):
 class RolloutAgent:
     def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
                  controller: ControllerHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
-                 heartbeat_s: float = 1.0, step_delay_s: float = 0.0):
+                 heartbeat_s: float = 1.0, on_exit: Callable[[BaseException | None], None] | None = None):
         self.name, self.engine, self.scorer, self.rollout = name, engine, scorer, rollout
         self.controller, self.colocated = controller, colocated
-        self.idle_sleep_s, self.heartbeat_s, self.step_delay_s = idle_sleep_s, heartbeat_s, step_delay_s
+        self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
+        self.on_exit = on_exit
         self.tasks: dict[str, Task] = {}  # engine request id -> task
         self.accepting = True
         self.versions_seen: list[int] = [engine.version]
@@ -88,15 +92,19 @@ class RolloutAgent:
                 torch.cuda.set_device(device)  # the current device is per thread; this one works on the engine's
             while not self._stop.is_set():
                 self._tick()
+        except Fenced as err:  # declared dead while stuck (or stopped): nothing of ours is accepted any more
+            self.error = err
+            log.error("agent %s was fenced out of the run: %s", self.name, err)
         except BaseException as err:  # surface it: tell the controller at once (else it sees the agent fall silent)
             self.error = err
             log.exception("agent %s stopped on an error", self.name)
-            report = getattr(self.controller, "agent_failed", None)
-            if report is not None:
-                try:
-                    report(self.name, f"its generation loop raised {err!r}")
-                except Exception:  # noqa: BLE001 - the controller may be gone too; the timeout still catches it
-                    log.warning("agent %s could not report its failure", self.name)
+            try:
+                self.controller.agent_failed(self.name, f"its generation loop raised {err!r}")
+            except Exception:  # noqa: BLE001 - the controller may be gone too; the timeout still catches it
+                log.warning("agent %s could not report its failure", self.name)
+        finally:
+            if self.on_exit is not None:
+                self.on_exit(self.error)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -112,8 +120,6 @@ class RolloutAgent:
             return
         start = time.monotonic()
         outputs = self.engine.step()
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)  # tests: emulate a slower device
         self._busy_s += time.monotonic() - start
         for out in outputs:
             self._submit(out)

@@ -1,35 +1,44 @@
 """The run loop on the trainer: take groups as they stream in, train, publish weights, account, checkpoint.
 
-    controller = Controller(queue, learner_state, publisher, async_cfg)
-    summary = controller.run()          # agents must be running (they call request / submit / heartbeat)
+    controller = Controller(queue, roster, state, publisher, trainers, async_cfg, run_dir=..., stop=stop_event)
+    summary = controller.run()          # agents must be running (they call the roster)
 
 One version window = `trigger_parameter_sync_step` learner steps, each on `require_batches ×
 mini_batch_size` groups taken oldest-first from the queue (DAPO's dynamic sampling drops all-equal groups
 and takes more), then one publication. With `lag_policy="wait"` the publication is held back (the trainer
 keeps training on queued groups) until no queued or in-flight work would exceed `max_version_lag`.
-An agent silent for `agent_timeout_s` is declared dead, named in the log, and its in-flight prompts are
-re-admitted to the others; with no agent left the run stops with a clear error.
+
+Agents' health is the roster's business (its own thread); the loop only raises the roster's fatal error (no
+agent left) and, when no agent is live but one is waiting for its first weights (a restarted or joining
+agent), publishes early so it can start. A stop request (`stop` set by a signal handler, or
+`max_run_time_s`) ends the loop at the next step boundary: the step in progress finishes, a step still
+waiting for samples is abandoned (its groups go back to the queue), and a checkpoint is written.
 Metrics per version use verl's names (`fully_async/*`, `timing_s/*`, `trainer/idle_ratio`, ...).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import pathlib
-import threading
 import time
 from typing import Callable
 
-from asyncrl.checkpoint import save_checkpoint
 from asyncrl.config import AsyncConfig
-from asyncrl.learner import LearnerState, filter_groups, train_step
+from asyncrl.learner import LearnerState, filter_groups
+from asyncrl.rpc.lifecycle import StopRequest
 from asyncrl.rpc.queue import QueueTimeout, SampleQueue
+from asyncrl.rpc.roster import Roster
 from asyncrl.types import Group
 
-__all__ = ["Controller", "RunSummary"]
+__all__ = ["Controller", "RunSummary", "Interrupted"]
 
 log = logging.getLogger("asyncrl.controller")
+
+
+class Interrupted(Exception):
+    """A stop was requested while the trainer waited for samples."""
 
 
 @dataclasses.dataclass
@@ -39,94 +48,67 @@ class RunSummary:
     ledger: dict
     dead_agents: list[str]
     history: list[dict]
+    interrupted: str | None = None
+    """Why the run stopped early (a signal's name, or the wall-clock cap), None when it ran to its end."""
+    checkpoint: str | None = None
+    """The checkpoint written last (at the end, or when interrupted)."""
+
+    def interrupted_line(self) -> str:
+        written = (f"checkpoint {pathlib.Path(self.checkpoint).name} written; resume with --resume"
+                   if self.checkpoint else "no checkpoint written (no run directory)")
+        return f"interrupted ({self.interrupted}) at version {self.versions}; {written}"
 
 
 class Controller:
-    def __init__(self, queue: SampleQueue, state: LearnerState, publisher, config: AsyncConfig, *,
-                 log_metrics: Callable[[dict, int], None] | None = None, run_dir: str | pathlib.Path | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3,
-                 agent_metrics: Callable[[], dict] | None = None, on_step: Callable[[list[Group], dict], None] | None = None):
+    def __init__(self, queue: SampleQueue, roster: Roster, state: LearnerState, publisher, trainers,
+                 config: AsyncConfig, *, log_metrics: Callable[[dict, int], None] | None = None,
+                 on_step: Callable[[list[Group], dict], None] | None = None,
+                 agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
+                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None):
         config.validate()
-        self.queue, self.state, self.publisher, self.config = queue, state, publisher, config
+        self.queue, self.roster, self.state, self.publisher, self.trainers = queue, roster, state, publisher, trainers
+        self.config = config
         self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.run_dir, self.checkpoint_every, self.keep = run_dir, checkpoint_every, keep_checkpoints
-        self.agent_metrics = agent_metrics or (lambda: {})
         self.on_step = on_step
-        self.step_fn: Callable = train_step  # (state, groups) -> (state, metrics); rank 0 of a group wraps it
-        self.checkpoint_fn: Callable | None = None  # replaces `checkpoint()` (multi-rank trainer groups)
-        agents = publisher.agents if publisher is not None else []
-        self.last_heard: dict[str, float] = {name: time.monotonic() for name in agents}
-        self.dead: list[str] = []
-        self.lock = threading.Lock()
+        self.agent_metrics = agent_metrics or (lambda: {})
+        self.run_dir, self.checkpoint_every, self.keep = run_dir, checkpoint_every, keep_checkpoints
+        self.stop = stop if stop is not None else StopRequest()
+        self.window_steps = window_steps  # learner steps since the last publication (a resume restores it)
+        started = time.monotonic()
+        # the run's wall-clock (the tracker's when there is one: it continues across a resume)
+        self.wall_clock = wall_clock or (lambda: time.monotonic() - started)
         self.history: list[dict] = []
         self.reward_errors: dict[str, int] = {}
-        self.stop_requested = threading.Event()
-        self.fatal: BaseException | None = None  # set from an RPC thread, raised by the trainer loop
+        self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
 
-    # --------------------------------------------------------------------- agent-facing (RPC threads)
-    def _heard(self, agent: str) -> None:
-        with self.lock:
-            if agent not in self.dead:
-                self.last_heard[agent] = time.monotonic()
-
-    def request(self, agent: str, n: int):
-        self._heard(agent)
-        if agent in self.dead:
-            return []
-        live = len(self.last_heard) - len(self.dead)
-        # fair share of a version's admissions among the live agents (first come would let one take it all)
-        share = -(-self.queue.budget.max_required_samples // live) if live > 1 else None
-        return self.queue.request(agent, n, share=share)
-
-    def submit(self, agent: str, group: Group) -> None:
-        self._heard(agent)
-        self.queue.submit(agent, group)
-
-    def heartbeat(self, agent: str) -> None:
-        self._heard(agent)
-
-    def agent_failed(self, agent: str, why: str) -> None:
-        """An agent whose loop raised says so: dead now, not after agent_timeout_s of silence."""
-        try:
-            self.declare_dead(agent, why)
-        except RuntimeError as err:  # the last agent: the trainer loop raises it
-            self.fatal = err
-
-    # ---------------------------------------------------------------------------- agent health
-    def _check_agents(self) -> None:
-        if self.fatal is not None:
-            raise self.fatal
-        now = time.monotonic()
-        with self.lock:
-            silent = [a for a, t in self.last_heard.items()
-                      if a not in self.dead and now - t > self.config.agent_timeout_s]
-        for agent in silent:
-            self.declare_dead(agent, f"silent for {now - self.last_heard[agent]:.1f} s "
-                                     f"(agent_timeout_s={self.config.agent_timeout_s})")
-
-    def declare_dead(self, agent: str, why: str) -> None:
-        with self.lock:
-            if agent in self.dead:
-                return
-            self.dead.append(agent)
-        ids = self.queue.agent_failed(agent)
-        self.publisher.remove(agent)
-        log.error("rollout agent %s is dead (%s); re-admitting its %d in-flight prompts to the others",
-                  agent, why, len(ids))
-        if not self.publisher.agents:
-            raise RuntimeError(f"every rollout agent is dead (last: {agent}, {why}); the run cannot continue")
+    def request_stop(self, reason: str) -> None:
+        self.stop.set(reason)
 
     # -------------------------------------------------------------------------------- the loop
-    def _take(self, n: int) -> tuple[list[Group], float]:
-        """n groups (after dynamic sampling), and the seconds spent waiting for them."""
+    def _check(self) -> None:
+        if self.roster.fatal is not None:
+            raise self.roster.fatal
+
+    def _take(self, n: int) -> tuple[list[Group], float] | None:
+        """n groups (after dynamic sampling) and the seconds spent waiting for them; None when the window must
+        end now (no live agent, one waiting for its first weights)."""
         start, out = time.monotonic(), []
         deadline = start + self.config.take_timeout_s
         while len(out) < n:
+            self._check()
+            if self.stop.is_set():
+                self.queue.put_back(out)
+                raise Interrupted(self.stop.reason)
+            if not self.roster.live() and self.roster.joining():
+                self.queue.put_back(out)
+                log.warning("no live rollout agent; publishing early to start %s", ", ".join(self.roster.joining()))
+                return None
             try:
-                groups = self.queue.take(n - len(out), timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+                groups = self.queue.take(n - len(out), timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
             except QueueTimeout:
-                self._check_agents()
                 if time.monotonic() > deadline:
+                    self.queue.put_back(out)
                     raise
                 continue
             if self.state.algorithm.filter_groups:
@@ -136,13 +118,16 @@ class Controller:
             out += groups
         return out, time.monotonic() - start
 
-    def _learner_step(self) -> dict:
+    def _learner_step(self) -> dict | None:
         n = self.config.require_batches * self.state.config.mini_batch_size
-        self._check_agents()  # also when the others keep the trainer fed (then `_take` never times out)
-        groups, waited = self._take(n)
+        taken = self._take(n)
+        if taken is None:
+            return None
+        groups, waited = taken
         start = time.monotonic()
-        self.state, metrics = self.step_fn(self.state, groups)
+        self.state, metrics = self.trainers.step(self.state, groups)
         self.queue.trained(groups)
+        self.window_steps += 1
         if self.on_step is not None:
             self.on_step(groups, metrics)
         versions = [(g.min_version, g.max_version) for g in groups]
@@ -161,64 +146,98 @@ class Controller:
         return metrics
 
     def _window(self) -> dict:
-        """One version window: trigger learner steps (more while the lag gate is closed), then publish."""
+        """One version window: the rest of `trigger` learner steps (more while the lag gate is closed), then
+        publish."""
         start = time.monotonic()
-        steps = [self._learner_step() for _ in range(self.config.trigger_parameter_sync_step)]
-        while not self.queue.lag_gate_open(self.state.version + 1):
-            # hold the publication back; open a new admission window at the same version so the
-            # trainer stays fed while the old work finishes and is consumed
-            self.queue.new_version(self.state.version)
-            steps.append(self._learner_step())
+        steps: list[dict] = []
+        while self.window_steps < self.config.trigger_parameter_sync_step:
+            metrics = self._learner_step()
+            if metrics is None:
+                break
+            steps.append(metrics)
+        else:
+            while not self.queue.lag_gate_open(self.state.version + 1):
+                # hold the publication back; open a new admission window at the same version so the
+                # trainer stays fed while the old work finishes and is consumed
+                self.queue.new_version(self.state.version)
+                metrics = self._learner_step()
+                if metrics is None:
+                    break
+                steps.append(metrics)
         sync_start = time.monotonic()
         sync = self.publish(self.state.version + 1)
         metrics = _merge(steps)
         total = time.monotonic() - start
         tokens = sum(m["perf/total_num_tokens"] for m in steps)
-        for extra in (sync, self.queue.metrics(), self.agent_metrics()):
+        for extra in (sync, self.queue.metrics(), self.roster.metrics(), self.agent_metrics()):
             metrics.update(extra)
         metrics.update({"timing_s/step": total, "perf/time_per_step": total, "perf/throughput": tokens / total,
                         "trainer/idle_ratio": sum(m["timing_s/gen"] for m in steps) / total,
-                        "timing_s/param_sync_total": time.monotonic() - sync_start,
-                        "fully_async/dead_agents": len(self.dead)})
+                        "timing_s/param_sync_total": time.monotonic() - sync_start, "time/wall_s": self.wall_clock()})
         return metrics
 
     def publish(self, version: int) -> dict:
         metrics = self.publisher.publish(self.state, version)
-        for agent in [a for a in self.last_heard if a not in self.dead and a not in self.publisher.agents]:
-            # the publisher left it out (its sync failed twice): dead, so its prompts go to the others
-            self.declare_dead(agent, "its weight sync failed")
         self.state.version = version
         self.queue.new_version(version)
+        self.window_steps = 0
         return metrics
 
     def run(self) -> RunSummary:
-        """Train until `total_versions` publications (or `time_budget_s`); then admit nothing more and close
-        the books."""
+        """Train until `total_versions` publications (or `time_budget_s`, or a stop request); then admit nothing
+        more and close the books."""
         start, budget = time.monotonic(), self.config.time_budget_s
-        while self.state.version < self.config.total_versions and not self.stop_requested.is_set():
+        interrupted = checkpoint = None
+        while self.state.version < self.config.total_versions:
+            if self.stop.is_set():
+                interrupted = self.stop.reason
+                break
             if budget is not None and time.monotonic() - start >= budget:
                 log.info("time budget of %.0f s spent after version %d", budget, self.state.version)
                 break
-            metrics = self._window()
+            try:
+                metrics = self._window()
+            except Interrupted as stop:
+                interrupted = str(stop)
+                break
             self.history.append(metrics)
             self.log_metrics(metrics, self.state.version)
-            if self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0:
-                (self.checkpoint_fn or self.checkpoint)()
+            if self._checkpoint_due():
+                if self.state.version >= self.config.total_versions:
+                    self.queue.close()  # the last checkpoint is the end of admissions: it carries what is left
+                checkpoint = self.checkpoint()
         self.queue.close()
-        return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), list(self.dead),
-                          self.history)
+        if interrupted is not None:
+            log.warning("stopping: %s; finishing at version %d (step %d)", interrupted, self.state.version,
+                        self.state.step)
+            if self.run_dir is not None:
+                checkpoint = self.checkpoint()
+        return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), self.roster.dead(),
+                          self.history, interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None)
+
+    def _checkpoint_due(self) -> bool:
+        return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)
 
     def checkpoint(self) -> pathlib.Path:
-        return save_checkpoint(self.run_dir, self.state, extra={"queue": self.queue.state_dict()},
-                               keep_last=self.keep)
+        queue = self.queue.state_dict()
+        extra = {"queue": queue, "run": {"window_steps": self.window_steps, "wall_s": self.wall_clock()}}
+        path = self.trainers.checkpoint(str(self.run_dir), self.state, extra, self.keep)
+        self.final_books = queue
+        log.info("checkpoint %s written (version %d, step %d, %d queued, %d in flight)", pathlib.Path(path).name,
+                 self.state.version, self.state.step, len(queue["queue"]), len(queue["unfinished"]))
+        return path
 
-    def finish(self) -> dict:
-        """End of run. If the last version was checkpointed, unfinished prompts are *carried* (the checkpoint
-        re-admits them on resume); otherwise each is dropped with reason "run_end". Returns the ledger."""
-        final_checkpoint = bool(self.checkpoint_every and self.run_dir
-                                and self.state.version % self.checkpoint_every == 0)
-        if final_checkpoint:
-            return {**self.queue.ledger.summary(), "carried_to_checkpoint": True}
+    def finish(self, summary: RunSummary) -> dict:
+        """End of run. When the run ended on a checkpoint, the prompts it holds (queued or unfinished) are
+        *carried*: a resume re-admits exactly these. Otherwise each unfinished prompt is dropped with reason
+        "run_end". Returns the ledger summary."""
+        if summary.checkpoint is not None and self.final_books is not None and \
+                self.final_books["version"] == self.state.version:
+            books = self.final_books
+            states = collections.Counter(books["ledger"]["state"].values())
+            return {"admitted": len(books["ledger"]["state"]), "trained": states["trained"],
+                    "dropped": states["dropped"], "carried": len(books["queue"]) + len(books["unfinished"]),
+                    "in_flight": 0, "pending": 0, "queued": 0, "carried_to_checkpoint": True}
         with self.queue.lock:
             for pid in self.queue.ledger.ids("queued") + self.queue.ledger.ids("in_flight") + \
                     self.queue.ledger.ids("pending"):

@@ -1,93 +1,130 @@
 """The in-process launcher: the trainer in this thread, each rollout agent in its own thread, no network.
 
-Same objects as the multi-process launcher (`SampleQueue`, `Controller`, `RolloutAgent`); only the
-transport differs: agents call the controller directly and weights are copied tensor by tensor
+Same objects as the multi-process launcher (`SampleQueue`, `Roster`, `Controller`, `RolloutAgent`); only the
+transport differs: agents call the roster directly and weights are copied tensor by tensor
 (`LocalPublisher`). Use it for tests, debugging and single-machine runs where every engine fits in one
 process (several GPUs included: put each engine on its own device).
+
+    run = LocalRun.from_spec(spec, log_metrics=tracker)     # built like the multi-process run (assembly)
+    run = LocalRun(state, engines, source, scorer, rollout_cfg, async_cfg)   # or from parts
+    summary = run.run()
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable
 
 from asyncrl.algos.staleness import verl_max_required_samples
+from asyncrl.checkpoint import load_checkpoint, save_checkpoint
 from asyncrl.config import AsyncConfig, RolloutConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
-from asyncrl.learner import LearnerState
-from asyncrl.policies.engine import Engine
+from asyncrl.learner import LearnerState, train_step
+from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.rpc.agent import RolloutAgent
+from asyncrl.rpc.agent_server import heartbeat_period
+from asyncrl.rpc.assembly import build_engine, build_learner_state, resume_checkpoint, resume_info
 from asyncrl.rpc.controller import Controller, RunSummary
+from asyncrl.rpc.lifecycle import StopRequest
 from asyncrl.rpc.param_server import LocalPublisher
 from asyncrl.rpc.queue import SampleQueue
+from asyncrl.rpc.roster import Roster
+from asyncrl.rpc.spec import RunSpec
 
-__all__ = ["LocalRun"]
+__all__ = ["LocalRun", "LocalTrainer"]
 
 log = logging.getLogger("asyncrl.local")
 
 
-@dataclasses.dataclass
+class LocalTrainer:
+    """A single-process trainer group (the interface rank 0 of a multi-rank group has, without followers)."""
+
+    def step(self, state: LearnerState, groups):
+        return train_step(state, groups)
+
+    def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
+        return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
+
+
 class LocalRun:
     """Wire a learner, engines and a prompt source into a run; `run()` trains and returns the summary."""
 
-    state: LearnerState
-    engines: list[Engine]
-    source: PromptSource
-    scorer: Scorer
-    rollout: RolloutConfig
-    config: AsyncConfig
-    seed: int = 0
-    log_metrics: Callable[[dict, int], None] | None = None
-    run_dir: str | None = None
-    checkpoint_every: int = 0
-    step_delays: list[float] | None = None  # tests: per-agent slowdown
-
-    def __post_init__(self):
-        self.rollout.validate()
-        self.config.validate()
-        max_required = verl_max_required_samples(self.state.config.mini_batch_size, self.config.require_batches,
-                                                 self.config.staleness_threshold,
-                                                 self.config.trigger_parameter_sync_step)
-        self.queue = SampleQueue(self.source, max_required_samples=max_required, version=self.state.version,
-                                 seed=self.seed, max_version_lag=self.config.max_version_lag,
-                                 lag_policy=self.config.lag_policy)
-        delays = self.step_delays or [0.0] * len(self.engines)
-        self.agents = [RolloutAgent(f"agent{i}", engine, self.scorer, self.rollout, None,
-                                    colocated=self.config.colocated and self.config.colocated_sleep,
-                                    step_delay_s=delays[i])
-                       for i, engine in enumerate(self.engines)]
-        dtype = self.engines[0].model.dtype
-        self.publisher = LocalPublisher(self.agents, partial_rollout=self.config.partial_rollout,
-                                        timeout=self.config.sync_timeout_s, dtype=dtype)
-        self.controller = Controller(self.queue, self.state, self.publisher, self.config,
-                                     log_metrics=self.log_metrics, run_dir=self.run_dir,
-                                     checkpoint_every=self.checkpoint_every, agent_metrics=self._agent_metrics)
+    def __init__(self, state: LearnerState, engines: list[RolloutEngine], source: PromptSource, scorer: Scorer,
+                 rollout: RolloutConfig, config: AsyncConfig, *, seed: int = 0,
+                 log_metrics: Callable[[dict, int], None] | None = None, on_step=None, run_dir: str | None = None,
+                 checkpoint_every: int = 0, keep_checkpoints: int = 3, resume_extra: dict | None = None,
+                 stop: StopRequest | None = None, trainer=None):
+        rollout.validate()
+        config.validate()
+        self.state, self.engines, self.config = state, engines, config
+        max_required = verl_max_required_samples(state.config.mini_batch_size, config.require_batches,
+                                                 config.staleness_threshold, config.trigger_parameter_sync_step)
+        self.queue = SampleQueue(source, max_required_samples=max_required, version=state.version, seed=seed,
+                                 max_version_lag=config.max_version_lag, lag_policy=config.lag_policy)
+        run_state = {}
+        if resume_extra is not None:  # a checkpoint's extra: cursor, queued groups, unfinished prompts
+            self.queue.load_state_dict(resume_extra["queue"])
+            run_state = resume_extra.get("run", {})
+        self.roster = Roster(self.queue, agent_timeout_s=config.agent_timeout_s)
+        self.agents = [RolloutAgent(f"agent{i}", engine, scorer, rollout, self.roster,
+                                    colocated=config.colocated and config.colocated_sleep,
+                                    heartbeat_s=heartbeat_period(config.agent_timeout_s))
+                       for i, engine in enumerate(engines)]
         for agent in self.agents:
-            agent.controller = self.controller
+            self.roster.add(agent.name, live=True)
+        dtype = getattr(getattr(engines[0], "model", None), "dtype", None)
+        self.publisher = LocalPublisher(self.agents, self.roster, partial_rollout=config.partial_rollout,
+                                        timeout=config.sync_timeout_s, dtype=dtype)
+        self.controller = Controller(self.queue, self.roster, state, self.publisher, trainer or LocalTrainer(),
+                                     config, log_metrics=log_metrics, on_step=on_step,
+                                     agent_metrics=self._agent_metrics, run_dir=run_dir,
+                                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, stop=stop,
+                                     window_steps=int(run_state.get("window_steps", 0)),
+                                     wall_clock=getattr(log_metrics, "wall_s", None))
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, *, log_metrics=None, on_step=None, stop: StopRequest | None = None,
+                  ) -> "LocalRun":
+        """The run a `RunSpec` describes, every agent a thread of this process; resumed when the spec says so."""
+        path = resume_checkpoint(spec)
+        state = build_learner_state(spec, spec.trainer_devices[0])
+        extra = None
+        if path is not None:
+            extra = load_checkpoint(path, state)
+            info = resume_info(path, state, extra)
+            log.info(info.line())
+            if hasattr(log_metrics, "resume"):
+                log_metrics.resume(info.version, info.wall_s)
+        engines = [build_engine(spec, agent, slot, f"agent{slot}") for slot, agent in enumerate(spec.agents)]
+        return cls(state, engines, spec.source_factory(), spec.scorer_factory(), spec.rollout, spec.async_,
+                   seed=spec.seed, log_metrics=log_metrics, on_step=on_step, run_dir=spec.run_dir,
+                   checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
+                   resume_extra=extra, stop=stop)
 
     def _agent_metrics(self) -> dict:
-        windows = [a.window_metrics() for a in self.agents if a.name not in self.controller.dead]
+        windows = [a.window_metrics() for a in self.agents if self.roster.is_live(a.name)]
         if not windows:
             return {}
         return {k: sum(w[k] for w in windows) / len(windows) for k in windows[0]}
-
-    def resume(self, extra: dict) -> None:
-        """Restore the queue (cursor, queued groups, unfinished prompts) from a checkpoint's extra."""
-        self.queue.load_state_dict(extra["queue"])
 
     def run(self) -> RunSummary:
         if self.state.version > 0:  # resumed: the engines start from the initial weights
             self.publisher.publish(self.state, self.state.version)
         for agent in self.agents:
             agent.start()
+        self.roster.start()
         try:
             summary = self.controller.run()
         finally:
+            self.roster.stop()
             for agent in self.agents:
-                agent.stop()
-        summary.ledger = self.controller.finish()
+                try:
+                    agent.stop()
+                except TimeoutError as err:  # stuck: its late deliveries are fenced below
+                    log.error("%s", err)
+                self.roster.leave(agent.name, "run ended", readmit=False)
+        summary.ledger = self.controller.finish(summary)
         errors = [f"{a.name}: {a.error!r}" for a in self.agents if a.error is not None]
         if errors:
             log.error("agents stopped on errors: %s", "; ".join(errors))

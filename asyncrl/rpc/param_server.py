@@ -1,92 +1,191 @@
 """The parameter server side of a weight publication: gather the trainer's full weights once, bring every
 agent to a swappable state, hand them the weights, resume them.
 
-Two transports behind one `publish(state, version) -> metrics`:
-* `LocalPublisher` — agents in this process (threads, the in-process launcher): weights are copied
-  tensor by tensor into each engine (`copy_`, across devices if needed);
-* `CollectivePublisher` (`asyncrl.rpc.launch`) — agents in other processes: weights travel in flat
-  buckets over a torch.distributed group per agent (NCCL on GPU, gloo on CPU), the agent side driven by RPC.
-A sync that fails is retried once; if it fails again the agent is reported (named) and left out.
+Three transports behind one `publish(state, version) -> metrics`:
+* `LocalPublisher` — agents in this process (threads, the in-process launcher): weights are copied tensor by
+  tensor into each engine (`copy_`, across devices if needed);
+* `CollectivePublisher` — agents in other processes: the weights go in flat buckets over each agent's own
+  weight channel (NCCL on GPU, gloo on CPU), the agent side driven by RPC;
+* `ColocatedPublisher` — every trainer rank hosts an engine: each rank gathers the full weights (FSDP2) and
+  copies them into its own engine.
+
+A publication goes to the roster's live agents and to the ones joining (their first weights, after which
+they go live), each on its own thread with its own deadline: a slow or hung agent never holds the others
+back, and the trainer stops waiting for one as soon as the roster declares it dead (silent for
+`agent_timeout_s`). An agent whose sync fails is declared dead (fenced, its prompts re-admitted).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+import torch.distributed.rpc as rpc
 
 from asyncrl.learner import LearnerState, full_weights
+from asyncrl.rpc.channels import flatten, layout_of, make_buckets
+from asyncrl.rpc.fleet import Fleet
+from asyncrl.rpc.roster import Roster
 
-__all__ = ["WeightPublisher", "AgentSet", "LocalPublisher", "SyncFailed"]
+__all__ = ["WeightPublisher", "LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult"]
 
 log = logging.getLogger("asyncrl.param_server")
-
-
-class SyncFailed(RuntimeError):
-    """A weight sync to an agent failed twice."""
-
-    def __init__(self, agent: str, cause: BaseException):
-        super().__init__(f"weight sync to agent {agent!r} failed twice: {cause!r}")
-        self.agent = agent
 
 
 class WeightPublisher(Protocol):
     def publish(self, state: LearnerState, version: int) -> dict: ...
 
-    def remove(self, agent: str) -> None: ...
 
-    @property
-    def agents(self) -> list[str]: ...
+class SyncResult:
+    """The outcome of one agent's sync, filled by its thread."""
 
-
-class AgentSet:
-    """The agents a publisher still serves, by name (a failed one is removed and never synced again)."""
-
-    def __init__(self, agents: dict):
-        self._agents = dict(agents)
-
-    @property
-    def agents(self) -> list[str]:
-        return list(self._agents)
-
-    def remove(self, agent: str) -> None:
-        self._agents.pop(agent, None)
+    def __init__(self, name: str):
+        self.name = name
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
 
 
-class LocalPublisher(AgentSet):
+def _run_syncs(roster: Roster, work: dict[str, Callable[[], float]], poll_s: float = 0.02) -> list[SyncResult]:
+    """Run each agent's sync on its own thread; return when every one finished, or its agent left the roster
+    (declared dead meanwhile: the thread is abandoned, its channel aborted by the fleet)."""
+    results = {name: SyncResult(name) for name in work}
+
+    def run(result: SyncResult, fn: Callable[[], float]) -> None:
+        try:
+            result.seconds = fn()
+        except BaseException as err:  # noqa: BLE001 - reported by the caller
+            result.error = err
+        finally:
+            result.done.set()
+
+    for name, fn in work.items():
+        threading.Thread(target=run, args=(results[name], fn), name=f"sync-{name}", daemon=True).start()
+    pending = set(work)
+    while pending:
+        for name in list(pending):
+            if results[name].done.is_set() or roster.status(name) in ("dead", "left", None):
+                pending.discard(name)
+        if pending:
+            time.sleep(poll_s)
+    return list(results.values())
+
+
+def _settle(roster: Roster, results: list[SyncResult], activate: Callable[[str], None]) -> dict:
+    """Declare dead the agents whose sync failed; bring the joiners that got their weights live."""
+    failed = 0
+    for r in results:
+        if r.error is not None:
+            failed += 1
+            log.error("weight sync to %s failed: %r", r.name, r.error)
+            roster.declare_dead(r.name, f"its weight sync failed: {r.error!r}")
+        elif r.seconds is not None and roster.status(r.name) == "joining" and roster.activate(r.name):
+            activate(r.name)
+    synced = [r.seconds for r in results if r.seconds is not None]
+    return {"fully_async/sync_failures": failed, "timing_s/param_transfer": max(synced, default=0.0)}
+
+
+class LocalPublisher:
     """Publishes to `RolloutAgent`s living in this process."""
 
-    def __init__(self, agents: list, *, partial_rollout: bool, timeout: float, dtype: torch.dtype | None = None):
-        super().__init__({a.name: a for a in agents})
-        self.partial, self.timeout, self.dtype = partial_rollout, timeout, dtype
+    def __init__(self, agents: list, roster: Roster, *, partial_rollout: bool, timeout: float,
+                 dtype: torch.dtype | None = None):
+        self.agents = {a.name: a for a in agents}
+        self.roster, self.partial, self.timeout, self.dtype = roster, partial_rollout, timeout, dtype
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
-        weights = [(n, t) for n, t in full_weights(state.policy, dtype=self.dtype)]
+        weights = list(full_weights(state.policy, dtype=self.dtype))
         gathered = time.perf_counter()
-        for agent in list(self._agents.values()):
+        targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining() if n in self.agents}
+        for agent in targets.values():  # all drain or freeze at once
             if self.partial:
                 agent.engine.pause("keep")
             else:
                 agent.accepting = False
-                agent.engine.pause("wait")  # all agents drain at once
-        failed: list[SyncFailed] = []
-        for name, agent in list(self._agents.items()):
-            for attempt in (1, 2):
-                try:
-                    agent.pause_for_sync(self.partial, self.timeout)
-                    agent.load_weights(weights, version)
-                    agent.resume()
-                    break
-                except Exception as err:  # noqa: BLE001 - reported below, named
-                    log.error("weight sync to agent %s failed (attempt %d): %r", name, attempt, err)
-                    if attempt == 2:
-                        failed.append(SyncFailed(name, err))
-                        self.remove(name)
-        if failed and not self._agents:
-            raise failed[0]
+                agent.engine.pause("wait")
+
+        def sync(agent) -> Callable[[], float]:
+            def run() -> float:
+                t0 = time.perf_counter()
+                agent.pause_for_sync(self.partial, self.timeout)
+                agent.load_weights(weights, version)
+                agent.resume()
+                return time.perf_counter() - t0
+            return run
+
+        results = _run_syncs(self.roster, {n: sync(a) for n, a in targets.items()})
+        metrics = _settle(self.roster, results, lambda name: self.agents[name].start())
         done = time.perf_counter()
-        return {"timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start,
-                "fully_async/sync_failures": len(failed)}
+        return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
+
+
+class CollectivePublisher:
+    """Rank 0's side of a publication to agents in other processes."""
+
+    def __init__(self, fleet: Fleet, roster: Roster, *, partial_rollout: bool, timeout: float, bucket_mb: int,
+                 dtype: torch.dtype, weights_fn: Callable):
+        self.fleet, self.roster = fleet, roster
+        self.partial, self.timeout, self.bucket_bytes = partial_rollout, timeout, bucket_mb * 2**20
+        self.dtype, self.weights_fn = dtype, weights_fn
+
+    def publish(self, state: LearnerState, version: int) -> dict:
+        start = time.perf_counter()
+        targets = [h for h in map(self.fleet.get, self.roster.live() + self.roster.joining()) if h is not None]
+        weights = self.weights_fn(state, self.dtype)  # every trainer rank takes part in the gather
+        if not targets:
+            return {"timing_s/param_sync": time.perf_counter() - start, "fully_async/sync_failures": 0}
+        buckets = make_buckets(weights, self.bucket_bytes)
+        layout = layout_of(buckets)
+        # NCCL channels send from the trainer's GPU; gloo channels from host memory
+        on_gpu = weights[0][1].device if weights[0][1].is_cuda else None
+        flats = {backend: [flatten(b, on_gpu if backend == "nccl" else torch.device("cpu")) for b in buckets]
+                 for backend in {h.channel.backend for h in targets}}
+        del weights, buckets
+        gathered = time.perf_counter()
+
+        def sync(handle) -> Callable[[], float]:
+            def run() -> float:
+                handle.server.rpc_async(timeout=self.timeout).prepare(self.partial, self.timeout).wait()
+                on_cuda = handle.channel.backend == "nccl"
+                received = handle.server.rpc_async(timeout=self.timeout).receive(version, layout, on_cuda)
+                for flat in flats[handle.channel.backend]:
+                    handle.channel.broadcast(flat)
+                return received.wait()
+            return run
+
+        results = _run_syncs(self.roster, {h.name: sync(h) for h in targets})
+        metrics = _settle(self.roster, results, self._start)
+        done = time.perf_counter()
+        return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
+
+    def _start(self, name: str) -> None:
+        handle = self.fleet.get(name)
+        if handle is not None:
+            handle.server.rpc_sync(timeout=self.timeout).start()
+            log.info("agent %s is live", name)
+
+
+class ColocatedPublisher:
+    """Rank 0's side of a publication when every trainer rank hosts its own agent: pause them all over RPC,
+    then every rank gathers the full weights and copies them into its own engine (`load_fn`)."""
+
+    def __init__(self, servers: dict[str, rpc.RRef], roster: Roster, *, partial_rollout: bool, timeout: float,
+                 load_fn: Callable):
+        self.servers, self.roster = servers, roster
+        self.partial, self.timeout, self.load_fn = partial_rollout, timeout, load_fn
+
+    def publish(self, state: LearnerState, version: int) -> dict:
+        start = time.perf_counter()
+        prepares = [rref.rpc_async(timeout=self.timeout).prepare(self.partial, self.timeout)
+                    for name, rref in self.servers.items() if self.roster.is_live(name)]
+        for future in prepares:
+            future.wait()  # a colocated agent is its trainer rank: if it cannot drain, the run cannot go on
+        paused = time.perf_counter()
+        self.load_fn(state, version)
+        done = time.perf_counter()
+        return {"timing_s/param_sync": done - start, "timing_s/param_drain": paused - start,
+                "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0}

@@ -24,7 +24,7 @@ from typing import Literal
 
 from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version
 from asyncrl.data.sources import PromptSource
-from asyncrl.types import Group, Prompt
+from asyncrl.types import Completion, Group, Prompt
 
 __all__ = ["Task", "Ledger", "SampleQueue", "QueueTimeout"]
 
@@ -194,6 +194,12 @@ class SampleQueue:
                 keep.append(g)
         self.queue = keep
 
+    def put_back(self, groups: list[Group]) -> None:
+        """Return groups taken but not trained (a step abandoned at a stop) to the queue."""
+        with self.changed:
+            self.queue = list(groups) + self.queue
+            self.changed.notify_all()
+
     def trained(self, groups: list[Group]) -> None:
         with self.lock:
             for g in groups:
@@ -243,25 +249,47 @@ class SampleQueue:
             }
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs: the cursor, queued groups, unfinished prompts (re-admitted on resume),
-        counters and the ledger."""
+        """What a checkpoint needs, as JSON-able data: the cursor, queued groups, unfinished prompts (re-admitted
+        on resume), counters and the ledger."""
         with self.lock:
             unfinished = [self.tasks[pid] for pid in sorted(self.tasks)]
             return {"source": self.source.state_dict(), "next_id": self.next_id, "version": self.version,
-                    "budget": tuple(self.budget), "queue": list(self.queue), "unfinished": unfinished,
-                    "ledger": (dict(self.ledger.state), dict(self.ledger.dropped), dict(self.ledger.counts))}
+                    "budget": list(self.budget), "queue": [_group_json(g) for g in self.queue],
+                    "unfinished": [dataclasses.asdict(t) for t in unfinished],
+                    "ledger": {"state": _keys_str(self.ledger.state), "dropped": _keys_str(self.ledger.dropped),
+                               "agent": _keys_str(self.ledger.agent), "counts": dict(self.ledger.counts)}}
 
     def load_state_dict(self, state: dict) -> None:
         with self.lock:
             self.source.load_state_dict(state["source"])
             self.next_id, self.version = state["next_id"], state["version"]
             self.budget = VerlBudget(*state["budget"])
-            self.queue = list(state["queue"])
-            ledger_state, dropped, counts = state["ledger"]
-            self.ledger.state, self.ledger.dropped = dict(ledger_state), dict(dropped)
-            self.ledger.counts = collections.Counter(counts)
+            self.queue = [_group_from_json(g) for g in state["queue"]]
+            ledger = state["ledger"]
+            self.ledger.state, self.ledger.dropped = _keys_int(ledger["state"]), _keys_int(ledger["dropped"])
+            self.ledger.agent = _keys_int(ledger.get("agent", {}))
+            self.ledger.counts = collections.Counter(ledger["counts"])
+            self.ledger.in_flight = collections.Counter()
             self.tasks, self.readmit = {}, collections.deque()
-            for task in state["unfinished"]:
+            for raw in state["unfinished"]:
+                task = Task(raw["prompt_id"], Prompt(**raw["prompt"]), raw["admitted_version"], raw["seed"])
                 self.tasks[task.prompt_id] = task
                 self.ledger.state[task.prompt_id] = "pending"
                 self.readmit.append(task.prompt_id)
+
+
+def _keys_str(d: dict) -> dict:
+    return {str(k): v for k, v in d.items()}
+
+
+def _keys_int(d: dict) -> dict:
+    return {int(k): v for k, v in d.items()}
+
+
+def _group_json(group: Group) -> dict:
+    return dataclasses.asdict(group)
+
+
+def _group_from_json(raw: dict) -> Group:
+    completions = [Completion(**c) for c in raw["completions"]]
+    return Group(**{**raw, "completions": completions})

@@ -21,6 +21,7 @@ from asyncrl.data import GeneratedSource, Scorer
 from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, Engine, EngineConfig, random_model
 from asyncrl.rpc import LocalRun
+from tests.rpc.faults import SlowEngine
 from asyncrl.types import Group, Prompt
 
 MODEL_CONFIG = dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.1)
@@ -58,32 +59,37 @@ def build_state(mini_batch_size: int = 2, lr: float = 3e-3):
 def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float] | None = None,
               max_new_tokens: int = 8, kv_on_update: str = "keep", mini_batch_size: int = 2, n: int = 4,
               max_slots: int = 16, concurrent_prompts: int | None = None, lr: float = 3e-3, seed: int = 0,
-              run_dir: str | None = None, checkpoint_every: int = 0, state=None) -> LocalRun:
+              run_dir: str | None = None, checkpoint_every: int = 0, state=None,
+              resume_extra: dict | None = None) -> LocalRun:
     """A LocalRun of the toy task: `engines` engines on CPU, each agent keeping `concurrent_prompts` prompts
     in flight (default max_slots // n)."""
     state = state if state is not None else build_state(mini_batch_size, lr)
     max_len = 8 + max_new_tokens
     engine_list = [Engine(tiny_model(), EngineConfig(max_slots=max_slots, max_len=max_len, attend_bucket=16,
                                                      seed=100 + i)) for i in range(engines)]
+    delays = step_delays or [0.0] * engines
+    engine_list = [SlowEngine(e, d) if d else e for e, d in zip(engine_list, delays)]
     rollout = RolloutConfig(n=n, max_new_tokens=max_new_tokens, max_slots=max_slots, max_prompt_length=8,
                             max_concurrent_prompts=concurrent_prompts, kv_on_update=kv_on_update)
-    return LocalRun(state, engine_list, source(), scorer(), rollout, config, seed=seed, step_delays=step_delays,
-                    run_dir=run_dir, checkpoint_every=checkpoint_every)
+    return LocalRun(state, engine_list, source(), scorer(), rollout, config, seed=seed, run_dir=run_dir,
+                    checkpoint_every=checkpoint_every, resume_extra=resume_extra)
 
 
 class TrainRecorder:
-    """Wraps the controller's step function: records, for every learner step, the learner's version at train
-    time and the groups trained (before the queue marks them trained)."""
+    """Stands in for the controller's trainer group: records, for every learner step, the learner's version at
+    train time and the groups trained (before the queue marks them trained), then lets the real one train."""
 
     def __init__(self, run: LocalRun):
         self.steps: list[tuple[int, list[Group]]] = []
-        inner = run.controller.step_fn
+        self.inner = run.controller.trainers
+        run.controller.trainers = self
 
-        def step(state, groups):
-            self.steps.append((state.version, list(groups)))
-            return inner(state, groups)
+    def step(self, state, groups):
+        self.steps.append((state.version, list(groups)))
+        return self.inner.step(state, groups)
 
-        run.controller.step_fn = step
+    def checkpoint(self, *args):
+        return self.inner.checkpoint(*args)
 
     @property
     def groups(self) -> list[Group]:

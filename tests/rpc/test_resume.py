@@ -13,8 +13,10 @@ import pytest
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from asyncrl.config import AsyncConfig
-from asyncrl.rpc.launch import AgentSpec, launch
+from asyncrl.rpc.launch import launch
+from asyncrl.rpc.spec import AgentSpec
 from tests.rpc.helpers import TrainRecorder, allowed_lag, build_state, check_books, local_run
+from tests.timing import limit
 
 MINI = 2
 
@@ -28,7 +30,7 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     batch = MINI * 1  # require_batches 1
 
     # ---- run A: 4 versions, a checkpoint every 2
-    config_a = AsyncConfig(total_versions=4, take_timeout_s=60, **knobs)
+    config_a = AsyncConfig(total_versions=4, take_timeout_s=limit(60), **knobs)
     run_a = local_run(config_a, run_dir=str(tmp_path), checkpoint_every=2, **run_kw)
     rec_a = TrainRecorder(run_a)
     summary_a = run_a.run()
@@ -44,16 +46,18 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     extra = load_checkpoint(path, state)
     assert state.version == 4 and state.step == summary_a.steps
     saved = extra["queue"]
-    ledger_at_ckpt = saved["ledger"][0]
+    ledger_at_ckpt = {int(pid): state for pid, state in saved["ledger"]["state"].items()}
     trained_a = {pid for pid, s in ledger_at_ckpt.items() if s == "trained"}
     carried = {pid for pid, s in ledger_at_ckpt.items() if s in ("in_flight", "pending", "queued")}
     # A trained nothing after its last checkpoint (it was the end of the run)
     assert trained_a == set(rec_a.trained_ids) and len(rec_a.trained_ids) == len(trained_a)
-    assert {t.prompt_id for t in saved["unfinished"]} | {g.prompt_id for g in saved["queue"]} == carried
+    assert {t["prompt_id"] for t in saved["unfinished"]} | {g["prompt_id"] for g in saved["queue"]} == carried
+    # the summary's carried prompts are exactly the checkpoint's
+    assert summary_a.ledger["carried"] == len(carried)
+    assert summary_a.ledger["admitted"] == summary_a.ledger["trained"] + summary_a.ledger["dropped"] + len(carried)
 
-    config_b = AsyncConfig(total_versions=8, take_timeout_s=60, **knobs)
-    run_b = local_run(config_b, state=state, **run_kw)
-    run_b.resume(extra)
+    config_b = AsyncConfig(total_versions=8, take_timeout_s=limit(60), **knobs)
+    run_b = local_run(config_b, state=state, resume_extra=extra, **run_kw)
     assert run_b.queue.version == 4 and run_b.queue.next_id == saved["next_id"]
     rec_b = TrainRecorder(run_b)
     handed_out = []
@@ -83,10 +87,11 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     assert all(states_b[pid] in ("trained", "dropped") for pid in carried)
     assert set(range(saved["next_id"])) <= set(states_b)
     # the unfinished prompts came back first, with their ids and seeds (re-admitted, not re-drawn)
-    unfinished = {t.prompt_id: t for t in saved["unfinished"]}
+    unfinished = {t["prompt_id"]: t for t in saved["unfinished"]}
     assert {t.prompt_id for t in handed_out[:len(unfinished)]} == set(unfinished)
     for task in handed_out[:len(unfinished)]:
-        assert task.seed == unfinished[task.prompt_id].seed and task.prompt == unfinished[task.prompt_id].prompt
+        saved_task = unfinished[task.prompt_id]
+        assert task.seed == saved_task["seed"] and task.prompt.prompt_ids == saved_task["prompt"]["prompt_ids"]
         assert task.admitted_version >= 4
     assert all(t.prompt_id >= saved["next_id"] for t in handed_out[len(unfinished):])
     # staleness bounds after the resume
@@ -104,19 +109,19 @@ def test_launched_run_resumes_from_its_checkpoint(tmp_path):
     spec_a = make_spec([AgentSpec(), AgentSpec()], total_versions=4, staleness_threshold=0.5,
                        trigger_parameter_sync_step=1)
     spec_a.run_dir, spec_a.checkpoint_every = str(tmp_path), 2
-    summary_a = launch(spec_a, timeout_s=180)
+    summary_a = launch(spec_a)
     assert summary_a.versions == 4 and summary_a.ledger.get("carried_to_checkpoint") is True
     path = latest_checkpoint(tmp_path)
     state = build_state(4)
     saved = load_checkpoint(path, state)["queue"]
     assert state.version == 4
-    trained_a = sum(s == "trained" for s in saved["ledger"][0].values())
+    trained_a = sum(s == "trained" for s in saved["ledger"]["state"].values())
     assert trained_a == summary_a.steps * 4
 
     spec_b = make_spec([AgentSpec(), AgentSpec()], total_versions=6, staleness_threshold=0.5,
                        trigger_parameter_sync_step=1)
     spec_b.run_dir, spec_b.resume = str(tmp_path), True
-    summary_b = launch(spec_b, timeout_s=180)
+    summary_b = launch(spec_b)
     assert summary_b.versions == 6 and len(summary_b.history) == 2  # versions 5 and 6 only
     assert summary_b.steps == summary_a.steps + 2  # the learner's step counter came back too
     ledger = summary_b.ledger

@@ -1,8 +1,8 @@
 """The multi-process launcher (asyncrl.rpc.launch.launch: one trainer process, agent processes, RPC for control
-and samples, a gloo group per agent for weights) on CPU: a stale + partial run learns the toy task; a killed
-agent and a hung agent are detected and their prompts re-admitted; a collective whose peer is gone raises.
+and samples, a weight channel per agent) on CPU: a stale + partial run learns the toy task; a killed agent and a
+hung agent are detected and their prompts re-admitted; a weight channel whose peer is gone or hung raises.
 
-Every run is bounded by `launch(timeout_s=...)`, and the collective test by its own process timeout."""
+Every test is bounded by pytest-timeout (a hang guard derived from tests/timing.py)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,23 @@ import time
 import pytest
 
 from asyncrl.config import GRPO, AsyncConfig, OptimConfig, RolloutConfig, TrainerConfig
-from asyncrl.rpc.launch import AgentSpec, ModelSpec, RunSpec, launch
-from tests.rpc.collective import gloo_member
+from asyncrl.rpc.launch import launch
+from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
+from tests.rpc.collective import channel_member
+from tests.rpc.faults import FaultyEngines
 from tests.rpc.helpers import MODEL_CONFIG, MODEL_SEED, scorer, source
+from tests.timing import agent_timeout, detection_margin, limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(300))]
 
 MINI = 4
 
 
 def make_spec(agents: list[AgentSpec], *, total_versions: int, agent_timeout_s: float = 60.0,
-              sync_timeout_s: float = 30.0, rpc_timeout_s: float = 30.0, concurrent_prompts: int | None = None,
+              sync_timeout_s: float = limit(60), rpc_timeout_s: float = limit(60), concurrent_prompts: int | None = None,
               lr: float = 3e-3, **async_kw) -> RunSpec:
-    config = dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True, take_timeout_s=60.0)
+    config = dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True,
+                  take_timeout_s=limit(120))
     config.update(async_kw)
     return RunSpec(model=ModelSpec(config=MODEL_CONFIG, seed=MODEL_SEED), algorithm=GRPO(),
                    trainer=TrainerConfig(mini_batch_size=MINI, optim=OptimConfig(lr=lr)),
@@ -38,21 +42,20 @@ def make_spec(agents: list[AgentSpec], *, total_versions: int, agent_timeout_s: 
                    source_factory=source, scorer_factory=scorer, agents=agents, rpc_timeout_s=rpc_timeout_s)
 
 
-def assert_books_balance(summary, spec: RunSpec) -> None:
+def assert_books_balance(summary, spec: RunSpec, *, every_version: bool = True) -> None:
     ledger = summary.ledger
     assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
     assert ledger["admitted"] == ledger["trained"] + ledger["dropped"], ledger
     batch = spec.async_.require_batches * spec.trainer.mini_batch_size
     # every learner step trained a full batch of distinct prompts (the ledger raises on a second training)
     assert ledger["trained"] == summary.steps * batch, (ledger, summary.steps)
-    assert summary.steps >= spec.async_.total_versions * spec.async_.trigger_parameter_sync_step
+    if every_version:
+        assert summary.steps >= spec.async_.total_versions * spec.async_.trigger_parameter_sync_step
 
 
 def test_three_process_stale_partial_run_learns_the_toy_task():
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3)
-    start = time.monotonic()
-    summary = launch(spec, timeout_s=240)
-    assert time.monotonic() - start < 240
+    summary = launch(spec)
     assert summary.versions == 10 and summary.dead_agents == []
     assert_books_balance(summary, spec)
     scores = [m["critic/score/mean"] for m in summary.history]
@@ -67,36 +70,34 @@ def test_three_process_stale_partial_run_learns_the_toy_task():
 
 
 def test_killed_agent_is_declared_dead_and_its_prompts_readmitted():
-    spec = make_spec([AgentSpec(), AgentSpec(die_after_groups=3)], total_versions=6, agent_timeout_s=5.0,
-                     sync_timeout_s=10.0, rpc_timeout_s=10.0, concurrent_prompts=4)
-    summary = launch(spec, timeout_s=180)
+    killer = FaultyEngines(mode="kill", after=3, agents=("agent1",))
+    spec = make_spec([AgentSpec(), AgentSpec(engine_factory=killer)], total_versions=6, concurrent_prompts=4)
+    summary = launch(spec)
     assert summary.versions == 6
     assert summary.dead_agents == ["agent1"]
     assert_books_balance(summary, spec)
     last = summary.history[-1]
     assert last["fully_async/dead_agents"] == 1
-    # it died holding work (it had 4 prompts and submitted 3): that work went back to agent0
+    # it died holding work (it had 4 prompts and finished 3): that work went back to agent0
     assert last["fully_async/count/readmitted"] >= 1
 
 
 def test_hung_agent_is_reported_within_about_the_agent_timeout(capfd):
-    timeout = 4.0
+    timeout = agent_timeout()
     # the healthy agent is slowed down so that the run outlasts the timeout (a tiny run is over in a second)
-    spec = make_spec([AgentSpec(step_delay_s=0.05), AgentSpec(hang_after_groups=3)], total_versions=8,
-                     agent_timeout_s=timeout, sync_timeout_s=10.0, rpc_timeout_s=10.0, concurrent_prompts=4)
-    start = time.monotonic()
-    summary = launch(spec, timeout_s=180)
-    wall = time.monotonic() - start
+    faults = FaultyEngines(mode="hang", after=3, delay_s=0.02, agents=("agent1",))
+    # the run goes on (agent0 feeds it) until some time after the death: a time budget, not a version count
+    spec = make_spec([AgentSpec(engine_factory=faults), AgentSpec(engine_factory=faults)], total_versions=100_000,
+                     agent_timeout_s=timeout, concurrent_prompts=4, time_budget_s=timeout + detection_margin() + 5)
+    summary = launch(spec)
     err = capfd.readouterr().err  # the child processes log to the inherited stderr
-    assert summary.versions == 8
     assert summary.dead_agents == ["agent1"]
-    assert_books_balance(summary, spec)
+    assert_books_balance(summary, spec, every_version=False)
     silent = [float(s) for s in re.findall(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s", err)]
     assert len(silent) == 1, err[-3000:]
-    # declared dead about agent_timeout_s after its last heartbeat (the check runs before every learner step,
-    # and once a second while the trainer waits for groups), not after an RPC or collective timeout of minutes
-    assert timeout <= silent[0] <= timeout + 4.0, silent
-    assert wall < 120, wall
+    # declared dead about agent_timeout_s after its last heartbeat (the roster checks on its own thread), not
+    # after an RPC or collective timeout of minutes
+    assert timeout <= silent[0] <= timeout + detection_margin(), silent
 
 
 # ---------------------------------------------------------------------------------- collectives
@@ -106,21 +107,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_collective_with_a_gone_or_hung_peer_raises_instead_of_hanging():
+def test_weight_channel_with_a_gone_or_hung_peer_raises_instead_of_hanging():
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=gloo_member, args=(r, port, results), daemon=True) for r in range(3)]
+    procs = [ctx.Process(target=channel_member, args=(r, port, results), daemon=True) for r in range(3)]
     for p in procs:
         p.start()
     outcomes = {}
     try:
-        deadline = time.monotonic() + 120
-        while len(outcomes) < 3:
+        deadline = time.monotonic() + limit(120)
+        while len(outcomes) < 2:
             try:
                 case, outcome, seconds, detail = results.get(timeout=max(deadline - time.monotonic(), 0.1))
             except queue_mod.Empty:
-                pytest.fail(f"rank 0 neither raised nor returned in time (a collective hung); got {outcomes}")
+                pytest.fail(f"rank 0 neither raised nor returned in time (a broadcast hung); got {outcomes}")
             outcomes[case] = (outcome, seconds, detail)
     finally:
         for p in procs:
@@ -129,9 +130,9 @@ def test_collective_with_a_gone_or_hung_peer_raises_instead_of_hanging():
                 p.kill()
                 p.join(5)
     for case, (outcome, seconds, detail) in outcomes.items():
-        assert outcome == "raised" and seconds < 10, (case, outcome, seconds, detail)
-    # the hung peer's group raised on its own timeout (about 3 s), not on a closed connection
-    assert 2.0 <= outcomes["hung peer, receiving"][1], outcomes
+        assert outcome == "raised" and seconds < limit(10), (case, outcome, seconds, detail)
+    # the hung peer's channel raised on its own timeout (3 s), not on a closed connection
+    assert 2.0 <= outcomes["hung peer, sending"][1], outcomes
 
 
 # ------------------------------------------------------------------------ trainer groups, colocation
@@ -140,7 +141,7 @@ def test_two_trainer_ranks_and_two_agents_learn_with_fsdp2():
     over gloo, 2 rollout agents each fed from rank 0 over its own group; 4 processes."""
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=8, lr=6e-3)
     spec.trainer_devices = ["cpu", "cpu"]
-    summary = launch(spec, timeout_s=300)
+    summary = launch(spec)
     assert summary.versions == 8 and summary.dead_agents == []
     assert_books_balance(summary, spec)
     scores = [m["critic/score/mean"] for m in summary.history]
@@ -154,8 +155,8 @@ def test_colocated_sync_run_hosts_an_engine_in_each_trainer_rank_and_stays_on_po
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=8, lr=6e-3, staleness_threshold=0.0,
                      trigger_parameter_sync_step=1, partial_rollout=False, colocated=True, concurrent_prompts=MINI // 2)
     spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
-    assert spec.world_size == 2
-    summary = launch(spec, timeout_s=300)
+    assert spec.num_agent_processes == 0  # the engines live in the trainer processes
+    summary = launch(spec)
     assert summary.versions == 8 and summary.dead_agents == []
     assert_books_balance(summary, spec)
     assert all(m["training/version_lag/max"] == 0 for m in summary.history), \

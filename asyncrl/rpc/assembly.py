@@ -1,0 +1,108 @@
+"""Run assembly, in one place for both launchers: the learner, the queue, each agent's engine, and the resume.
+
+The in-process launcher (`asyncrl.rpc.local`) and the multi-process one (`asyncrl.rpc.launch`) build the same
+objects from the same `RunSpec` through these functions, so the two cannot drift (precision of the reference
+model, engine sizes, seeds, what a resume restores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.algos.staleness import verl_max_required_samples
+from asyncrl.checkpoint import latest_checkpoint
+from asyncrl.learner import LearnerState, build_learner, shard_model
+from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.rpc.queue import SampleQueue
+from asyncrl.rpc.spec import AgentSpec, RunSpec
+
+__all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine",
+           "resume_checkpoint", "ResumeInfo", "resume_info"]
+
+log = logging.getLogger("asyncrl.assembly")
+
+
+def local_device(device: str) -> str:
+    """'cuda' alone means this node's GPU number LOCAL_RANK (torchrun); anything else is taken as is."""
+    import os
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
+def reference_dtype(device: str) -> str:
+    """The frozen reference model's precision: bf16 on GPUs (it only runs forwards), fp32 on CPU."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | None = None) -> LearnerState:
+    """The policy (sharded with FSDP2 over `group` when it has more than one rank), the reference model when
+    the algorithm needs one, and the optimizer."""
+    device = local_device(device)
+    policy = spec.model.build(device, spec.trainer.param_dtype)
+    reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
+    if group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+        shard_model(policy, DeviceMesh.from_group(group, torch.device(device).type))
+    else:
+        group = None
+    return build_learner(policy, spec.trainer, spec.algorithm, reference=reference, group=group)
+
+
+def build_queue(spec: RunSpec, version: int = 0) -> SampleQueue:
+    """The sample queue with verl's admission budget for these knobs."""
+    cfg = spec.async_
+    max_required = verl_max_required_samples(spec.trainer.mini_batch_size, cfg.require_batches,
+                                             cfg.staleness_threshold, cfg.trigger_parameter_sync_step)
+    return SampleQueue(spec.source_factory(), max_required_samples=max_required, version=version, seed=spec.seed,
+                       max_version_lag=cfg.max_version_lag, lag_policy=cfg.lag_policy)
+
+
+def build_engine(spec: RunSpec, agent: AgentSpec, slot: int, name: str) -> RolloutEngine:
+    """Agent `name`'s engine on its device, with the initial weights."""
+    device = local_device(agent.device)
+    model = spec.model.build(device, agent.engine_dtype)
+    return agent.engine_factory(model, spec.engine_config(agent, slot), agent=name)
+
+
+# -------------------------------------------------------------------------------------------- resume
+def resume_checkpoint(spec: RunSpec) -> pathlib.Path | None:
+    """The checkpoint this run resumes from, or None for a fresh start. Checked before any process starts:
+    `resume` on a run directory without a checkpoint is an error unless `resume_or_start`."""
+    if not (spec.resume or spec.resume_or_start):
+        return None
+    if spec.run_dir is None:
+        raise ValueError("--resume needs --run-dir: the directory whose checkpoints/ to resume from")
+    path = latest_checkpoint(spec.run_dir)
+    if path is None and not spec.resume_or_start:
+        raise ValueError(f"--resume: {pathlib.Path(spec.run_dir) / 'checkpoints'} holds no checkpoint; drop --resume "
+                         "to start a new run there, or pass --resume-or-start to resume when one exists")
+    return path
+
+
+@dataclasses.dataclass
+class ResumeInfo:
+    """What a resume restored, for the one line that says so and for the tracker."""
+
+    path: pathlib.Path
+    step: int
+    version: int
+    queued: int
+    unfinished: int
+    window_steps: int
+    wall_s: float
+
+    def line(self) -> str:
+        return (f"resuming from {self.path.name} (version {self.version}, {self.queued} queued, "
+                f"{self.unfinished} in flight)")
+
+
+def resume_info(path: pathlib.Path, state: LearnerState, extra: dict) -> ResumeInfo:
+    queue = extra["queue"]
+    run = extra.get("run", {})
+    return ResumeInfo(path=path, step=state.step, version=state.version, queued=len(queue["queue"]),
+                      unfinished=len(queue["unfinished"]), window_steps=int(run.get("window_steps", 0)),
+                      wall_s=float(run.get("wall_s", 0.0)))

@@ -1,0 +1,110 @@
+"""Weight channels: how the full weights travel from rank 0 to one agent.
+
+Each agent incarnation gets its own two-member process group {rank 0 = 0, agent = 1} (NCCL when both ends are
+GPUs, gloo otherwise), made over a fresh prefix of the run's store. It is not part of any default process group,
+so agents can join and leave while the run goes on, and a dead or hung agent breaks only its own channel: a
+collective on it raises at once when the peer is gone, and after the channel's timeout when it hangs.
+
+The weights go as flat buckets (one tensor per dtype run, at most `bucket_bytes` each); a `Layout` tells the
+receiver how to cut each bucket back into named tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["WeightChannel", "Layout", "make_buckets", "flatten", "layout_of", "unflatten", "numel", "channel_backend"]
+
+log = logging.getLogger("asyncrl.channels")
+
+Layout = list[list[tuple[str, tuple, str]]]
+"""Per bucket, (name, shape, dtype name) of each tensor in it, in order."""
+
+
+def channel_backend(sender_device: str, receiver_device: str) -> str:
+    return "nccl" if sender_device.startswith("cuda") and receiver_device.startswith("cuda") else "gloo"
+
+
+class WeightChannel:
+    """One end of a two-member process group for weights: rank 0 (sender) or the agent (receiver)."""
+
+    def __init__(self, store: dist.Store, name: str, rank: int, *, backend: str, device: torch.device,
+                 timeout_s: float):
+        self.name, self.rank, self.backend, self.device = name, rank, backend, device
+        prefix = dist.PrefixStore(f"asyncrl/channel/{name}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            from torch.distributed.distributed_c10d import ProcessGroupNCCL
+            options = ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            torch.cuda.set_device(device)
+            self.group = ProcessGroupNCCL(prefix, rank, 2, options)
+        else:
+            self.group = dist.ProcessGroupGloo(prefix, rank, 2, timeout)  # connects: both ends call it together
+        self.closed = False
+
+    def broadcast(self, flat: Tensor) -> None:
+        """Rank 0 sends `flat`; the agent receives into it (same numel and dtype on both ends)."""
+        if self.closed:
+            raise RuntimeError(f"weight channel to {self.name} is closed")
+        if flat.is_cuda:
+            torch.cuda.set_device(flat.device)  # the current device is per thread
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([flat], options).wait()
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+
+    def abort(self) -> None:
+        """End the channel: later broadcasts raise (a pending gloo one still ends on its timeout)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.group.abort()
+        except Exception as err:  # noqa: BLE001 - the channel is discarded either way
+            log.debug("abort of the weight channel to %s: %r", self.name, err)
+
+
+def make_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
+    """Consecutive tensors of one dtype, at most `bucket_bytes` per bucket (a larger tensor goes alone)."""
+    buckets: list[list[tuple[str, Tensor]]] = [[]]
+    size = 0
+    for name, t in weights:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and (size + nbytes > bucket_bytes or t.dtype != buckets[-1][0][1].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def flatten(bucket: list[tuple[str, Tensor]], device: torch.device) -> Tensor:
+    return torch.cat([t.reshape(-1).to(device) for _, t in bucket])
+
+
+def layout_of(buckets: list[list[tuple[str, Tensor]]]) -> Layout:
+    return [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in b] for b in buckets]
+
+
+def numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def unflatten(flat: Tensor, bucket: list[tuple[str, tuple, str]]) -> list[tuple[str, Tensor]]:
+    out, offset = [], 0
+    for name, shape, _ in bucket:
+        n = numel(shape)
+        out.append((name, flat[offset:offset + n].view(shape)))
+        offset += n
+    return out

@@ -1,0 +1,184 @@
+"""Rank 0, the head of a multi-process run: it serves the run's store, holds the controller, the queue, the
+roster and the parameter server, creates the other ranks' role objects with `rpc.remote`, admits agents, and
+shuts the run down.
+
+    summary = run_head(spec, store, stop)     # in trainer rank 0, after the trainer group and RPC are up
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from asyncrl.rpc.agent_server import AgentServer
+from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resume_checkpoint, resume_info
+from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
+from asyncrl.rpc.controller import Controller, RunSummary
+from asyncrl.rpc.fleet import Admissions, Fleet
+from asyncrl.rpc.lifecycle import StopRequest
+from asyncrl.rpc.membership import RpcMembership
+from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
+from asyncrl.rpc.roster import Roster
+from asyncrl.rpc.spec import RunSpec
+from asyncrl.rpc.store import RunStore
+
+__all__ = ["run_head"]
+
+log = logging.getLogger("asyncrl.head")
+
+
+class _Head:
+    """What rank 0 builds, in the order it must: followers and the command group (collective with them), its
+    own learner shard, the resume, then agents and the publisher."""
+
+    def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest):
+        self.spec, self.store, self.stop = spec, store, stop
+        self.queue = build_queue(spec)
+        self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
+        self.roster = Roster(self.queue, agent_timeout_s=spec.async_.agent_timeout_s,
+                             allow_empty=spec.restart_agents > 0, on_removed=self.fleet.discard)
+        self.roster_rref = rpc.RRef(self.roster)
+        payload = dataclasses.replace(spec, log_fn=None)  # what other processes need (no open files)
+        followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(payload, r, self.roster_rref),
+                                timeout=spec.startup_timeout_s) for r in range(1, spec.num_trainers)]
+        group = commands_group(spec)  # collective with the followers' constructors
+        self.device = local_device(spec.trainer_devices[0])
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        self.state = build_learner_state(spec, self.device, dist.group.WORLD if spec.num_trainers > 1 else None)
+        self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
+            if spec.colocate else None
+        self.trainers = TrainerGroup(group, hosted=self.hosted)
+        for rref in followers:
+            rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)
+        self.followers = followers
+        self.resumed = self._resume()
+        self.admissions: Admissions | None = None
+        self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
+        self.controller = Controller(
+            self.queue, self.roster, self.state, self.publisher, self.trainers, spec.async_,
+            log_metrics=spec.log_fn, on_step=getattr(spec.log_fn, "log_samples", None),
+            agent_metrics=self._agent_metrics, run_dir=spec.run_dir, checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints, stop=stop,
+            window_steps=self.resumed.window_steps if self.resumed else 0,
+            wall_clock=getattr(spec.log_fn, "wall_s", None))
+
+    def _resume(self):
+        path = resume_checkpoint(self.spec)
+        if path is None:
+            return None
+        extra = self.trainers.load(str(path), self.state)
+        self.queue.load_state_dict(extra["queue"])
+        self.queue.version = self.state.version
+        info = resume_info(path, self.state, extra)
+        log.info(info.line())
+        print(f"[asyncrl] {info.line()}", flush=True)
+        if hasattr(self.spec.log_fn, "resume"):
+            self.spec.log_fn.resume(info.version, info.wall_s)
+        return info
+
+    def _engine_dtype(self) -> torch.dtype:
+        return getattr(torch, self.spec.agents[0].engine_dtype)
+
+    def _colocated_publisher(self) -> ColocatedPublisher:
+        servers = {"agent0": rpc.RRef(self.hosted)}
+        for r, rref in enumerate(self.followers, start=1):
+            servers[f"agent{r}"] = rref.rpc_sync(timeout=self.spec.rpc_timeout_s).hosted_agent()
+        for name in servers:
+            self.roster.add(name, live=True, device=self.spec.trainer_devices[int(name[5:])])
+        self.servers = servers
+        return ColocatedPublisher(servers, self.roster, partial_rollout=self.spec.async_.partial_rollout,
+                                  timeout=self.spec.async_.sync_timeout_s,
+                                  load_fn=lambda state, version: self.trainers.load_hosted(state, self._engine_dtype(),
+                                                                                           version))
+
+    def _collective_publisher(self) -> CollectivePublisher:
+        self.admissions = Admissions(self.spec, self.store, self.fleet, self.roster, self.roster_rref, self.device)
+        self.admissions.start()
+        self.admissions.wait_for(self.spec.num_agent_processes, self.spec.startup_timeout_s)
+        return CollectivePublisher(self.fleet, self.roster, partial_rollout=self.spec.async_.partial_rollout,
+                                   timeout=self.spec.async_.sync_timeout_s, bucket_mb=self.spec.bucket_mb,
+                                   dtype=self._engine_dtype(), weights_fn=self.trainers.weights)
+
+    def _start_agents(self) -> None:
+        """Fresh start: the agents built the same initial weights, so they go live at once. Resumed: they get
+        the checkpoint's weights first (a publication of the current version)."""
+        if self.spec.colocate:
+            names = list(self.servers)
+            if self.state.version > 0:
+                self.publisher.publish(self.state, self.state.version)
+            for name in names:
+                self.servers[name].rpc_sync(timeout=self.spec.rpc_timeout_s).start()
+            return
+        if self.state.version > 0:
+            self.publisher.publish(self.state, self.state.version)
+            return
+        for name in self.roster.joining():
+            if self.roster.activate(name):
+                self.fleet.get(name).server.rpc_sync(timeout=self.spec.rpc_timeout_s).start()
+
+    def _agent_metrics(self) -> dict:
+        """Each live agent's window metrics (idle ratio, memory), averaged; a late agent is not waited for
+        longer than agent_timeout_s (its health is the roster's business)."""
+        servers = self.servers if self.spec.colocate else {n: h.server for n in self.roster.live()
+                                                            if (h := self.fleet.get(n)) is not None}
+        futures = {n: s.rpc_async(timeout=self.spec.async_.agent_timeout_s).window_metrics()
+                   for n, s in servers.items() if self.roster.is_live(n)}
+        deadline = time.monotonic() + self.spec.async_.agent_timeout_s
+        windows = []
+        for name, future in futures.items():
+            while not future.done() and self.roster.is_live(name) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if future.done():
+                try:
+                    windows.append(future.wait())
+                except Exception as err:  # noqa: BLE001 - a dying agent: the roster will name it
+                    log.warning("no metrics from %s: %r", name, err)
+        return {k: sum(w[k] for w in windows) / len(windows) for k in windows[0]} if windows else {}
+
+    def run(self) -> RunSummary:
+        self._start_agents()
+        self.roster.start()
+        try:
+            summary = self.controller.run()
+        finally:
+            self._shut_down()
+        summary.ledger = self.controller.finish(summary)
+        summary.dead_agents = self.roster.dead()
+        return summary
+
+    def _shut_down(self) -> None:
+        """Stop admitting, stop the followers, stop every agent (its stats), then end the agent processes."""
+        self.roster.stop()
+        if self.admissions is not None:
+            self.admissions.stop()
+        try:
+            self.trainers.stop()
+        except Exception as err:  # noqa: BLE001 - a follower is gone; the launcher ends it
+            log.error("could not stop the trainer followers: %r", err)
+        servers = self.servers if self.spec.colocate else {n: h.server for n in self.roster.live() + self.roster.joining()
+                                                            if (h := self.fleet.get(n)) is not None}
+        stops = {n: s.rpc_async(timeout=self.spec.async_.agent_timeout_s).stop() for n, s in servers.items()}
+        for name, future in stops.items():
+            try:
+                future.wait()
+            except Exception as err:  # noqa: BLE001 - died or hung late: the launcher ends it
+                log.error("could not stop agent %s cleanly: %r", name, err)
+        if not self.spec.colocate:  # end the agent processes before they leave the roster (and the RPC group)
+            for name, server in servers.items():
+                try:
+                    server.rpc_sync(timeout=self.spec.async_.agent_timeout_s).exit_process()
+                except Exception:  # noqa: BLE001 - gone already
+                    pass
+        for name in servers:
+            self.roster.leave(name, "run ended", readmit=False)
+        self.store.shut_down()
+
+
+def run_head(spec: RunSpec, store: RunStore, stop: StopRequest) -> RunSummary:
+    return _Head(spec, store, stop).run()

@@ -1,0 +1,108 @@
+"""Membership of the run's RPC group, which processes can join and leave while it runs.
+
+torch.distributed.rpc has a dynamic mode (`init_rpc(world_size=None)`): a process joins by taking a token in
+the group's store, contacting every member, then releasing the token. Two things make it unfit for faults on
+its own: a member that died (kill -9) or hangs (SIGSTOP) stays listed, so every later join tries to reach it
+and fails; and a join that fails keeps the token, blocking every later join. Rank 0 therefore manages the
+group: `evict(name)` removes a member it declared dead or that left (from the group's list, which a joining
+process reads to know whom to contact, and from rank 0's own view) and releases a token the member held; agents never leave through torch's graceful shutdown but
+ask rank 0 to evict them, then shut their RPC agent down locally.
+
+These are the only calls into torch's RPC internals (the group's worker list key and membership updates);
+they are checked by the fault tests on the installed torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import api as rpc_api
+
+__all__ = ["join_rpc", "leave_rpc", "RpcMembership"]
+
+log = logging.getLogger("asyncrl.membership")
+
+_WORKERS_KEY = "names/_ALL_WORKER_INFOS"  # "name-id,name-id," in the group's store (TensorPipe agent)
+_TOKEN_KEY = "RpcGroupManagementToken"
+
+
+def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, threads: int = 16) -> None:
+    """Join the run's RPC group as `name` (rank 0 first: it serves the group's store). A join that fails
+    releases the membership token it may hold, so the next one can proceed."""
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", rpc_timeout=timeout_s,
+                                              num_worker_threads=threads)
+    # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does
+    # not listen on this port): the group's store is served by rank 0 here
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+    except Exception as err:
+        raise RuntimeError(f"{name} could not join the run's RPC group at {host}:{port}: {err}") from err
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+
+
+def leave_rpc() -> None:
+    """Stop this process's RPC agent without the group-wide handshake (rank 0 evicts us, or the run is over)."""
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception as err:  # noqa: BLE001 - leaving anyway
+        log.info("rpc shutdown: %r", err)
+
+
+class RpcMembership:
+    """Rank 0's hand on the group's member list."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    @property
+    def _agent(self):
+        return rpc_api._get_current_rpc_agent()
+
+    def members(self) -> list[str]:
+        return [w.name for w in self._agent.get_worker_infos()]
+
+    def evict(self, name: str) -> None:
+        """Remove `name` from the group: its entry in the group's list (so a later join does not try to reach
+        it), rank 0's view, and a membership token it held."""
+        agent = self._agent
+        try:
+            info = agent.get_worker_info(name)
+        except RuntimeError:
+            return
+        store = agent.store
+        entry = f"{info.name}-{info.id}".encode()
+        for _ in range(100):
+            current = store.get(_WORKERS_KEY)
+            kept = b"".join(e + b"," for e in current.split(b",") if e and e != entry)
+            if store.compare_set(_WORKERS_KEY, current, kept) == kept:
+                break
+        self._release_token_of(name)
+        agent._update_group_membership(info, [], {}, False)
+
+    def _release_token_of(self, name: str) -> None:
+        store = self._agent.store
+        held = store.get(_TOKEN_KEY).decode() if store.check([_TOKEN_KEY]) else ""
+        if held in (f"Token_for_{name}_join", f"Token_for_{name}_leave"):
+            if store.compare_set(_TOKEN_KEY, held, "").decode() == "":
+                store.set(held, "Done")
+                log.warning("released the RPC membership token %s (its holder is gone)", held)
+
+    def release_stuck_token(self, alive: set[str], held_since: dict[str, float], grace_s: float) -> None:
+        """A join that died halfway keeps the token forever: release a token held longer than `grace_s` by a
+        process that is not a member."""
+        store = self._agent.store
+        held = store.get(_TOKEN_KEY).decode() if store.check([_TOKEN_KEY]) else ""
+        if not held:
+            held_since.clear()
+            return
+        holder = held.removeprefix("Token_for_").rsplit("_", 1)[0]
+        first = held_since.setdefault(held, time.monotonic())
+        if holder not in alive and time.monotonic() - first > grace_s:
+            self._release_token_of(holder)
+            held_since.pop(held, None)

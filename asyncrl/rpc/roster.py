@@ -1,0 +1,217 @@
+"""The roster: which rollout agents are in the run, which are alive, and the door they talk to.
+
+    roster = Roster(queue, agent_timeout_s=120, on_removed=fleet.discard)
+    roster.add("agent0", live=True); roster.start()        # liveness is checked on the roster's own thread
+
+Every agent call (`request`, `submit`, `heartbeat`, `agent_failed`) comes through here, from RPC threads or,
+in-process, from agent threads. A member is
+
+  joining   admitted, waiting for its first weights (it becomes live at the next publication);
+  live      generating; silent for longer than `agent_timeout_s` it is declared dead;
+  dead      declared dead (silent, its loop raised, its weight sync failed): its in-flight prompts go back to
+            the queue for the others, and it is *fenced*: every later call from it raises `Fenced`, and a late
+            submission is refused and counted (`fully_async/count/fenced_submissions`), so nothing it delivers
+            after its prompts were re-admitted can be trained twice;
+  left      it asked to leave (or the run ended): fenced like a dead one.
+
+The liveness check runs on its own thread every `check_every_s`, whatever the trainer is doing (training,
+publishing, waiting for samples), so a hung agent is named within `agent_timeout_s` plus one check period.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Literal
+
+from asyncrl.rpc.queue import SampleQueue, Task
+from asyncrl.types import Group
+
+__all__ = ["Roster", "Fenced", "Member"]
+
+log = logging.getLogger("asyncrl.roster")
+
+Status = Literal["joining", "live", "dead", "left"]
+
+
+class Fenced(RuntimeError):
+    """A call from an agent the run declared dead or that left: refused."""
+
+
+@dataclasses.dataclass
+class Member:
+    name: str
+    status: Status
+    last_heard: float
+    device: str = ""
+    pid: int | None = None
+    why: str = ""
+
+
+class Roster:
+    def __init__(self, queue: SampleQueue, *, agent_timeout_s: float, allow_empty: bool = False,
+                 on_removed: Callable[[str, str, str], None] | None = None, check_every_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.queue, self.agent_timeout_s, self.allow_empty = queue, agent_timeout_s, allow_empty
+        self.on_removed = on_removed
+        self.check_every_s = check_every_s if check_every_s is not None else min(1.0, agent_timeout_s / 10)
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+        self.lock = threading.Lock()
+        self.counts: collections.Counter = collections.Counter()
+        self.fatal: BaseException | None = None  # set when no agent is left; raised by the trainer loop
+        self.changed = threading.Condition(self.lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------------------------- membership
+    def add(self, name: str, *, live: bool = False, device: str = "", pid: int | None = None) -> None:
+        with self.changed:
+            if name in self.members:
+                raise ValueError(f"agent {name!r} is already in the roster")
+            self.members[name] = Member(name, "live" if live else "joining", self.clock(), device, pid)
+            self.counts["joined"] += 1
+            self.changed.notify_all()
+
+    def activate(self, name: str) -> bool:
+        """A joining agent got its first weights: it may take prompts. False when it died meanwhile."""
+        with self.changed:
+            member = self.members.get(name)
+            if member is None or member.status != "joining":
+                return False
+            member.status, member.last_heard = "live", self.clock()
+            self.changed.notify_all()
+            return True
+
+    def _with(self, status: Status) -> list[str]:
+        with self.lock:
+            return [m.name for m in self.members.values() if m.status == status]
+
+    def live(self) -> list[str]:
+        return self._with("live")
+
+    def joining(self) -> list[str]:
+        return self._with("joining")
+
+    def dead(self) -> list[str]:
+        return self._with("dead")
+
+    def is_live(self, name: str) -> bool:
+        with self.lock:
+            member = self.members.get(name)
+            return member is not None and member.status == "live"
+
+    def status(self, name: str) -> Status | None:
+        with self.lock:
+            member = self.members.get(name)
+            return member.status if member is not None else None
+
+    def pid(self, name: str) -> int | None:
+        with self.lock:
+            member = self.members.get(name)
+            return member.pid if member is not None else None
+
+    # ------------------------------------------------------------------------- leaving the run
+    def declare_dead(self, name: str, why: str) -> bool:
+        """Fence `name`, put its in-flight prompts back for the others, tell the transport. False when it was
+        already out."""
+        return self._remove(name, "dead", why)
+
+    def leave(self, name: str, why: str = "left", *, readmit: bool = True) -> bool:
+        """An agent leaves (asked to, or the run ended): fenced; its unfinished prompts go to the others
+        (`readmit`), or stay where they are for the end of the run's books."""
+        return self._remove(name, "left", why, readmit=readmit)
+
+    def _remove(self, name: str, status: Status, why: str, *, readmit: bool = True) -> bool:
+        with self.changed:
+            member = self.members.get(name)
+            if member is None or member.status in ("dead", "left"):
+                return False
+            member.status, member.why = status, why
+            self.counts[status] += 1
+            empty = not any(m.status in ("live", "joining") for m in self.members.values())
+            self.changed.notify_all()
+        ids = self.queue.agent_failed(name) if readmit else []
+        if status == "dead":
+            log.error("rollout agent %s is dead (%s); re-admitting its %d in-flight prompts to the others",
+                      name, why, len(ids))
+        elif readmit:
+            log.info("rollout agent %s left (%s); re-admitting its %d unfinished prompts", name, why, len(ids))
+        if self.on_removed is not None:
+            self.on_removed(name, status, why)
+        if empty and status == "dead" and not self.allow_empty and self.fatal is None:
+            self.fatal = RuntimeError(f"every rollout agent is dead (last: {name}, {why}); the run cannot continue")
+        return True
+
+    # ---------------------------------------------------------------------- agent-facing calls
+    def _heard(self, agent: str, what: str) -> None:
+        with self.lock:
+            member = self.members.get(agent)
+            if member is None or member.status in ("dead", "left"):
+                self.counts[f"fenced_{what}"] += 1
+                state = "unknown" if member is None else f"{member.status} ({member.why})"
+                raise Fenced(f"agent {agent} is {state}; its {what} are refused")
+            member.last_heard = self.clock()
+
+    def request(self, agent: str, n: int) -> list[Task]:
+        self._heard(agent, "requests")
+        if not self.is_live(agent):
+            return []  # joining: no prompts before the first weights
+        live = len(self.live())
+        # fair share of a version's admissions among the live agents (first come would let one take it all)
+        share = -(-self.queue.budget.max_required_samples // live) if live > 1 else None
+        return self.queue.request(agent, n, share=share)
+
+    def submit(self, agent: str, group: Group) -> None:
+        self._heard(agent, "submissions")
+        self.queue.submit(agent, group)
+
+    def heartbeat(self, agent: str) -> None:
+        self._heard(agent, "heartbeats")
+
+    def agent_failed(self, agent: str, why: str) -> None:
+        """An agent whose loop raised says so: dead now, not after agent_timeout_s of silence."""
+        self.declare_dead(agent, why)
+
+    # ----------------------------------------------------------------------------- liveness
+    def check(self) -> list[str]:
+        """Declare dead every live agent silent for longer than agent_timeout_s; return their names."""
+        now = self.clock()
+        with self.lock:
+            silent = [(m.name, now - m.last_heard) for m in self.members.values()
+                      if m.status == "live" and now - m.last_heard > self.agent_timeout_s]
+        for name, quiet in silent:
+            self.declare_dead(name, f"silent for {quiet:.1f} s (agent_timeout_s={self.agent_timeout_s:g})")
+        return [name for name, _ in silent]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="roster-liveness", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.check_every_s):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the watch must go on
+                log.exception("liveness check failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait(timeout)
+
+    def metrics(self) -> dict:
+        with self.lock:
+            by_status = collections.Counter(m.status for m in self.members.values())
+            counts = dict(self.counts)
+        return {"fully_async/agents/live": by_status["live"], "fully_async/agents/joining": by_status["joining"],
+                "fully_async/dead_agents": by_status["dead"], "fully_async/agents/left": by_status["left"],
+                "fully_async/count/fenced_submissions": counts.get("fenced_submissions", 0),
+                "fully_async/count/agents_joined": counts.get("joined", 0)}

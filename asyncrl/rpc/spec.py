@@ -1,0 +1,123 @@
+"""What a multi-process run is made of, as picklable data: the model to build, each rollout agent, and the run.
+
+A `RunSpec` travels to every process (the spawned ranks, a torchrun rank, an agent joining later); each process
+builds what its role needs from it (`asyncrl.rpc.assembly`). Nothing here starts a process or a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from asyncrl.config import AlgorithmConfig, AsyncConfig, RolloutConfig, TrainerConfig
+from asyncrl.data.scoring import Scorer
+from asyncrl.data.sources import PromptSource
+from asyncrl.policies.engine import Engine, EngineConfig
+from asyncrl.policies.loading import load_model, random_model
+from asyncrl.policies.model import CausalLM
+from asyncrl.policies.protocol import RolloutEngine
+
+__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "EngineFactory", "build_embedded_engine"]
+
+EngineFactory = Callable[..., RolloutEngine]
+"""`(model, engine_config, *, agent: str) -> RolloutEngine`: how an agent turns its model into an engine."""
+
+
+def build_embedded_engine(model: CausalLM, config: EngineConfig, *, agent: str) -> RolloutEngine:
+    """The default engine factory: asyncrl's own continuous-batching engine."""
+    return Engine(model, config)
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """How to build the model in any process: a path for `load_model`, or a config dict for random weights."""
+
+    path: str = "smollm2"
+    config: dict | None = None
+    seed: int = 0
+    dtype: str = "float32"
+
+    def build(self, device: str | torch.device = "cpu", dtype: str | None = None) -> CausalLM:
+        torch_dtype = getattr(torch, dtype or self.dtype)
+        if self.config is not None:
+            return random_model(self.config, seed=self.seed, dtype=torch_dtype, device=device)
+        return load_model(self.path, dtype=torch_dtype, device=device, seed=self.seed)
+
+
+@dataclasses.dataclass
+class AgentSpec:
+    """One rollout agent: its device, its engine's precision and size, and how its engine is built."""
+
+    device: str = "cpu"
+    engine_dtype: str = "float32"
+    max_len: int | None = None
+    """KV slot length (default: rollout.max_prompt_length + rollout.max_new_tokens)."""
+    engine_factory: EngineFactory = build_embedded_engine
+    """Builds the engine from the model (another backend, or a wrapper that adds instrumentation)."""
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """Everything a multi-process run needs, picklable (sent to every process)."""
+
+    model: ModelSpec
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    rollout: RolloutConfig
+    async_: AsyncConfig
+    source_factory: Callable[[], PromptSource]
+    scorer_factory: Callable[[], Scorer]
+    agents: list[AgentSpec] = dataclasses.field(default_factory=lambda: [AgentSpec()])
+    trainer_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
+    reference: bool = False
+    """Build a frozen reference model (needed by KL losses)."""
+    seed: int = 0
+    run_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = False
+    """Resume from the newest checkpoint in run_dir; refused when there is none (unless resume_or_start)."""
+    resume_or_start: bool = False
+    """Resume when run_dir holds a checkpoint, start fresh otherwise."""
+    log_fn: Callable[[dict, int], None] | None = None
+    rpc_timeout_s: float = 120.0
+    startup_timeout_s: float = 600.0
+    """How long rank 0 waits for the configured agents to build their engines and join."""
+    bucket_mb: int = 256
+    master_addr: str = "127.0.0.1"
+    join_port: int | None = None
+    """Port of the run's store, where agents join (`asyncrl agent --join HOST:PORT`); None: a free port."""
+    threads_per_process: int = 1
+    colocate: bool = False
+    """Host agent i inside trainer rank i's process, on its device (needs one agent per trainer)."""
+    restart_agents: int = 0
+    """Times the launcher restarts a dead rollout agent process (in all, across agents)."""
+    restart_backoff_s: float = 2.0
+    """Seconds before the first restart; doubled for each further restart of the same agent."""
+    max_run_time_s: float | None = None
+    """Stop the job like a SIGTERM (checkpoint, then exit) after this many seconds of wall-clock; None: never."""
+
+    def __post_init__(self):
+        if self.colocate and len(self.agents) != len(self.trainer_devices):
+            raise ValueError(f"colocate=True hosts one agent per trainer rank: got {len(self.agents)} agents for "
+                             f"{len(self.trainer_devices)} trainer devices; give one AgentSpec per trainer device")
+
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainer_devices)
+
+    @property
+    def num_agent_processes(self) -> int:
+        return 0 if self.colocate else len(self.agents)
+
+    def agent_spec(self, slot: int, device: str | None = None) -> AgentSpec:
+        """The spec of agent `slot`; an agent joining beyond the configured ones copies agent 0's, on `device`."""
+        base = self.agents[slot] if slot < len(self.agents) else self.agents[0]
+        return base if device is None else dataclasses.replace(base, device=device)
+
+    def engine_config(self, agent: AgentSpec, slot: int) -> EngineConfig:
+        max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
+        return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
+                            seed=self.seed + slot)

@@ -1,0 +1,108 @@
+"""The run's store: a small key-value server (torch's TCPStore) that rank 0 serves and every process of the
+run reaches at `master_addr:join_port`. It is the run's control plane for what RPC cannot carry:
+
+  run info        the RPC port and run settings a joining process needs;
+  ids             RPC ranks, agent slots and each slot's incarnation (restarts), handed out atomically;
+  announcements   an agent process that joined the RPC group says so here; rank 0 admits it;
+  leave requests  an agent that wants to leave (its SIGTERM) asks here;
+  dead reports    rank 0 names the agents it declared dead (pid included), so the launcher can end and restart
+                  them;
+  shutdown        rank 0 marks the end of the run; every other process exits when it sees it.
+
+Sequences (announcements, leave requests, dead reports) are an append-only list: a counter key and one key per
+entry, so each reader keeps its own cursor and nothing is lost between polls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch.distributed as dist
+
+__all__ = ["RunStore", "agent_name"]
+
+_RPC_RANK_BASE = 1_000  # trainers are RPC ranks 0 .. T-1; agents get ranks from here on
+
+
+def agent_name(slot: int, incarnation: int) -> str:
+    """`agent3` for the first process of slot 3, `agent3_r1` for its first restart (the RPC group's member list
+    is "name-id,...": a name must hold no '-')."""
+    return f"agent{slot}" if incarnation == 0 else f"agent{slot}_r{incarnation}"
+
+
+class RunStore:
+    def __init__(self, host: str, port: int, *, serve: bool, timeout_s: float):
+        self.host, self.port = host, port
+        self.raw = dist.TCPStore(host, port, is_master=serve, timeout=datetime.timedelta(seconds=timeout_s),
+                                 wait_for_workers=False)
+
+    def prefix(self, name: str) -> dist.PrefixStore:
+        return dist.PrefixStore(name, self.raw)
+
+    # ------------------------------------------------------------------------------------------- info
+    def set_info(self, info: dict) -> None:
+        self.raw.set("asyncrl/info", json.dumps(info))
+
+    def info(self) -> dict:
+        return json.loads(self.raw.get("asyncrl/info"))  # waits (up to the store timeout) until rank 0 set it
+
+    # -------------------------------------------------------------------------------------------- ids
+    def next_rpc_rank(self) -> int:
+        return _RPC_RANK_BASE + self.raw.add("asyncrl/rpc_rank", 1) - 1
+
+    def reserve_slots(self, n: int) -> None:
+        """Rank 0 at start-up: slots 0 .. n-1 belong to the configured agents; a joiner gets the next one."""
+        self.raw.add("asyncrl/slot", n)
+
+    def new_slot(self) -> int:
+        return self.raw.add("asyncrl/slot", 1) - 1
+
+    def next_incarnation(self, slot: int) -> int:
+        return self.raw.add(f"asyncrl/slot/{slot}/incarnation", 1) - 1
+
+    # ---------------------------------------------------------------------------------------- sequences
+    def _append(self, sequence: str, record: dict) -> None:
+        index = self.raw.add(f"asyncrl/{sequence}/count", 1) - 1
+        self.raw.set(f"asyncrl/{sequence}/{index}", json.dumps(record))
+
+    def _read(self, sequence: str, start: int) -> list[dict]:
+        count = self.raw.add(f"asyncrl/{sequence}/count", 0)
+        out = []
+        for i in range(start, count):
+            key = f"asyncrl/{sequence}/{i}"
+            self.raw.wait([key])  # the writer counted before it wrote: wait for the entry itself
+            out.append(json.loads(self.raw.get(key)))
+        return out
+
+    def announce(self, record: dict) -> None:
+        """An agent process joined the RPC group and waits to be admitted."""
+        self._append("join", record)
+
+    def announcements(self, start: int) -> list[dict]:
+        return self._read("join", start)
+
+    def request_leave(self, name: str, reason: str) -> None:
+        self._append("leave", {"name": name, "reason": reason})
+
+    def leave_requests(self, start: int) -> list[dict]:
+        return self._read("leave", start)
+
+    def report_dead(self, name: str, pid: int | None, why: str) -> None:
+        self._append("dead", {"name": name, "pid": pid, "why": why})
+
+    def dead_reports(self, start: int) -> list[dict]:
+        return self._read("dead", start)
+
+    # ------------------------------------------------------------------------------------- run end
+    def shut_down(self) -> None:
+        self.raw.set("asyncrl/shutdown", "1")
+
+    def is_shut_down(self) -> bool:
+        return self.raw.check(["asyncrl/shutdown"])
+
+    def set_restarts_left(self, n: int) -> None:
+        self.raw.set("asyncrl/restarts_left", str(n))
+
+    def restarts_left(self) -> int:
+        return int(self.raw.get("asyncrl/restarts_left")) if self.raw.check(["asyncrl/restarts_left"]) else 0

@@ -1,0 +1,266 @@
+"""The launcher's supervision of a run on one machine: it spawns every rank, forwards signals, restarts dead
+agents, enforces the optional wall-clock cap, and never leaves a process behind.
+
+* Signals: the first SIGTERM / SIGINT / SIGHUP is forwarded to every rank (each runs in a process group of its
+  own, so a terminal's Ctrl-C reaches it once, through here); rank 0 finishes or abandons the current step,
+  writes a checkpoint and reports; the others follow its shutdown. A second signal kills everything at once.
+* No orphans: every rank dies with the launcher, even on kill -9 of the launcher (`die_with_parent`); at the
+  end, a rank that does not exit by itself (stopped, hung) is killed — SIGKILL ends a stopped process too.
+* Restarts: an agent process that exits, or that rank 0 declares dead while its process still exists (a hung
+  one), is ended and started again after a back-off (`restart_backoff_s`, doubling per slot), up to
+  `restart_agents` restarts in all; the new process joins the running job under the next incarnation name.
+* A trainer rank that exits ends the run (its checkpoint needs every rank): resume from the last checkpoint.
+* `max_run_time_s`: when it passes, the run is stopped as by a SIGTERM (checkpoint, then exit).
+* `run_dir/processes.json` lists every process of the run (role, pid), for operators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import pickle
+import queue as queue_mod
+import signal
+import socket
+import time
+
+from asyncrl.rpc.controller import RunSummary
+from asyncrl.rpc.launch import free_port, run_agent, run_trainer
+from asyncrl.rpc.lifecycle import on_signals
+from asyncrl.rpc.spec import RunSpec
+from asyncrl.rpc.store import RunStore
+
+__all__ = ["Supervisor", "RunKilled"]
+
+log = logging.getLogger("asyncrl.supervise")
+
+
+class RunKilled(RuntimeError):
+    """A second signal ended the run at once (every process killed, no checkpoint)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"second signal ({signal_name}): the run was killed without a checkpoint")
+        self.signal_name = signal_name
+
+
+def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int) -> None:
+    os.setpgid(0, 0)  # terminal signals reach the launcher only, which forwards them once
+    os._exit(run_agent(host, port, device=device, slot=slot, parent_pid=parent_pid))
+
+
+def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
+                   parent_pid: int) -> None:
+    os.setpgid(0, 0)
+    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid)
+
+
+@dataclasses.dataclass
+class _Child:
+    role: str
+    slot: int
+    process: multiprocessing.Process
+    restarts: int = 0
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+class Supervisor:
+    def __init__(self, spec: RunSpec, *, poll_s: float = 0.2, exit_grace_s: float = 30.0):
+        self.spec, self.poll_s, self.exit_grace_s = spec, poll_s, exit_grace_s
+        self.ctx = multiprocessing.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.host = spec.master_addr
+        self.store_port = spec.join_port or free_port()
+        self.rpc_port = free_port()
+        self.children: list[_Child] = []
+        self.restarts_left = spec.restart_agents
+        self.pending_restarts: list[tuple[float, int, int]] = []  # (when, slot, restarts so far)
+        self.signals: list[str] = []
+        self.store: RunStore | None = None
+        self._dead_seen = 0
+        self._stopping = False
+
+    # ------------------------------------------------------------------------------------ processes
+    def _spawn_trainer(self, rank: int) -> None:
+        p = self.ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
+                             args=(rank, self.spec, self.host, self.store_port, self.rpc_port,
+                                   self.results if rank == 0 else None, os.getpid()))
+        p.start()
+        self.children.append(_Child(f"trainer{rank}", rank, p))
+
+    def _spawn_agent(self, slot: int, restarts: int = 0) -> None:
+        device = self.spec.agent_spec(slot).device
+        p = self.ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
+                             args=(self.host, self.store_port, device, slot, os.getpid()))
+        p.start()
+        self.children.append(_Child(f"agent{slot}", slot, p, restarts))
+        self._write_processes()
+
+    def _write_processes(self) -> None:
+        if self.spec.run_dir is None:
+            return
+        path = pathlib.Path(self.spec.run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        rows = [{"role": c.role, "slot": c.slot, "pid": c.process.pid, "restarts": c.restarts,
+                 "alive": c.process.is_alive()} for c in self.children]
+        (path / "processes.json").write_text(json.dumps({"launcher": os.getpid(), "processes": rows}, indent=2))
+
+    def _signal_all(self, sig: int) -> None:
+        for c in self.children:
+            if c.process.is_alive():
+                try:
+                    os.kill(c.process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    # --------------------------------------------------------------------------------- signals, limits
+    def _on_signal(self, name: str) -> None:
+        self.signals.append(name)
+        log.warning("%s received: stopping the run (rank 0 writes a checkpoint); a second signal kills it now", name)
+        self._signal_all(signal.Signals[name])
+
+    def _stop_for(self, reason: str) -> None:
+        if not self._stopping:
+            self._stopping = True
+            log.warning("%s: stopping the run like a SIGTERM (checkpoint, then exit)", reason)
+            self._signal_all(signal.SIGTERM)
+
+    # ----------------------------------------------------------------------------------------- run
+    def run(self) -> RunSummary:
+        installed = on_signals(self._on_signal, second_exit=False)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} \
+            if installed else {}
+        start = time.monotonic()
+        # torch's C++ warnings (RRef leaks at exit, closed pipes of agents that ended) are noise in a run's log:
+        # the run names its faults itself. Set TORCH_CPP_LOG_LEVEL=INFO (or WARNING) to see them.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        try:
+            for rank in range(self.spec.num_trainers):
+                self._spawn_trainer(rank)
+            for slot in range(self.spec.num_agent_processes):
+                self._spawn_agent(slot)
+            outcome = self._supervise(start)
+        except BaseException:
+            self._kill_all()
+            raise
+        finally:
+            self._finish()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if self.signals and outcome.interrupted is None:
+            outcome.interrupted = self.signals[0]
+        return outcome
+
+    def _supervise(self, start: float):
+        rank0 = self.children[0].process
+        while True:
+            if len(self.signals) > 1:
+                raise RunKilled(self.signals[-1])
+            try:
+                return pickle.loads(self.results.get(timeout=self.poll_s))
+            except queue_mod.Empty:
+                pass
+            if not rank0.is_alive():
+                try:  # its last message may still be in the pipe
+                    return pickle.loads(self.results.get(timeout=2.0))
+                except queue_mod.Empty:
+                    raise RuntimeError(f"trainer rank 0 exited with code {rank0.exitcode} before reporting a result; "
+                                       "see its log above") from None
+            cap = self.spec.max_run_time_s
+            if cap is not None and time.monotonic() - start > cap:
+                self._stop_for(f"max_run_time_s={cap:g} reached")
+            self._check_children()
+            self._restart_due()
+
+    def _check_children(self) -> None:
+        for c in list(self.children):
+            if c.role.startswith("trainer") and c.slot > 0 and c.process.exitcode not in (None, 0):
+                raise RuntimeError(f"trainer rank {c.slot} exited with code {c.process.exitcode}; the run cannot go on "
+                                   "without it (resume from its last checkpoint with --resume)")
+        self._end_dead_agents()
+        for c in list(self.children):
+            if c.role.startswith("agent") and not c.process.is_alive() and not self._stopping:
+                self.children.remove(c)
+                self._write_processes()
+                if self.restarts_left > 0 and not self.signals:
+                    self.restarts_left -= 1
+                    delay = self.spec.restart_backoff_s * 2 ** c.restarts
+                    self.pending_restarts.append((time.monotonic() + delay, c.slot, c.restarts + 1))
+                    log.warning("agent slot %d (pid %d) exited with code %s; restarting it in %.1f s (%d restarts "
+                                "left)", c.slot, c.process.pid, c.process.exitcode, delay, self.restarts_left)
+                    self._tell_restarts_left()
+
+    def _end_dead_agents(self) -> None:
+        """Rank 0 declared these agents dead: with restarts on, end a process that still exists (hung), so it
+        can be restarted."""
+        if self.spec.restart_agents == 0:
+            return
+        store = self._store()
+        if store is None:
+            return
+        try:
+            reports = store.dead_reports(self._dead_seen)
+        except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
+            return
+        self._dead_seen += len(reports)
+        pids = {c.process.pid: c for c in self.children}
+        for report in reports:
+            child = pids.get(report.get("pid"))
+            if child is not None and child.process.is_alive():
+                log.warning("%s was declared dead (%s); ending its process %d", report["name"], report["why"],
+                            child.process.pid)
+                child.process.kill()
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.pending_restarts):
+            when, slot, restarts = entry
+            if now >= when and not self.signals and not self._stopping:
+                self.pending_restarts.remove(entry)
+                self._spawn_agent(slot, restarts)
+
+    def _store(self) -> RunStore | None:
+        if self.store is None:
+            if not _listening(self.host, self.store_port):
+                return None  # rank 0 has not served it yet (a failed client connect logs a C++ traceback)
+            try:
+                self.store = RunStore(self.host, self.store_port, serve=False, timeout_s=5.0)
+            except Exception:  # noqa: BLE001 - rank 0 has not served it yet
+                return None
+        return self.store
+
+    def _tell_restarts_left(self) -> None:
+        store = self._store()
+        if store is not None:
+            try:
+                store.set_restarts_left(self.restarts_left + len(self.pending_restarts))
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ------------------------------------------------------------------------------------------ end
+    def _finish(self) -> None:
+        """Wait for every rank to exit by itself (they follow rank 0's shutdown), then kill what is left."""
+        self._stopping = True
+        deadline = time.monotonic() + self.exit_grace_s
+        for c in self.children:
+            c.process.join(max(0.1, deadline - time.monotonic()))
+        self._kill_all()
+        self._write_processes()
+
+    def _kill_all(self) -> None:
+        for c in self.children:
+            if c.process.is_alive():
+                log.warning("%s (pid %d) did not exit; killing it", c.role, c.process.pid)
+                c.process.kill()  # SIGKILL: ends a stopped or hung process too
+        for c in self.children:
+            c.process.join(5.0)
