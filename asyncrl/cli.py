@@ -49,6 +49,8 @@ def train_main(args: list[str]) -> None:
     except RunKilled as err:
         print(f"asyncrl train: {err}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(err.signal_name)) from None
+    except (RuntimeError, OSError) as err:  # a failed run: its process logged the traceback above
+        raise SystemExit(f"asyncrl train: the run failed: {err}") from None
     if summary is None:  # a non-zero rank of a torchrun job
         return
     if summary.interrupted is not None:

@@ -179,8 +179,8 @@ def train(cfg: RunConfig) -> RunSummary | None:
     tracker.close()
     (run_dir / "summary.json").write_text(json.dumps(
         {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
-         "dead_agents": summary.dead_agents, "interrupted": summary.interrupted, "checkpoint": summary.checkpoint,
-         "wall_s": time.time() - start}, indent=2))
+         "dead_agents": summary.dead_agents, "agents": summary.agents, "interrupted": summary.interrupted,
+         "checkpoint": summary.checkpoint, "wall_s": time.time() - start}, indent=2))
     return summary
 
 

@@ -27,8 +27,11 @@ Layout = list[list[tuple[str, tuple, str]]]
 """Per bucket, (name, shape, dtype name) of each tensor in it, in order."""
 
 
-def channel_backend(sender_device: str, receiver_device: str) -> str:
-    return "nccl" if sender_device.startswith("cuda") and receiver_device.startswith("cuda") else "gloo"
+def channel_backend(sender_device: str, receiver_device: str, *, same_host: bool = True) -> str:
+    """NCCL between two GPUs; gloo (through host memory) when either end is a CPU, or both are the same GPU of
+    one machine (NCCL cannot join two ranks on one device)."""
+    both_gpus = sender_device.startswith("cuda") and receiver_device.startswith("cuda")
+    return "nccl" if both_gpus and not (same_host and sender_device == receiver_device) else "gloo"
 
 
 class WeightChannel:
@@ -73,17 +76,31 @@ class WeightChannel:
 
 
 def make_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
-    """Consecutive tensors of one dtype, at most `bucket_bytes` per bucket (a larger tensor goes alone)."""
-    buckets: list[list[tuple[str, Tensor]]] = [[]]
-    size = 0
+    """Consecutive tensors of one dtype in buckets of about equal size, at most ~`bucket_bytes` each (a larger
+    tensor goes alone). Equal sizes matter for the receiver's memory: a small last bucket would be allocated
+    from the heap of whichever RPC thread receives it, and such allocations, made by a different thread each
+    version, were seen to grow an agent's resident memory by the bucket's size at every publication; buckets
+    above the allocator's mmap threshold (32 MB) are returned to the system when freed."""
+    runs: list[list[tuple[str, Tensor]]] = []
     for name, t in weights:
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and (size + nbytes > bucket_bytes or t.dtype != buckets[-1][0][1].dtype):
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, t))
-        size += nbytes
-    return [b for b in buckets if b]
+        if not runs or t.dtype != runs[-1][0][1].dtype:
+            runs.append([])
+        runs[-1].append((name, t))
+    buckets: list[list[tuple[str, Tensor]]] = []
+    for run in runs:
+        total = sum(t.numel() * t.element_size() for _, t in run)
+        count = max(1, -(-total // bucket_bytes))
+        target = -(-total // count)
+        bucket, size, made = [], 0, 1
+        for name, t in run:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > target and made < count:
+                buckets.append(bucket)
+                bucket, size, made = [], 0, made + 1
+            bucket.append((name, t))
+            size += nbytes
+        buckets.append(bucket)
+    return buckets
 
 
 def flatten(bucket: list[tuple[str, Tensor]], device: torch.device) -> Tensor:

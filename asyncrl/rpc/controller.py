@@ -52,6 +52,8 @@ class RunSummary:
     """Why the run stopped early (a signal's name, or the wall-clock cap), None when it ran to its end."""
     checkpoint: str | None = None
     """The checkpoint written last (at the end, or when interrupted)."""
+    agents: dict = dataclasses.field(default_factory=dict)
+    """Every agent that took part: status, why it left, first and last weight version, groups delivered."""
 
     def interrupted_line(self) -> str:
         written = (f"checkpoint {pathlib.Path(self.checkpoint).name} written; resume with --resume"
@@ -65,7 +67,7 @@ class Controller:
                  on_step: Callable[[list[Group], dict], None] | None = None,
                  agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
-                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None):
+                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None, history_limit: int = 1000):
         config.validate()
         self.queue, self.roster, self.state, self.publisher, self.trainers = queue, roster, state, publisher, trainers
         self.config = config
@@ -78,7 +80,8 @@ class Controller:
         started = time.monotonic()
         # the run's wall-clock (the tracker's when there is one: it continues across a resume)
         self.wall_clock = wall_clock or (lambda: time.monotonic() - started)
-        self.history: list[dict] = []
+        # the last `history_limit` versions' metrics (for the summary; every version is in the tracker's log)
+        self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
         self.reward_errors: dict[str, int] = {}
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
 
@@ -213,7 +216,7 @@ class Controller:
             if self.run_dir is not None:
                 checkpoint = self.checkpoint()
         return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), self.roster.dead(),
-                          self.history, interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None)
+                          list(self.history), interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None)
 
     def _checkpoint_due(self) -> bool:
         return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 
@@ -145,7 +146,8 @@ class Admissions:
             server = rpc.remote(name, AgentServer, args=(self.payload, record["slot"], name, device, self.roster_rref),
                                 timeout=self.spec.startup_timeout_s)
             info = server.rpc_sync(timeout=self.spec.startup_timeout_s).ready()
-            backend = channel_backend(self.trainer_device, info["device"])
+            backend = channel_backend(self.trainer_device, info["device"],
+                                      same_host=record.get("host") == socket.gethostname())
             connected = server.rpc_async(timeout=self.spec.startup_timeout_s).connect(
                 self.store.host, self.store.port, backend)
             trainer_device = torch.device(self.trainer_device)

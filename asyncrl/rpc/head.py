@@ -109,17 +109,18 @@ class _Head:
         """Fresh start: the agents built the same initial weights, so they go live at once. Resumed: they get
         the checkpoint's weights first (a publication of the current version)."""
         if self.spec.colocate:
-            names = list(self.servers)
             if self.state.version > 0:
                 self.publisher.publish(self.state, self.state.version)
-            for name in names:
-                self.servers[name].rpc_sync(timeout=self.spec.rpc_timeout_s).start()
+            for name, server in self.servers.items():
+                self.roster.synced(name, self.state.version)
+                server.rpc_sync(timeout=self.spec.rpc_timeout_s).start()
             return
         if self.state.version > 0:
             self.publisher.publish(self.state, self.state.version)
             return
         for name in self.roster.joining():
             if self.roster.activate(name):
+                self.roster.synced(name, 0)
                 self.fleet.get(name).server.rpc_sync(timeout=self.spec.rpc_timeout_s).start()
 
     def _agent_metrics(self) -> dict:
@@ -150,6 +151,7 @@ class _Head:
             self._shut_down()
         summary.ledger = self.controller.finish(summary)
         summary.dead_agents = self.roster.dead()
+        summary.agents = self.roster.report()
         return summary
 
     def _shut_down(self) -> None:
@@ -163,16 +165,19 @@ class _Head:
             log.error("could not stop the trainer followers: %r", err)
         servers = self.servers if self.spec.colocate else {n: h.server for n in self.roster.live() + self.roster.joining()
                                                             if (h := self.fleet.get(n)) is not None}
-        stops = {n: s.rpc_async(timeout=self.spec.async_.agent_timeout_s).stop() for n, s in servers.items()}
+        wait_s = min(self.spec.async_.agent_timeout_s, 30.0)  # a hung agent is not waited for: the launcher ends it
+        stops = {n: s.rpc_async(timeout=wait_s).stop() for n, s in servers.items()}
+        stopped = []
         for name, future in stops.items():
             try:
                 future.wait()
+                stopped.append(name)
             except Exception as err:  # noqa: BLE001 - died or hung late: the launcher ends it
                 log.error("could not stop agent %s cleanly: %r", name, err)
         if not self.spec.colocate:  # end the agent processes before they leave the roster (and the RPC group)
-            for name, server in servers.items():
+            for name in stopped:
                 try:
-                    server.rpc_sync(timeout=self.spec.async_.agent_timeout_s).exit_process()
+                    servers[name].rpc_sync(timeout=wait_s).exit_process()
                 except Exception:  # noqa: BLE001 - gone already
                     pass
         for name in servers:

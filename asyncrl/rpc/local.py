@@ -73,6 +73,7 @@ class LocalRun:
                        for i, engine in enumerate(engines)]
         for agent in self.agents:
             self.roster.add(agent.name, live=True)
+            self.roster.synced(agent.name, agent.engine.version)
         dtype = getattr(getattr(engines[0], "model", None), "dtype", None)
         self.publisher = LocalPublisher(self.agents, self.roster, partial_rollout=config.partial_rollout,
                                         timeout=config.sync_timeout_s, dtype=dtype)
@@ -125,6 +126,7 @@ class LocalRun:
                     log.error("%s", err)
                 self.roster.leave(agent.name, "run ended", readmit=False)
         summary.ledger = self.controller.finish(summary)
+        summary.agents = self.roster.report()
         errors = [f"{a.name}: {a.error!r}" for a in self.agents if a.error is not None]
         if errors:
             log.error("agents stopped on errors: %s", "; ".join(errors))

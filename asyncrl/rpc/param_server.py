@@ -74,15 +74,20 @@ def _run_syncs(roster: Roster, work: dict[str, Callable[[], float]], poll_s: flo
     return list(results.values())
 
 
-def _settle(roster: Roster, results: list[SyncResult], activate: Callable[[str], None]) -> dict:
-    """Declare dead the agents whose sync failed; bring the joiners that got their weights live."""
+def _settle(roster: Roster, results: list[SyncResult], version: int, activate: Callable[[str], None]) -> dict:
+    """Declare dead the agents whose sync failed; record who holds `version`; bring the joiners that got
+    their weights live."""
     failed = 0
     for r in results:
         if r.error is not None:
             failed += 1
             log.error("weight sync to %s failed: %r", r.name, r.error)
             roster.declare_dead(r.name, f"its weight sync failed: {r.error!r}")
-        elif r.seconds is not None and roster.status(r.name) == "joining" and roster.activate(r.name):
+            continue
+        if r.seconds is None:
+            continue  # declared dead while syncing
+        roster.synced(r.name, version)
+        if roster.status(r.name) == "joining" and roster.activate(r.name):
             activate(r.name)
     synced = [r.seconds for r in results if r.seconds is not None]
     return {"fully_async/sync_failures": failed, "timing_s/param_transfer": max(synced, default=0.0)}
@@ -118,7 +123,7 @@ class LocalPublisher:
             return run
 
         results = _run_syncs(self.roster, {n: sync(a) for n, a in targets.items()})
-        metrics = _settle(self.roster, results, lambda name: self.agents[name].start())
+        metrics = _settle(self.roster, results, version, lambda name: self.agents[name].start())
         done = time.perf_counter()
         return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
 
@@ -158,7 +163,7 @@ class CollectivePublisher:
             return run
 
         results = _run_syncs(self.roster, {h.name: sync(h) for h in targets})
-        metrics = _settle(self.roster, results, self._start)
+        metrics = _settle(self.roster, results, version, self._start)
         done = time.perf_counter()
         return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
 
@@ -186,6 +191,8 @@ class ColocatedPublisher:
             future.wait()  # a colocated agent is its trainer rank: if it cannot drain, the run cannot go on
         paused = time.perf_counter()
         self.load_fn(state, version)
+        for name in self.servers:
+            self.roster.synced(name, version)
         done = time.perf_counter()
         return {"timing_s/param_sync": done - start, "timing_s/param_drain": paused - start,
                 "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0}

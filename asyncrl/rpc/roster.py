@@ -49,6 +49,13 @@ class Member:
     device: str = ""
     pid: int | None = None
     why: str = ""
+    first_version: int | None = None  # the weight version it started generating with
+    last_version: int | None = None  # the last version it received
+    submitted: int = 0  # groups accepted from it
+
+    def report(self) -> dict:
+        return {"status": self.status, "device": self.device, "pid": self.pid, "why": self.why,
+                "first_version": self.first_version, "last_version": self.last_version, "submitted": self.submitted}
 
 
 class Roster:
@@ -85,6 +92,19 @@ class Roster:
             member.status, member.last_heard = "live", self.clock()
             self.changed.notify_all()
             return True
+
+    def synced(self, name: str, version: int) -> None:
+        """`name` holds the weights of `version` (a publication reached it, or it started with them)."""
+        with self.lock:
+            member = self.members.get(name)
+            if member is not None:
+                member.first_version = version if member.first_version is None else member.first_version
+                member.last_version = version
+
+    def report(self) -> dict[str, dict]:
+        """Every agent that was in the run: status, why it left, versions it held, groups it delivered."""
+        with self.lock:
+            return {name: m.report() for name, m in self.members.items()}
 
     def _with(self, status: Status) -> list[str]:
         with self.lock:
@@ -168,6 +188,8 @@ class Roster:
     def submit(self, agent: str, group: Group) -> None:
         self._heard(agent, "submissions")
         self.queue.submit(agent, group)
+        with self.lock:
+            self.members[agent].submitted += 1
 
     def heartbeat(self, agent: str) -> None:
         self._heard(agent, "heartbeats")

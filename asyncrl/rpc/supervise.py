@@ -66,6 +66,15 @@ class _Child:
     restarts: int = 0
 
 
+def _stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, or a debugger): Linux's /proc state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _listening(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -73,7 +82,7 @@ def _listening(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    def __init__(self, spec: RunSpec, *, poll_s: float = 0.2, exit_grace_s: float = 30.0):
+    def __init__(self, spec: RunSpec, *, poll_s: float = 0.2, exit_grace_s: float = 15.0):
         self.spec, self.poll_s, self.exit_grace_s = spec, poll_s, exit_grace_s
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
@@ -87,6 +96,7 @@ class Supervisor:
         self.store: RunStore | None = None
         self._dead_seen = 0
         self._stopping = False
+        self.stop_reason: str | None = None  # a limit the launcher enforced (max_run_time_s)
 
     # ------------------------------------------------------------------------------------ processes
     def _spawn_trainer(self, rank: int) -> None:
@@ -130,6 +140,7 @@ class Supervisor:
     def _stop_for(self, reason: str) -> None:
         if not self._stopping:
             self._stopping = True
+            self.stop_reason = reason
             log.warning("%s: stopping the run like a SIGTERM (checkpoint, then exit)", reason)
             self._signal_all(signal.SIGTERM)
 
@@ -157,8 +168,10 @@ class Supervisor:
                 signal.signal(sig, handler)
         if isinstance(outcome, BaseException):
             raise outcome
-        if self.signals and outcome.interrupted is None:
+        if self.signals:
             outcome.interrupted = self.signals[0]
+        elif self.stop_reason is not None and outcome.interrupted is not None:
+            outcome.interrupted = self.stop_reason  # rank 0 saw the SIGTERM the launcher sent for it
         return outcome
 
     def _supervise(self, start: float):
@@ -249,8 +262,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------ end
     def _finish(self) -> None:
-        """Wait for every rank to exit by itself (they follow rank 0's shutdown), then kill what is left."""
+        """Wait for every rank to exit by itself (they follow rank 0's shutdown), then kill what is left; a
+        stopped process (SIGSTOP) cannot exit by itself and is killed at once."""
         self._stopping = True
+        for c in self.children:
+            if c.process.is_alive() and _stopped(c.process.pid):
+                log.warning("%s (pid %d) is stopped; killing it", c.role, c.process.pid)
+                c.process.kill()
         deadline = time.monotonic() + self.exit_grace_s
         for c in self.children:
             c.process.join(max(0.1, deadline - time.monotonic()))

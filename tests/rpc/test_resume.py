@@ -132,3 +132,28 @@ def test_launched_run_resumes_from_its_checkpoint(tmp_path):
     assert ledger["admitted"] >= saved["next_id"]
     max_required = verl_max_required_samples(4, 1, 0.5, 1)
     assert all(0 <= m["fully_async/count/staleness_samples"] <= max_required for m in summary_b.history)
+
+
+def test_a_full_disk_at_checkpoint_time_stops_the_run_naming_it_and_leaves_no_partial_checkpoint(tmp_path,
+                                                                                                 monkeypatch):
+    import errno
+
+    import asyncrl.checkpoint as checkpoint_module
+    from asyncrl.checkpoint import CheckpointError
+
+    real_save, saves = checkpoint_module.torch.save, []
+
+    def save(obj, path, *args, **kwargs):  # the disk fills up during the second checkpoint
+        saves.append(path)
+        if len(saves) >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", save)
+    config = AsyncConfig(total_versions=6, take_timeout_s=limit(60), staleness_threshold=0.5)
+    run = local_run(config, mini_batch_size=MINI, run_dir=str(tmp_path), checkpoint_every=1)
+    with pytest.raises(CheckpointError, match="no space left on device: .*step_00000002 needs ~"):
+        run.run()
+    checkpoints = tmp_path / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step_00000001"]  # the good one stays, no .tmp left
+    assert latest_checkpoint(tmp_path).name == "step_00000001"

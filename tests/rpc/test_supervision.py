@@ -1,0 +1,216 @@
+"""Real jobs meet faults every day: a hung agent, preemption (SIGTERM), a killed launcher, an agent restarted
+or added while the job runs, a wall-clock limit. Each test runs `asyncrl train` as its own process (the toy task
+on a tiny model), sends real signals to real pids (run_dir/processes.json), and checks the log, the summary
+and the process table. Every run's books must balance: each admitted prompt trained once, dropped with a
+reason, or carried by the final checkpoint — the ledger itself refuses a prompt trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.rpc.jobs import TOY, Job, alive, wait_until
+from tests.timing import agent_timeout, detection_margin, limit
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(400))]
+
+TWO_AGENTS = ("--placement.agent-devices", "cpu", "cpu")
+ENDLESS = ("--async-training.total-versions", "1000000")
+
+
+def timeouts(timeout: float) -> tuple[str, ...]:
+    return ("--async-training.agent-timeout-s", str(timeout))
+
+
+def books_balance(summary: dict) -> None:
+    ledger = summary["ledger"]
+    assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
+    carried = ledger.get("carried", 0)
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + carried, ledger
+    assert ledger["trained"] == summary["steps"] * 4, ledger  # cpu-demo: mini-batch 4, one batch per step
+
+
+def no_process_left(job: Job) -> None:
+    wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20),
+               f"every process of the run to be gone ({job.all_pids()})")
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill()
+
+
+def test_a_hung_agent_is_named_and_fenced_the_trainer_steps_on_then_sigterm_checkpoints_and_resume_continues(
+        tmp_path, jobs):
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *TWO_AGENTS, *ENDLESS, *timeouts(timeout), "--checkpoint-every", "1000")
+    jobs.append(job)
+    job.wait_versions(5)
+    agent1 = job.processes()["agent1"]
+
+    # SIGSTOP: named within agent_timeout_s (+ a margin), whatever the trainer was doing
+    os.kill(agent1, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    found = job.wait_for(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s", timeout=timeout + limit(60))
+    named_after = time.monotonic() - stopped_at
+    assert timeout <= float(found.group(1)) <= timeout + detection_margin(), found.group(0)
+    assert named_after <= timeout + detection_margin() + 1.0, named_after
+    # ... and the trainer keeps stepping on agent0's groups
+    at_death = len(job.metrics())
+    job.wait_versions(at_death + 10)
+
+    # SIGCONT: the woken agent is fenced (nothing it delivers counts) and its process ends
+    os.kill(agent1, signal.SIGCONT)
+    wait_until(lambda: not alive(agent1), limit(120), "the woken agent's process to end")
+    assert "agent1 was fenced out of the run" in job.text() or "agent1 was removed from the run" in job.text()
+    job.wait_versions(len(job.metrics()) + 3)
+
+    # SIGTERM to the launcher (what timeout, kill, Slurm and docker stop send): a checkpoint, one line, exit
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    line = job.wait_for(r"interrupted \(SIGTERM\) at version (\d+); checkpoint (step_\d+) written; resume with --resume")
+    version, checkpoint = int(line.group(1)), line.group(2)
+    no_process_left(job)
+    summary = job.summary()
+    assert summary["interrupted"] == "SIGTERM" and summary["dead_agents"] == ["agent1"]
+    assert summary["agents"]["agent1"]["status"] == "dead" and summary["agents"]["agent0"]["status"] == "left"
+    books_balance(summary)
+    meta = json.loads((job.run_dir / "checkpoints" / checkpoint / "meta.json").read_text())
+    assert meta["version"] == version == summary["versions"]
+    extra = json.loads((job.run_dir / "checkpoints" / checkpoint / "extra.json").read_text())
+    queued, unfinished = len(extra["queue"]["queue"]), len(extra["queue"]["unfinished"])
+    assert summary["ledger"]["carried"] == queued + unfinished  # exactly the checkpoint's
+    before = job.metrics()
+
+    # --resume continues: same prompts, versions on from the checkpoint, the wall-clock goes on
+    resumed = Job(tmp_path, *TOY, *TWO_AGENTS, *timeouts(timeout), "--async-training.total-versions",
+                  str(version + 3), "--resume", name="job")
+    jobs.append(resumed)
+    assert resumed.finish() == 0, resumed.tail()
+    assert f"resuming from {checkpoint} (version {version}, {queued} queued, {unfinished} in flight)" in resumed.text()
+    after = resumed.summary()
+    assert after["versions"] == version + 3 and after["steps"] == summary["steps"] + 3
+    books_balance(after)
+    assert after["ledger"]["trained"] == summary["ledger"]["trained"] + 3 * 4
+    rows = resumed.metrics()
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)) and steps[-1] == version + 3  # no version logged twice
+    assert rows[len(before)]["wall_s"] >= before[-1]["wall_s"]  # the clock did not restart
+
+
+def test_an_agent_stopped_forever_does_not_keep_the_command_from_returning(tmp_path, jobs):
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *TWO_AGENTS, *ENDLESS, *timeouts(timeout),
+              "--async-training.time-budget-s", str(timeout + detection_margin() + 5))
+    jobs.append(job)
+    job.wait_versions(3)
+    agent1 = job.processes()["agent1"]
+    os.kill(agent1, signal.SIGSTOP)
+    assert job.finish() == 0, job.tail()
+    assert "done:" in job.text()
+    no_process_left(job)  # the launcher ended the stopped process (SIGKILL ends a stopped one too)
+    summary = job.summary()
+    assert summary["dead_agents"] == ["agent1"]
+    books_balance(summary)
+
+
+def test_killing_the_launcher_takes_every_process_of_the_run_with_it(tmp_path, jobs):
+    job = Job(tmp_path, *TOY, *TWO_AGENTS, *ENDLESS)
+    jobs.append(job)
+    job.wait_versions(3)
+    pids = job.all_pids()
+    assert len(pids) == 3 and all(alive(pid) for pid in pids)
+    os.kill(job.launcher_pid(), signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: not any(alive(pid) for pid in pids), limit(15), "the ranks to die with the launcher")
+    assert time.monotonic() - killed_at < limit(15)
+
+
+def test_a_hung_agent_is_ended_and_restarted_and_rejoins_with_the_current_weights(tmp_path, jobs):
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *TWO_AGENTS, *ENDLESS, *timeouts(timeout), "--placement.restart-agents", "1",
+              "--placement.restart-backoff-s", "0.5")
+    jobs.append(job)
+    job.wait_versions(5)
+    first = job.processes()["agent1"]
+    os.kill(first, signal.SIGSTOP)
+    job.wait_for(r"rollout agent agent1 is dead \(silent", timeout=timeout + limit(60))
+    wait_until(lambda: not alive(first), limit(30), "the launcher to end the hung process")
+    job.wait_for(r"agent agent1_r1 is live", timeout=limit(180))
+    live_at = len(job.metrics())
+    job.wait_versions(live_at + 10)
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    no_process_left(job)
+    summary = job.summary()
+    restarted = summary["agents"]["agent1_r1"]
+    assert summary["agents"]["agent1"]["status"] == "dead"
+    # it joined with the weights of the version current at the time (not the initial ones) and took part
+    assert restarted["first_version"] >= 5 and restarted["last_version"] == summary["versions"]
+    assert restarted["submitted"] > 0
+    books_balance(summary)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_new_agent_joins_a_running_job_gets_prompts_and_leaves_cleanly(tmp_path, jobs):
+    port = _free_port()
+    job = Job(tmp_path, *TOY, *ENDLESS, "--placement.join-port", str(port))
+    jobs.append(job)
+    job.wait_for(rf"asyncrl agent --join 127.0.0.1:{port}")
+    job.wait_versions(3)
+    joiner = Job(tmp_path, "--join", f"127.0.0.1:{port}", "--device", "cpu", name="joiner", command="agent",
+                 preset=None)
+    jobs.append(joiner)
+    job.wait_for(r"agent agent1 is live", timeout=limit(180))
+    live_at = len(job.metrics())
+    job.wait_versions(live_at + 10)
+    joiner.signal(signal.SIGTERM)  # leaves: its unfinished prompts go back to agent0
+    assert joiner.finish() == 0, joiner.tail()
+    job.wait_for(r"rollout agent agent1 left \(SIGTERM received\)")
+    job.wait_versions(len(job.metrics()) + 3)
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    summary = job.summary()
+    joined = summary["agents"]["agent1"]
+    assert joined["status"] == "left" and joined["submitted"] > 0 and joined["first_version"] >= 3
+    books_balance(summary)
+
+
+def test_max_run_time_stops_the_job_like_sigterm_and_no_cap_is_imposed_by_default(tmp_path, jobs):
+    capped = Job(tmp_path, *TOY, *ENDLESS, "--placement.max-run-time-s", "8", name="capped")
+    jobs.append(capped)
+    assert capped.finish() == 124, capped.tail()
+    assert capped.wait_for(r"interrupted \(max_run_time_s=8 reached\) at version \d+; checkpoint step_\d+ written")
+    books_balance(capped.summary())
+    # the same job without the cap runs past it (a time budget ends it)
+    uncapped = Job(tmp_path, *TOY, *ENDLESS, "--async-training.time-budget-s", "12", name="uncapped")
+    jobs.append(uncapped)
+    assert uncapped.finish() == 0, uncapped.tail()
+    assert uncapped.summary()["wall_s"] > 12 and uncapped.summary()["interrupted"] is None
+
+
+def test_resume_without_a_checkpoint_is_refused_before_anything_starts_unless_resume_or_start(tmp_path, jobs):
+    refused = Job(tmp_path, *TOY, "--resume", name="empty")
+    jobs.append(refused)
+    assert refused.finish(limit(60)) == 1
+    assert "--resume: " in refused.text() and "holds no checkpoint" in refused.text()
+    assert "--resume-or-start" in refused.text()
+    assert not refused.run_dir.exists()  # nothing written, no process started
+    started = Job(tmp_path, *TOY, "--resume-or-start", "--async-training.total-versions", "2", name="empty")
+    jobs.append(started)
+    assert started.finish() == 0, started.tail()
+    assert started.summary()["versions"] == 2
