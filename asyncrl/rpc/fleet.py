@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import socket
 import threading
 import time
@@ -100,7 +101,7 @@ class Admissions:
         self.payload = dataclasses.replace(spec, log_fn=None)  # what an agent process needs (no open files)
         self.roster_rref, self.trainer_device, self.poll_s = roster_rref, trainer_device, poll_s
         self.failed: dict[str, str] = {}  # agents whose admission failed, and why (start-up reports them)
-        self._joins = self._leaves = 0
+        self._joins = self._leaves = self._exits = 0
         self._token_watch: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,6 +131,14 @@ class Admissions:
         self._leaves += len(leaves)
         for record in leaves:
             threading.Thread(target=self.release, args=(record["name"], record["reason"]), daemon=True).start()
+        exits = self.store.exits(self._exits)
+        self._exits += len(exits)
+        for record in exits:
+            name = self.roster.name_of(record["pid"])
+            if name is not None:
+                code = record["code"]
+                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                self.roster.declare_dead(name, f"its process ended ({how})")
         self.roster.allow_empty = self.store.restarts_left() > 0
         if self.fleet.membership is not None:
             alive = set(self.fleet.membership.members())

@@ -48,7 +48,8 @@ def free_port() -> int:
 
 
 def _setup_logging(role: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s",
+                        force=True)
     dump_every = os.environ.get("ASYNCRL_STACK_DUMP_S")
     if dump_every:  # diagnosing a hang: every process prints every thread's stack to stderr periodically
         faulthandler.dump_traceback_later(float(dump_every), repeat=True)
@@ -145,10 +146,18 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
     store = RunStore(host, port, serve=False, timeout_s=connect_timeout_s)
     info = store.info()
     slot = store.new_slot() if slot is None else slot
-    name = agent_name(slot, store.next_incarnation(slot))
-    _setup_logging(name)
+    for attempt in range(1, 4):  # a member that just died may still be listed until rank 0 evicts it
+        name = agent_name(slot, store.next_incarnation(slot))  # a fresh name: a failed join may have left its own
+        _setup_logging(name)
+        try:
+            join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"])
+            break
+        except RuntimeError as err:
+            if attempt == 3:
+                raise
+            log.warning("%s: joining failed (%s); trying again in 5 s", name, err)
+            time.sleep(5.0)
     name_process(f"asyncrl-{name}")
-    join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"])
     store.announce({"name": name, "slot": slot, "device": device, "pid": os.getpid(), "host": socket.gethostname()})
     log.info("%s joined the run at %s:%d on %s; waiting to be admitted", name, host, port, device)
     asked_at = None

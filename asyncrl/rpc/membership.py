@@ -14,10 +14,12 @@ they are checked by the fault tests on the installed torch.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
 
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api as rpc_api
 
@@ -40,10 +42,24 @@ def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, th
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     except Exception as err:
+        if rank != 0:
+            _release_own_token(name, host, port)
         raise RuntimeError(f"{name} could not join the run's RPC group at {host}:{port}: {err}") from err
     finally:
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+
+
+def _release_own_token(name: str, host: str, port: int) -> None:
+    """torch keeps the group's membership token when a join fails halfway; give it back."""
+    try:
+        store = dist.PrefixStore("rpc_prefix_0", dist.TCPStore(host, port, is_master=False,
+                                                               timeout=datetime.timedelta(seconds=10)))
+        token = f"Token_for_{name}_join"
+        if store.compare_set(_TOKEN_KEY, token, "").decode() == "":
+            store.set(token, "Done")
+    except Exception as err:  # noqa: BLE001 - rank 0 releases a stuck token after a grace period anyway
+        log.warning("%s could not release the RPC membership token: %r", name, err)
 
 
 def leave_rpc() -> None:

@@ -129,6 +129,12 @@ class Roster:
             member = self.members.get(name)
             return member.status if member is not None else None
 
+    def name_of(self, pid: int) -> str | None:
+        """The agent whose process is `pid` (the newest one, pids can be reused)."""
+        with self.lock:
+            found = [m.name for m in self.members.values() if m.pid == pid]
+            return found[-1] if found else None
+
     def pid(self, name: str) -> int | None:
         with self.lock:
             member = self.members.get(name)

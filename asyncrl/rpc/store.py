@@ -5,6 +5,7 @@ run reaches at `master_addr:join_port`. It is the run's control plane for what R
   ids             RPC ranks, agent slots and each slot's incarnation (restarts), handed out atomically;
   announcements   an agent process that joined the RPC group says so here; rank 0 admits it;
   leave requests  an agent that wants to leave (its SIGTERM) asks here;
+  exits           the launcher saw an agent's process end: rank 0 declares it dead at once;
   dead reports    rank 0 names the agents it declared dead (pid included), so the launcher can end and restart
                   them;
   shutdown        rank 0 marks the end of the run; every other process exits when it sees it.
@@ -87,6 +88,13 @@ class RunStore:
 
     def leave_requests(self, start: int) -> list[dict]:
         return self._read("leave", start)
+
+    def report_exit(self, pid: int, code: int | None) -> None:
+        """The launcher saw an agent process end (rank 0 declares it dead at once, not after its timeout)."""
+        self._append("exit", {"pid": pid, "code": code})
+
+    def exits(self, start: int) -> list[dict]:
+        return self._read("exit", start)
 
     def report_dead(self, name: str, pid: int | None, why: str) -> None:
         self._append("dead", {"name": name, "pid": pid, "why": why})

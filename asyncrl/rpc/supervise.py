@@ -205,6 +205,7 @@ class Supervisor:
             if c.role.startswith("agent") and not c.process.is_alive() and not self._stopping:
                 self.children.remove(c)
                 self._write_processes()
+                self._tell_exit(c)
                 if self.restarts_left > 0 and not self.signals:
                     self.restarts_left -= 1
                     delay = self.spec.restart_backoff_s * 2 ** c.restarts
@@ -251,6 +252,15 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - rank 0 has not served it yet
                 return None
         return self.store
+
+    def _tell_exit(self, child: _Child) -> None:
+        """Rank 0 declares the agent dead at once, instead of after agent_timeout_s of silence."""
+        store = self._store()
+        if store is not None:
+            try:
+                store.report_exit(child.process.pid, child.process.exitcode)
+            except Exception:  # noqa: BLE001 - rank 0 is going away
+                pass
 
     def _tell_restarts_left(self) -> None:
         store = self._store()

@@ -214,3 +214,20 @@ def test_resume_without_a_checkpoint_is_refused_before_anything_starts_unless_re
     jobs.append(started)
     assert started.finish() == 0, started.tail()
     assert started.summary()["versions"] == 2
+
+
+def test_a_run_whose_only_agent_dies_waits_for_its_restart_and_goes_on(tmp_path, jobs):
+    job = Job(tmp_path, *TOY, *ENDLESS, "--placement.restart-agents", "1", "--placement.restart-backoff-s", "0.5")
+    jobs.append(job)
+    job.wait_versions(5)
+    os.kill(job.processes()["agent0"], signal.SIGKILL)
+    job.wait_for(r"rollout agent agent0 is dead")
+    # no agent is live: the trainer publishes as soon as the restarted one has joined, so that it can start
+    job.wait_for(r"no live rollout agent; publishing early to start agent0_r1", timeout=limit(180))
+    job.wait_for(r"agent agent0_r1 is live")
+    job.wait_versions(len(job.metrics()) + 5)
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    summary = job.summary()
+    assert summary["agents"]["agent0"]["status"] == "dead" and summary["agents"]["agent0_r1"]["submitted"] > 0
+    books_balance(summary)
