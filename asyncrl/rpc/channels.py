@@ -76,8 +76,8 @@ class WeightChannel:
 
 
 def make_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
-    """Consecutive tensors of one dtype in buckets of about equal size, at most ~`bucket_bytes` each (a larger
-    tensor goes alone). Equal sizes matter for the receiver's memory: a small last bucket would be allocated
+    """Consecutive tensors of one dtype in buckets of about equal size, about `bucket_bytes` at most (a larger
+    tensor goes alone; a bucket takes in what is left rather than leave a sliver, up to 1.5 times the size). Equal sizes matter for the receiver's memory: a small last bucket would be allocated
     from the heap of whichever RPC thread receives it, and such allocations, made by a different thread each
     version, were seen to grow an agent's resident memory by the bucket's size at every publication; buckets
     above the allocator's mmap threshold (32 MB) are returned to the system when freed."""
@@ -88,17 +88,18 @@ def make_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> li
         runs[-1].append((name, t))
     buckets: list[list[tuple[str, Tensor]]] = []
     for run in runs:
-        total = sum(t.numel() * t.element_size() for _, t in run)
-        count = max(1, -(-total // bucket_bytes))
-        target = -(-total // count)
-        bucket, size, made = [], 0, 1
-        for name, t in run:
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > target and made < count:
+        sizes = [t.numel() * t.element_size() for _, t in run]
+        total = sum(sizes)
+        target = -(-total // max(1, -(-total // bucket_bytes)))  # about equal buckets, none above the cap
+        bucket, size, left = [], 0, total
+        for (name, t), nbytes in zip(run, sizes):
+            # close the bucket at the target, unless what is left would make a sliver (< half a target)
+            if bucket and size + nbytes > target and left >= target // 2:
                 buckets.append(bucket)
-                bucket, size, made = [], 0, made + 1
+                bucket, size = [], 0
             bucket.append((name, t))
             size += nbytes
+            left -= nbytes
         buckets.append(bucket)
     return buckets
 

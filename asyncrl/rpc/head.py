@@ -87,10 +87,10 @@ class _Head:
 
     def _colocated_publisher(self) -> ColocatedPublisher:
         servers = {"agent0": rpc.RRef(self.hosted)}
-        for r, rref in enumerate(self.followers, start=1):
-            servers[f"agent{r}"] = rref.rpc_sync(timeout=self.spec.rpc_timeout_s).hosted_agent()
-        for name in servers:
-            self.roster.add(name, live=True, device=self.spec.trainer_devices[int(name[5:])])
+        for rank, rref in enumerate(self.followers, start=1):
+            servers[f"agent{rank}"] = rref.rpc_sync(timeout=self.spec.rpc_timeout_s).hosted_agent()
+        for rank, name in enumerate(servers):  # agent r lives in trainer rank r, on its device
+            self.roster.add(name, live=True, device=self.spec.trainer_devices[rank])
         self.servers = servers
         return ColocatedPublisher(servers, self.roster, partial_rollout=self.spec.async_.partial_rollout,
                                   timeout=self.spec.async_.sync_timeout_s,

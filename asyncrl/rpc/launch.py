@@ -33,10 +33,10 @@ from asyncrl.rpc.assembly import local_device, resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.lifecycle import StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
-from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
+from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
-__all__ = ["ModelSpec", "AgentSpec", "RunSpec", "launch", "run_torchrun", "run_trainer", "run_agent", "free_port"]
+__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "free_port"]
 
 log = logging.getLogger("asyncrl.launch")
 

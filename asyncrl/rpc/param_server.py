@@ -10,9 +10,10 @@ Three transports behind one `publish(state, version) -> metrics`:
   copies them into its own engine.
 
 A publication goes to the roster's live agents and to the ones joining (their first weights, after which
-they go live), each on its own thread with its own deadline: a slow or hung agent never holds the others
-back, and the trainer stops waiting for one as soon as the roster declares it dead (silent for
-`agent_timeout_s`). An agent whose sync fails is declared dead (fenced, its prompts re-admitted).
+they go live), each on its own thread (`SyncRunner`): a slow or hung agent never holds the others back, and
+the trainer does not wait for a live agent that has gone silent for five heartbeats: its sync goes on in the
+background, and the roster declares it dead when its silence reaches `agent_timeout_s`. An agent whose sync
+fails is declared dead (fenced, its prompts re-admitted).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from asyncrl.rpc.channels import flatten, layout_of, make_buckets
 from asyncrl.rpc.fleet import Fleet
 from asyncrl.rpc.roster import Roster
 
-__all__ = ["WeightPublisher", "LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult"]
+__all__ = ["WeightPublisher", "LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner"]
 
 log = logging.getLogger("asyncrl.param_server")
 
@@ -40,53 +41,83 @@ class WeightPublisher(Protocol):
 
 
 class SyncResult:
-    """The outcome of one agent's sync, filled by its thread."""
+    """The outcome of one agent's sync to one version, filled by its thread."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, version: int):
+        self.name, self.version = name, version
         self.seconds: float | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
 
 
-def _run_syncs(roster: Roster, work: dict[str, Callable[[], float]], poll_s: float = 0.02) -> list[SyncResult]:
-    """Run each agent's sync on its own thread; return when every one finished, or its agent left the roster
-    (declared dead meanwhile: the thread is abandoned, its channel aborted by the fleet)."""
-    results = {name: SyncResult(name) for name in work}
+class SyncRunner:
+    """Runs each agent's sync on a thread of its own and waits for them, but not for a late one: a live agent
+    silent for longer than `late_after_s` (it heartbeats every second) is left to finish its sync in the
+    background — the trainer goes on, the agent gets no further publication until that sync ends, and the
+    roster declares it dead if its silence reaches agent_timeout_s. A hung agent thus stalls the trainer for
+    `late_after_s`, not for its whole timeout."""
 
-    def run(result: SyncResult, fn: Callable[[], float]) -> None:
-        try:
-            result.seconds = fn()
-        except BaseException as err:  # noqa: BLE001 - reported by the caller
-            result.error = err
-        finally:
-            result.done.set()
+    def __init__(self, roster: Roster, *, late_after_s: float, poll_s: float = 0.02):
+        self.roster, self.late_after_s, self.poll_s = roster, late_after_s, poll_s
+        self.unfinished: dict[str, SyncResult] = {}  # syncs the trainer stopped waiting for
 
-    for name, fn in work.items():
-        threading.Thread(target=run, args=(results[name], fn), name=f"sync-{name}", daemon=True).start()
-    pending = set(work)
-    while pending:
-        for name in list(pending):
-            if results[name].done.is_set() or roster.status(name) in ("dead", "left", None):
-                pending.discard(name)
-        if pending:
-            time.sleep(poll_s)
-    return list(results.values())
+    def busy(self) -> set[str]:
+        """Agents whose previous sync is still running: not a target until it ends."""
+        return {name for name, r in self.unfinished.items() if not r.done.is_set()}
+
+    def run(self, work: dict[str, Callable[[], float]], version: int) -> tuple[list[SyncResult], int]:
+        """Start the syncs; return the results to settle (these, and earlier late ones that ended since) and how
+        many agents were left behind as late."""
+        results = {name: SyncResult(name, version) for name in work}
+
+        def run(result: SyncResult, fn: Callable[[], float]) -> None:
+            try:
+                result.seconds = fn()
+            except BaseException as err:  # noqa: BLE001 - reported by the caller
+                result.error = err
+            finally:
+                result.done.set()
+
+        for name, fn in work.items():
+            threading.Thread(target=run, args=(results[name], fn), name=f"sync-{name}", daemon=True).start()
+        pending, late = set(work), 0
+        while pending:
+            for name in list(pending):
+                status = self.roster.status(name)
+                if results[name].done.is_set() or status in ("dead", "left", None):
+                    pending.discard(name)  # ended, or declared dead meanwhile (the fleet aborts its channel)
+                elif status == "live" and self.roster.silent_for(name) > self.late_after_s:
+                    log.warning("agent %s is late (silent for %.1f s): not waiting for its weight sync", name,
+                                self.roster.silent_for(name))
+                    self.unfinished[name] = results.pop(name)
+                    pending.discard(name)
+                    late += 1
+            if pending:
+                time.sleep(self.poll_s)
+        ended = [r for r in self.unfinished.values() if r.done.is_set()]
+        for r in ended:
+            del self.unfinished[r.name]
+        return [r for r in results.values() if r.done.is_set()] + ended, late
 
 
-def _settle(roster: Roster, results: list[SyncResult], version: int, activate: Callable[[str], None]) -> dict:
-    """Declare dead the agents whose sync failed; record who holds `version`; bring the joiners that got
+def late_after(agent_timeout_s: float) -> float:
+    """How long a publication waits for a silent live agent: five heartbeats, at most its timeout."""
+    return min(agent_timeout_s, 5.0)
+
+
+def _settle(roster: Roster, results: list[SyncResult], activate: Callable[[str], None]) -> dict:
+    """Declare dead the agents whose sync failed; record which version each holds; bring the joiners that got
     their weights live."""
     failed = 0
     for r in results:
+        if r.error is not None and roster.status(r.name) in ("dead", "left"):
+            continue  # its channel broke because it was declared dead: nothing more to say
         if r.error is not None:
             failed += 1
             log.error("weight sync to %s failed: %r", r.name, r.error)
             roster.declare_dead(r.name, f"its weight sync failed: {r.error!r}")
             continue
-        if r.seconds is None:
-            continue  # declared dead while syncing
-        roster.synced(r.name, version)
+        roster.synced(r.name, r.version)
         if roster.status(r.name) == "joining" and roster.activate(r.name):
             activate(r.name)
     synced = [r.seconds for r in results if r.seconds is not None]
@@ -100,12 +131,15 @@ class LocalPublisher:
                  dtype: torch.dtype | None = None):
         self.agents = {a.name: a for a in agents}
         self.roster, self.partial, self.timeout, self.dtype = roster, partial_rollout, timeout, dtype
+        self.syncs = SyncRunner(roster, late_after_s=late_after(roster.agent_timeout_s))
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
         weights = list(full_weights(state.policy, dtype=self.dtype))
         gathered = time.perf_counter()
-        targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining() if n in self.agents}
+        busy = self.syncs.busy()
+        targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining()
+                   if n in self.agents and n not in busy}
         for agent in targets.values():  # all drain or freeze at once
             if self.partial:
                 agent.engine.pause("keep")
@@ -122,10 +156,11 @@ class LocalPublisher:
                 return time.perf_counter() - t0
             return run
 
-        results = _run_syncs(self.roster, {n: sync(a) for n, a in targets.items()})
-        metrics = _settle(self.roster, results, version, lambda name: self.agents[name].start())
+        results, late = self.syncs.run({n: sync(a) for n, a in targets.items()}, version)
+        metrics = _settle(self.roster, results, lambda name: self.agents[name].start())
         done = time.perf_counter()
-        return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
+        return {**metrics, "fully_async/sync_late": late, "timing_s/param_sync": done - start,
+                "timing_s/param_gather": gathered - start}
 
 
 class CollectivePublisher:
@@ -136,10 +171,13 @@ class CollectivePublisher:
         self.fleet, self.roster = fleet, roster
         self.partial, self.timeout, self.bucket_bytes = partial_rollout, timeout, bucket_mb * 2**20
         self.dtype, self.weights_fn = dtype, weights_fn
+        self.syncs = SyncRunner(roster, late_after_s=late_after(roster.agent_timeout_s))
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
-        targets = [h for h in map(self.fleet.get, self.roster.live() + self.roster.joining()) if h is not None]
+        busy = self.syncs.busy()
+        targets = [h for h in map(self.fleet.get, self.roster.live() + self.roster.joining())
+                   if h is not None and h.name not in busy]
         weights = self.weights_fn(state, self.dtype)  # every trainer rank takes part in the gather
         if not targets:
             return {"timing_s/param_sync": time.perf_counter() - start, "fully_async/sync_failures": 0}
@@ -162,10 +200,11 @@ class CollectivePublisher:
                 return received.wait()
             return run
 
-        results = _run_syncs(self.roster, {h.name: sync(h) for h in targets})
-        metrics = _settle(self.roster, results, version, self._start)
+        results, late = self.syncs.run({h.name: sync(h) for h in targets}, version)
+        metrics = _settle(self.roster, results, self._start)
         done = time.perf_counter()
-        return {**metrics, "timing_s/param_sync": done - start, "timing_s/param_gather": gathered - start}
+        return {**metrics, "fully_async/sync_late": late, "timing_s/param_sync": done - start,
+                "timing_s/param_gather": gathered - start}
 
     def _start(self, name: str) -> None:
         handle = self.fleet.get(name)

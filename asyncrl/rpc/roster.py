@@ -129,6 +129,12 @@ class Roster:
             member = self.members.get(name)
             return member.status if member is not None else None
 
+    def silent_for(self, name: str) -> float:
+        """Seconds since `name` was last heard from."""
+        with self.lock:
+            member = self.members.get(name)
+            return self.clock() - member.last_heard if member is not None else float("inf")
+
     def name_of(self, pid: int) -> str | None:
         """The agent whose process is `pid` (the newest one, pids can be reused)."""
         with self.lock:
