@@ -57,7 +57,7 @@ class RunSummary:
 
     def interrupted_line(self) -> str:
         written = (f"checkpoint {pathlib.Path(self.checkpoint).name} written; resume with --resume"
-                   if self.checkpoint else "no checkpoint written (no run directory)")
+                   if self.checkpoint else "no new checkpoint (nothing trained since the start, or no run directory)")
         return f"interrupted ({self.interrupted}) at version {self.versions}; {written}"
 
 
@@ -84,6 +84,7 @@ class Controller:
         self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
         self.reward_errors: dict[str, int] = {}
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
+        self.started_at_step = state.step
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -213,8 +214,8 @@ class Controller:
         if interrupted is not None:
             log.warning("stopping: %s; finishing at version %d (step %d)", interrupted, self.state.version,
                         self.state.step)
-            if self.run_dir is not None:
-                checkpoint = self.checkpoint()
+            if self.run_dir is not None and self.state.step > self.started_at_step:
+                checkpoint = self.checkpoint()  # nothing trained since the start (or the resume): nothing to save
         return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), self.roster.dead(),
                           list(self.history), interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None)
 

@@ -189,15 +189,17 @@ class Admissions:
             pass
         self.roster.leave(name, reason)
 
-    def wait_for(self, count: int, timeout_s: float) -> list[str]:
-        """Start-up: wait until `count` agents are admitted (or failed); return the admitted ones. Raises when
-        none could join."""
+    def wait_for(self, count: int, timeout_s: float, stop=None) -> list[str]:
+        """Start-up: wait until `count` agents are admitted (or failed), or a stop request; return the admitted
+        ones. Raises when none could join."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if len(self.roster.joining()) + len(self.roster.live()) + len(self.failed) >= count:
                 break
             self.roster.wait_for_change(0.5)
         admitted = self.roster.joining() + self.roster.live()
+        if stop is not None and stop.is_set():
+            return admitted
         if not admitted:
             detail = "; ".join(f"{n}: {why}" for n, why in self.failed.items()) or \
                 f"none announced itself within {timeout_s:.0f} s (startup_timeout_s)"

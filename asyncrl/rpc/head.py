@@ -100,7 +100,7 @@ class _Head:
     def _collective_publisher(self) -> CollectivePublisher:
         self.admissions = Admissions(self.spec, self.store, self.fleet, self.roster, self.roster_rref, self.device)
         self.admissions.start()
-        self.admissions.wait_for(self.spec.num_agent_processes, self.spec.startup_timeout_s)
+        self.admissions.wait_for(self.spec.num_agent_processes, self.spec.startup_timeout_s, self.stop)
         return CollectivePublisher(self.fleet, self.roster, partial_rollout=self.spec.async_.partial_rollout,
                                    timeout=self.spec.async_.sync_timeout_s, bucket_mb=self.spec.bucket_mb,
                                    dtype=self._engine_dtype(), weights_fn=self.trainers.weights)
