@@ -2,6 +2,7 @@
 
     asyncrl train cpu-demo                          # the default job (what `make train` runs)
     asyncrl train cpu-demo --async-training.staleness-threshold 0 --run-dir runs/sync
+    asyncrl train cpu-demo --data.path my.jsonl --reward.fn my_reward.py:score --dry-run
     asyncrl train --help
     asyncrl agent --join HOST:PORT --device cuda:3  # one more rollout agent for a running job
 """
@@ -39,12 +40,25 @@ def train_main(args: list[str]) -> None:
     config = tyro.cli(RunConfig, default=default, args=args[1:], prog=f"asyncrl train {args[0]}",
                       description=description)
     import logging
+    from asyncrl.console import phase
+    from asyncrl.preflight import preflight
     from asyncrl.rpc.lifecycle import exit_code
     from asyncrl.rpc.supervise import RunKilled
+    phase("checking the configuration, devices, model, rewards and data")
+    report = preflight(config, say=phase)
+    if not report.ok:
+        raise SystemExit(report.failure("asyncrl train"))
+    if config.dry_run:
+        from asyncrl.config import as_flags
+        print(f"asyncrl train {args[0]} \\\n  " + " \\\n  ".join(as_flags(config)))
+        print("checks:\n" + report.render())
+        return
+    for note in report.notes:
+        phase(f"note: {note}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(name)s %(levelname)s %(message)s")
     try:
-        summary = train(config)
-    except ValueError as err:  # configuration errors name the field and the fix
+        summary = train(config, preflight_done=True)
+    except ValueError as err:  # configuration errors name the flag and the fix
         raise SystemExit(f"asyncrl train: {err}") from None
     except RunKilled as err:
         print(f"asyncrl train: {err}", file=sys.stderr, flush=True)
@@ -56,8 +70,7 @@ def train_main(args: list[str]) -> None:
     if summary.interrupted is not None:
         print(summary.interrupted_line(), flush=True)
         raise SystemExit(exit_code(summary.interrupted))
-    print(f"done: {summary.versions} versions, {summary.steps} learner steps; prompts {summary.ledger}"
-          + (f"; dead agents: {summary.dead_agents}" if summary.dead_agents else ""))
+    print(summary.done_lines(config.reward.error_warn_share), flush=True)
 
 
 def agent_main(args: list[str]) -> None:

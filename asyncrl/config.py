@@ -20,12 +20,35 @@ from asyncrl.algos import AdvantageResult, PolicyLossResult
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
-    "DataConfig", "PlacementConfig", "RunConfig",
+    "DataConfig", "PlacementConfig", "RewardConfig", "RunConfig", "flag", "shown", "as_flags", "ALGORITHM_COMMANDS",
 ]
 
 
+_FLAG_PREFIX = {"run": "", "async": "async-training."}
+
+
+def flag(owner: str, field: str) -> str:
+    """The command-line flag of a config field, as the user types it: ('async', 'staleness_threshold') ->
+    '--async-training.staleness-threshold'; ('run', 'checkpoint_every') -> '--checkpoint-every'. Algorithm
+    classes ('DAPO') map to '--algorithm.…'."""
+    if owner in _FLAG_PREFIX:
+        prefix = _FLAG_PREFIX[owner]
+    elif owner[:1].isupper():
+        prefix = "algorithm."
+    else:
+        prefix = owner + "."
+    return "--" + (prefix + field).replace("_", "-")
+
+
+def shown(value) -> str:
+    """A value as it is typed after its flag: tuples space-separated, strings bare."""
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value)) or "(empty)"
+    return str(value)
+
+
 def _fail(owner: str, field: str, value, want: str) -> None:
-    raise ValueError(f"{owner}.{field}={value!r} is invalid: {want}")
+    raise ValueError(f"{flag(owner, field)} {shown(value)} is invalid: {want}")
 
 
 def is_placeholder(value) -> bool:
@@ -62,7 +85,7 @@ class OptimConfig:
         if self.warmup_steps < 0:
             _fail(owner, "warmup_steps", self.warmup_steps, "must be >= 0")
         if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-            _fail(owner, "total_steps", self.total_steps, "the cosine schedule needs total_steps > warmup_steps")
+            _fail(owner, "total_steps", self.total_steps, f"the cosine schedule needs {flag(owner, 'total_steps')} > {flag(owner, 'warmup_steps')}={self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             _fail(owner, "min_lr_ratio", self.min_lr_ratio, "must lie in [0, 1]")
         if self.grad_clip < 0:
@@ -96,11 +119,11 @@ class OffPolicyConfig:
     def validate(self, owner: str = "off_policy") -> None:
         if self.is_level != "none" and self.use_rollout_log_probs:
             _fail(owner, "is_level", self.is_level, "importance weights need recomputed proximal log-probs; "
-                  "set use_rollout_log_probs=False (with it on, π_old = μ and every weight is 1)")
+                  f"add {flag(owner, 'no_use_rollout_log_probs')} (with it on, π_old = μ and every weight is 1)")
         if self.is_threshold < 1:
             _fail(owner, "is_threshold", self.is_threshold, "must be >= 1")
         if self.rs_stat != "none" and self.rs_upper is None and self.rs_lower is None:
-            _fail(owner, "rs_upper", self.rs_upper, f"rs_stat={self.rs_stat!r} needs a bound")
+            _fail(owner, "rs_upper", self.rs_upper, f"{flag(owner, 'rs_stat')} {self.rs_stat} needs a bound: set {flag(owner, 'rs_upper')} (or {flag(owner, 'rs_lower')})")
         if self.rs_stat == "k1" and self.rs_level == "max":
             _fail(owner, "rs_level", self.rs_level, "'max' is defined for k2/k3 only")
         if self.max_version_lag is not None and self.max_version_lag < 0:
@@ -326,8 +349,9 @@ class TrainerConfig:
     fused_kernels: bool = False
     """torch.compile the model's elementwise pieces on CUDA (measured slower for training on an H100:
     the guards cost more host time than the launches they save; see BENCHMARKS.md)."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts: learner log-probs use logits / temperature."""
+    temperature: float | None = None
+    """Temperature of the learner's log-probs (logits / temperature). None: the rollout's
+    (--rollout.temperature); 1.0 for a learner used on its own. Set it only to check it matches."""
     max_response_length: int | None = None
     """The rollouts' max_new_tokens: the budget of DAPO's overlong shaping and the constant of
     seq-mean-token-sum-norm (None: the longest response of each batch)."""
@@ -344,10 +368,15 @@ class TrainerConfig:
                       "logits_chunk_tokens"):
             if getattr(self, field) < 1:
                 _fail(owner, field, getattr(self, field), "must be >= 1")
-        if not self.temperature > 0:
-            _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature)")
+        if self.temperature is not None and not self.temperature > 0:
+            _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature), or None")
         self.optim.validate("trainer.optim")
         self.off_policy.validate("trainer.off_policy")
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature log-probs are computed at (see `temperature`)."""
+        return 1.0 if self.temperature is None else self.temperature
 
 
 @dataclasses.dataclass
@@ -381,9 +410,15 @@ class RolloutConfig:
             if getattr(self, field) < 1:
                 _fail(owner, field, getattr(self, field), "must be >= 1")
         if self.n > self.max_slots:
-            _fail(owner, "n", self.n, f"must be <= max_slots={self.max_slots} (a prompt's samples run together)")
+            _fail(owner, "n", self.n, f"must be <= --rollout.max-slots {self.max_slots} (a prompt's samples run together)")
         if not self.temperature > 0:
             _fail(owner, "temperature", self.temperature, "must be > 0 for RL (0 would be greedy: no exploration)")
+        if not 0 < self.top_p <= 1:
+            _fail(owner, "top_p", self.top_p, "must lie in (0, 1] (1 keeps the whole distribution)")
+        if self.top_k != -1 and self.top_k < 1:
+            _fail(owner, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        if self.max_concurrent_prompts is not None and self.max_concurrent_prompts < 1:
+            _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
 
     @property
     def concurrent_prompts(self) -> int:
@@ -440,13 +475,13 @@ class AsyncConfig:
         if self.max_version_lag is not None and self.max_version_lag < 0:
             _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
         if self.lag_policy == "wait" and self.max_version_lag is None:
-            _fail(owner, "lag_policy", self.lag_policy, "'wait' needs max_version_lag")
+            _fail(owner, "lag_policy", self.lag_policy, "'wait' needs --async-training.max-version-lag")
         if self.lag_policy == "wait" and self.max_version_lag == 0 and self.staleness_threshold > 0:
             # every held-back window admits work at the current version, which a cap of 0 forbids publishing
             # over: the trainer would train at the same version forever
-            _fail(owner, "lag_policy", self.lag_policy, f"'wait' with max_version_lag=0 can never publish when "
-                  f"staleness_threshold={self.staleness_threshold} > 0; use lag_policy='drop', "
-                  "max_version_lag >= 1 or staleness_threshold=0")
+            _fail(owner, "lag_policy", self.lag_policy, f"'wait' with --async-training.max-version-lag 0 can never publish when "
+                  f"--async-training.staleness-threshold {self.staleness_threshold} > 0; use --async-training.lag-policy "
+                  "drop, --async-training.max-version-lag 1 or more, or --async-training.staleness-threshold 0")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             _fail(owner, "time_budget_s", self.time_budget_s, "must be > 0 seconds or None")
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
@@ -483,7 +518,10 @@ class DataConfig:
     `digits` and `operators` are ignored. GSM8K: `asyncrl data convert-gsm8k --src train.jsonl --out
     data/gsm8k/train.parquet`."""
     on_long: Literal["filter", "truncate"] = "filter"
-    """Prompt files: drop prompts longer than rollout.max_prompt_length tokens, or keep their last tokens."""
+    """Prompt files: drop prompts longer than --rollout.max-prompt-length tokens, or keep their last tokens."""
+    on_empty: Literal["refuse", "drop"] = "refuse"
+    """Prompt files: a row whose prompt is empty stops the run before it starts (naming the row), or is
+    dropped and counted."""
     shuffle: bool = True
     """Prompt files: visit the rows in a new order every epoch (seeded by `seed`)."""
     task: Literal["arithmetic", "countdown", "toy"] = "arithmetic"
@@ -546,6 +584,34 @@ class PlacementConfig:
 
 
 @dataclasses.dataclass
+class RewardConfig:
+    """Reward functions of your own (plug-ins), and how they are run."""
+
+    fn: tuple[str, ...] = ()
+    """Reward plug-ins: `PATH.py:NAME` or `package.module:NAME` scores every data source (verl's
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None)` or
+    `(response, ground_truth, **row)`, sync or async, returning a float or a dict with `score`);
+    `DATA_SOURCE=PATH.py:NAME` scores only that data source. Without it, the built-in rewards score their
+    data sources (arithmetic, countdown, toy, openai/gsm8k, math)."""
+    timeout_s: float = 60.0
+    """Seconds one call of an async reward may take; a call that takes longer scores 0 and is counted
+    (reward/timeouts)."""
+    max_concurrency: int = 16
+    """Async reward calls in flight at once, per rollout agent."""
+    error_warn_share: float = 0.5
+    """When more than this share of a version's rewards errored or timed out, the console says so on that
+    version's line (and the summary at the end)."""
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            _fail("reward", "timeout_s", self.timeout_s, "must be > 0 seconds")
+        if self.max_concurrency < 1:
+            _fail("reward", "max_concurrency", self.max_concurrency, "must be >= 1")
+        if not 0 <= self.error_warn_share <= 1:
+            _fail("reward", "error_warn_share", self.error_warn_share, "must lie in [0, 1]")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """A whole run: model, data, algorithm, rollout, learner, async knobs, placement, tracking."""
 
@@ -569,7 +635,12 @@ class RunConfig:
     seed: int = 0
     """Seed of prompts' sampling seeds and shuffling."""
     strict_rewards: bool = False
-    """A reward function that raises stops the run (default: it scores 0 and counts in reward/errors)."""
+    """A reward function that raises or returns NaN/inf stops the run (default: it scores 0 and counts in
+    reward/errors)."""
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    dry_run: bool = False
+    """Check the configuration, the data, the model, the devices and the rewards, print the resolved
+    configuration and exit without starting any process."""
 
     def validate(self) -> None:
         self.model.validate()
@@ -579,20 +650,48 @@ class RunConfig:
         self.trainer.validate()
         self.async_training.validate()
         self.placement.validate()
-        if self.trainer.temperature != self.rollout.temperature:
+        if self.trainer.temperature is not None and self.trainer.temperature != self.rollout.temperature:
             _fail("trainer", "temperature", self.trainer.temperature,
-                  f"must equal rollout.temperature={self.rollout.temperature} (log-probs of the sampled distribution)")
+                  f"must equal --rollout.temperature {self.rollout.temperature} (log-probs of the sampled "
+                  "distribution); leave it out and the trainer takes the rollout's")
+        self.reward.validate()
         if self.checkpoint_every < 0:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
         if (self.model.path.startswith("random:") and self.model.tokenizer is None
                 and (self.data.path is not None or self.data.task != "toy")):
-            _fail("model", "tokenizer", None, f"model.path={self.model.path!r} has no tokenizer, and "
-                  f"{'data.path' if self.data.path else 'data.task=' + self.data.task} needs one to render prompts: "
-                  "set model.tokenizer (an HF directory, .gguf or 'smollm2') or use data.task=toy")
+            _fail("model", "tokenizer", None, f"--model.path {self.model.path} has no tokenizer, and "
+                  f"{'--data.path' if self.data.path else '--data.task ' + self.data.task} needs one to render "
+                  "prompts: set --model.tokenizer (an HF directory, .gguf or smollm2) or use --data.task toy")
         if not self.placement.trainer_devices or not self.placement.agent_devices:
-            _fail("placement", "agent_devices", self.placement.agent_devices, "need at least one trainer and one agent")
+            _fail("placement", "agent_devices", self.placement.agent_devices, "need at least one trainer device and one agent device")
         if (self.async_training.colocated and self.placement.launcher != "local"
                 and tuple(self.placement.agent_devices) != tuple(self.placement.trainer_devices)):
             _fail("placement", "agent_devices", self.placement.agent_devices,
-                  f"colocated runs host one engine in each trainer process: set it equal to trainer_devices="
-                  f"{self.placement.trainer_devices}")
+                  f"colocated runs host one engine in each trainer process: set it equal to "
+                  f"--placement.trainer-devices {shown(self.placement.trainer_devices)}")
+
+
+ALGORITHM_COMMANDS = {GRPO: "grpo", DrGRPO: "dr-grpo", DAPO: "dapo", GSPO: "gspo", CISPO: "cispo", RLOO: "rloo",
+                      ReinforcePP: "reinforce-pp", PPO: "ppo"}
+"""The `algorithm:NAME` subcommand of each algorithm class."""
+
+
+def as_flags(cfg: RunConfig) -> list[str]:
+    """The command-line arguments that give exactly `cfg` (after `asyncrl train PRESET`): what --dry-run prints."""
+    import shlex
+
+    def leaves(obj, prefix: str):
+        for field in dataclasses.fields(obj):
+            if field.name in ("dry_run", "algorithm"):
+                continue
+            value, dashed = getattr(obj, field.name), field.name.replace("_", "-")
+            if dataclasses.is_dataclass(value):
+                yield from leaves(value, f"{prefix}{dashed}.")
+            elif isinstance(value, bool):
+                yield f"--{prefix}{dashed}" if value else f"--{prefix}no-{dashed}"
+            elif isinstance(value, (tuple, list)):
+                yield " ".join([f"--{prefix}{dashed}", *(shlex.quote(str(v)) for v in value)])
+            else:
+                yield f"--{prefix}{dashed} {shlex.quote(str(value))}"
+
+    return [*leaves(cfg, ""), f"algorithm:{ALGORITHM_COMMANDS[type(cfg.algorithm)]}", *leaves(cfg.algorithm, "algorithm.")]

@@ -55,13 +55,15 @@ def is_checkpoint(path: str | pathlib.Path) -> bool:
 
 
 def _run_model_path(checkpoint: pathlib.Path) -> str | None:
-    """The model path the run that wrote `checkpoint` trained from (its config.json), if recorded."""
+    """Where the run that wrote `checkpoint` took its tokenizer from (its config.json: --model.tokenizer, else
+    --model.path), if recorded."""
     config = checkpoint.resolve().parent.parent / "config.json"
     if not config.is_file():
         return None
     try:
-        return json.loads(config.read_text())["model"]["path"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        model = json.loads(config.read_text())["model"]
+        return model.get("tokenizer") or model["path"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -77,15 +79,31 @@ def _tokenizer_source(model: str, tokenizer: str | None, data: DataConfig) -> st
     elif is_checkpoint(model):
         source = _run_model_path(pathlib.Path(model))
         if source is None:
-            raise ValueError(f"eval: checkpoint {model} has no run config.json next to its checkpoints/ "
-                             "directory to take the tokenizer from; pass tokenizer= (--tokenizer PATH)")
+            raise ValueError(f"--model {model}: the checkpoint has no run config.json next to its checkpoints/ "
+                             "directory to take the tokenizer from; pass --tokenizer PATH")
     else:
         source = model
     if source.startswith("random:") or (pathlib.Path(source).is_dir() and not any(
             (pathlib.Path(source) / name).is_file() for name in _TOKENIZER_FILES)):
-        raise ValueError(f"eval: task {data.task!r} needs a tokenizer but {source!r} has none; pass tokenizer= "
-                         "(--tokenizer smollm2 or an HF directory with tokenizer files) or use --data.task toy")
+        raise ValueError(f"--data.task {data.task}: needs a tokenizer but {source} has none; pass "
+                         "--tokenizer smollm2 (or an HF directory with tokenizer files) or use --data.task toy")
     return source
+
+
+def _check_model(model: str) -> None:
+    """A model path that does not exist (or is no model) fails here, naming --model, before anything loads."""
+    from asyncrl.preflight import check_model_path
+    if is_checkpoint(model):
+        return
+    path = pathlib.Path(model)
+    if path.parent.name == "checkpoints" and not path.exists():
+        found = sorted(p.name for p in path.parent.glob("step_*") if p.is_dir()) if path.parent.is_dir() else []
+        raise ValueError(f"--model {model}: no such checkpoint; "
+                         + (f"{path.parent} holds {', '.join(found)}" if found else
+                            f"{path.parent} holds none (train with --checkpoint-every N to write them)"))
+    problem, _ = check_model_path(model, "--model")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _default_dtype(dtype: str, device: str) -> str:
@@ -131,7 +149,12 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
               (first_prompt >= 0, "first_prompt", first_prompt, ">= 0")]
     for ok, name, value, want in checks:
         if not ok:
-            raise ValueError(f"eval: {name}={value!r} is invalid: must be {want}")
+            shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+            raise ValueError(f"--{name.replace('_', '-')} {shown} is invalid: must be {want}")
+    _check_model(model)
+    from asyncrl.preflight import check_devices
+    for problem in check_devices({"--device": (device,)}):
+        raise ValueError(problem)
     token_source = _tokenizer_source(model, tokenizer, data)
     source = SourceFactory(data, token_source, max_prompt_length)()
     for _ in range(first_prompt):  # works for generated tasks and prompt files alike

@@ -330,7 +330,7 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, val
             if values:
                 out[idx] = response_values(model, batch, idx, autocast=autocast).to(out.dtype)
             else:
-                out[idx] = response_logprobs(model, batch, idx, temperature=state.config.temperature,
+                out[idx] = response_logprobs(model, batch, idx, temperature=state.config.sampling_temperature,
                                              autocast=autocast,
                                              chunk_tokens=state.config.logits_chunk_tokens)[0].to(out.dtype)
     finally:
@@ -508,7 +508,7 @@ def _actor_micro(state: LearnerState, prep: _Prepared, rows: list[int], counts) 
     idx = torch.tensor(rows or [0], device=prep.mask.device)
     need_entropy = algo.entropy_coef > 0
     width = max(prep.lengths[r] for r in rows) if rows else None
-    logp, ent = response_logprobs(state.policy, prep.batch, idx, temperature=cfg.temperature, entropy=True,
+    logp, ent = response_logprobs(state.policy, prep.batch, idx, temperature=cfg.sampling_temperature, entropy=True,
                                   autocast=cfg.autocast_bf16, entropy_grad=need_entropy, width=width,
                                   chunk_tokens=cfg.logits_chunk_tokens)
     mask = prep.mask[idx] & (not empty)

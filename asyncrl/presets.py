@@ -14,12 +14,13 @@ CPU_DEMO = RunConfig(
     data=DataConfig(task="arithmetic", digits=1, operators="+", system_prompt="Reply with the result only."),
     algorithm=GRPO(clip_ratio_high=0.28),
     rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=8, max_prompt_length=64, max_slots=32),
-    trainer=TrainerConfig(mini_batch_size=4, max_tokens_per_micro_batch=2048, temperature=1.0,
+    trainer=TrainerConfig(mini_batch_size=4, max_tokens_per_micro_batch=2048,
                           max_response_length=8, optim=OptimConfig(lr=2e-5)),
     async_training=AsyncConfig(staleness_threshold=0.5, trigger_parameter_sync_step=1, partial_rollout=True,
                                total_versions=20),
     placement=PlacementConfig(launcher="rpc", trainer_devices=("cpu",), agent_devices=("cpu",)),
     run_dir="runs/cpu-demo",
+    checkpoint_every=20,  # the last version: `asyncrl eval --model runs/cpu-demo/checkpoints/step_00000020`
 )
 """SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async."""
 
@@ -30,7 +31,7 @@ GSM8K_QWEN2_5_0_5B = RunConfig(
                    kl_loss_type="low_var_kl", overlong_buffer_len=512, overlong_penalty_factor=1.0),
     rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=3072, max_prompt_length=1024, max_slots=256),
     trainer=TrainerConfig(mini_batch_size=32, use_dynamic_bsz=True, max_tokens_per_micro_batch=16384,
-                          gradient_checkpointing=True, temperature=1.0, max_response_length=3072,
+                          gradient_checkpointing=True, max_response_length=3072,
                           optim=OptimConfig(lr=1e-6, warmup_steps=10),
                           off_policy=OffPolicyConfig(use_rollout_log_probs=True)),
     async_training=AsyncConfig(staleness_threshold=0.2, trigger_parameter_sync_step=4, require_batches=1,

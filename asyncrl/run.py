@@ -18,11 +18,13 @@ import time
 import torch
 
 from asyncrl.config import DataConfig, RunConfig
+from asyncrl.console import Console
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.files import load_prompt_file
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
-from asyncrl.rewards import arithmetic_reward, countdown_reward, even_token_reward, gsm8k_reward, math_reward
+from asyncrl.rewards.plugin import absolute_reward_spec
+from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.launch import launch, run_torchrun
@@ -33,29 +35,36 @@ __all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
 
 log = logging.getLogger("asyncrl.run")
 
-REWARDS = {
-    "arithmetic": arithmetic_reward,
-    "countdown": countdown_reward,
-    "toy": even_token_reward,
-    "openai/gsm8k": gsm8k_reward,
-    "math": math_reward,
-}
-"""data_source -> reward function (response_text, ground_truth) -> float. Add entries for new data."""
+REWARDS = BUILTIN_REWARDS
+"""data_source -> built-in reward function (response_text, ground_truth) -> float. Rewards of your own:
+--reward.fn (`asyncrl.rewards.plugin`)."""
 
 
-def _tokenizer(model_path: str):
+def tokenizer_path(cfg: RunConfig) -> str:
+    """Where a run's tokenizer comes from: --model.tokenizer, else the model ('random:…' has none)."""
+    return cfg.model.tokenizer or cfg.model.path
+
+
+def run_tokenizer(model_path: str):
+    """The tokenizer of a model path, None for 'random:' models."""
     if model_path.startswith("random:"):
         return None
     from asyncrl.policies.loading import load_tokenizer, smollm2_gguf_path
     return load_tokenizer(smollm2_gguf_path() if model_path == "smollm2" else model_path)
 
 
-def _task(data: DataConfig):
+def task_of(data: DataConfig):
+    """The built-in procedural task --data.task names."""
     if data.task == "arithmetic":
         return ArithmeticTask(digits=data.digits, operators=data.operators, seed=data.seed)
     if data.task == "countdown":
         return CountdownTask(seed=data.seed)
     return ToyTask()
+
+
+def with_system(tokenizer, system: str | None):
+    """The tokenizer, rendering task prompts with `system` as the system message when one is given."""
+    return tokenizer if tokenizer is None or not system else _SystemTokenizer(tokenizer, system)
 
 
 class _SystemTokenizer:
@@ -81,46 +90,55 @@ class SourceFactory:
     def __call__(self) -> PromptSource:
         if self.data.path is not None:
             return self._file_source()
-        tokenizer = _tokenizer(self.model_path)
-        if tokenizer is not None and self.data.system_prompt:
-            tokenizer = _SystemTokenizer(tokenizer, self.data.system_prompt)
-        task = _task(self.data)
+        tokenizer = with_system(run_tokenizer(self.model_path), self.data.system_prompt)
+        task = task_of(self.data)
 
         def make(index: int):
             prompt = task.prompt(index, tokenizer)
             if len(prompt.prompt_ids) > self.max_prompt_length:
                 raise ValueError(f"{self.data.task} prompt {index} has {len(prompt.prompt_ids)} tokens > "
-                                 f"rollout.max_prompt_length={self.max_prompt_length}; raise it")
+                                 f"--rollout.max-prompt-length {self.max_prompt_length}; raise it")
             return prompt
 
         return GeneratedSource(make)
 
     def _file_source(self) -> DatasetSource:
-        tokenizer = _tokenizer(self.model_path)
+        tokenizer = run_tokenizer(self.model_path)
         if tokenizer is None:
-            raise ValueError(f"data.path={self.data.path!r} needs a tokenizer to render its prompts, and "
-                             f"model.path={self.model_path!r} has none; use a model with a tokenizer, set model.tokenizer, or "
-                             "data.task=toy for random models")
+            raise ValueError(f"--data.path {self.data.path} needs a tokenizer to render its prompts, and "
+                             f"--model.path {self.model_path} has none; use a model with a tokenizer, set "
+                             "--model.tokenizer, or --data.task toy for random models")
         prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
-                                          on_long=self.data.on_long, system_prompt=self.data.system_prompt)
-        log.info("data: %s: %d rows, %d kept, %d filtered (longer than %d tokens), %d truncated", self.data.path,
-                 stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length, stats["truncated"])
+                                          on_long=self.data.on_long, on_empty=self.data.on_empty,
+                                          system_prompt=self.data.system_prompt)
+        log.info("data: %s: %d rows, %d kept, %d filtered (longer than %d tokens), %d truncated, %d empty dropped",
+                 self.data.path, stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length,
+                 stats["truncated"], stats["empty"])
         if not stats["rows"]:
-            raise ValueError(f"data.path={self.data.path!r} holds no rows; check the file")
+            raise ValueError(f"--data.path {self.data.path} holds no rows; check the file")
         if not prompts:
-            raise ValueError(f"data.path={self.data.path!r}: all {stats['rows']} prompts are longer than "
-                             f"rollout.max_prompt_length={self.max_prompt_length} tokens; raise it or set "
-                             "data.on_long=truncate")
+            raise ValueError(f"--data.path {self.data.path}: all {stats['rows'] - stats['empty']} prompts are longer "
+                             f"than --rollout.max-prompt-length {self.max_prompt_length} tokens; raise it or pass "
+                             "--data.on-long truncate")
         return DatasetSource(prompts, seed=self.data.seed, shuffle=self.data.shuffle)
 
 
 @dataclasses.dataclass
 class ScorerFactory:
+    """Builds the scorer in the process that scores (plug-ins are imported there: functions loaded from
+    files do not pickle)."""
+
     model_path: str
     strict: bool = False
+    reward_fns: tuple[str, ...] = ()
+    """--reward.fn specs."""
+    timeout_s: float = 60.0
+    max_concurrency: int = 16
 
     def __call__(self) -> Scorer:
-        return Scorer(REWARDS, tokenizer=_tokenizer(self.model_path), strict=self.strict)
+        from asyncrl.rewards.plugin import RewardTable
+        return Scorer(RewardTable.from_specs(self.reward_fns), tokenizer=run_tokenizer(self.model_path),
+                      strict=self.strict, timeout_s=self.timeout_s, max_concurrency=self.max_concurrency)
 
 
 def _engine_dtype(cfg: RunConfig, device: str) -> str:
@@ -134,10 +152,15 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
     agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d)) for d in cfg.placement.agent_devices]
     tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it
-    return RunSpec(model=model, algorithm=cfg.algorithm, trainer=cfg.trainer, rollout=cfg.rollout,
+    trainer = cfg.trainer
+    if trainer.temperature is None:  # the learner's log-probs are those of the distribution sampled from
+        trainer = dataclasses.replace(trainer, temperature=cfg.rollout.temperature)
+    return RunSpec(model=model, algorithm=cfg.algorithm, trainer=trainer, rollout=cfg.rollout,
                    async_=cfg.async_training,
                    source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length),
-                   scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards), agents=agents,
+                   scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards, reward_fns=tuple(map(absolute_reward_spec, cfg.reward.fn)),
+                                                 timeout_s=cfg.reward.timeout_s,
+                                                 max_concurrency=cfg.reward.max_concurrency), agents=agents,
                    trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    resume_or_start=cfg.resume_or_start, log_fn=log_fn, master_addr=cfg.placement.master_addr,
@@ -157,15 +180,26 @@ def _config_dict(cfg: RunConfig) -> dict:
     return plain(cfg)
 
 
-def train(cfg: RunConfig) -> RunSummary | None:
-    """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json."""
-    cfg.validate()  # before anything is written: a bad config leaves no run directory behind
+def train(cfg: RunConfig, *, preflight_done: bool = False) -> RunSummary | None:
+    """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json.
+
+    Every up-front check (`asyncrl.preflight`) runs first unless the caller ran it: a bad config raises
+    ValueError listing the problems and leaves no run directory behind."""
+    if not preflight_done:
+        from asyncrl.preflight import preflight
+        report = preflight(cfg)
+        if not report.ok:
+            raise ValueError("\n  ".join(["the run cannot start:", *report.problems]))
     spec = build_spec(cfg)
     resume_checkpoint(spec)  # a resume without a checkpoint is refused before anything starts
     run_dir = pathlib.Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, default=str))
-    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=_config_dict(cfg))
+    console = Console(total=cfg.async_training.total_versions, time_budget_s=cfg.async_training.time_budget_s,
+                      warn_share=cfg.reward.error_warn_share)
+    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=_config_dict(cfg),
+                      console=console)
+    _announce(spec, cfg.placement.launcher)
     spec = dataclasses.replace(spec, log_fn=tracker)
     start = time.time()
     if cfg.placement.launcher == "rpc":
@@ -180,8 +214,25 @@ def train(cfg: RunConfig) -> RunSummary | None:
     (run_dir / "summary.json").write_text(json.dumps(
         {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
          "dead_agents": summary.dead_agents, "agents": summary.agents, "interrupted": summary.interrupted,
-         "checkpoint": summary.checkpoint, "wall_s": time.time() - start}, indent=2))
+         "checkpoint": summary.checkpoint, "rewards": summary.rewards, "wall_s": time.time() - start}, indent=2))
     return summary
+
+
+def _announce(spec: RunSpec, launcher: str) -> None:
+    """The start-up line of the launch: which processes start where."""
+    from asyncrl.console import phase
+    if launcher == "local":
+        phase(f"running in this process: the trainer and {len(spec.agents)} rollout agent thread(s)")
+        return
+    if launcher == "torchrun":
+        return  # every rank is its own process, started by torchrun
+    trainers = ", ".join(f"trainer{r} on {d}" for r, d in enumerate(spec.trainer_devices))
+    if spec.colocate:
+        phase(f"starting {spec.num_trainers} processes: {trainers} (each hosts a rollout engine)")
+        return
+    agents = ", ".join(f"agent{i} on {a.device}" for i, a in enumerate(spec.agents))
+    count = spec.num_trainers + len(spec.agents)
+    phase(f"starting {count} process{'es' * (count != 1)}: {trainers}; {agents}")
 
 
 def _train_local(spec: RunSpec, tracker) -> RunSummary:

@@ -20,11 +20,9 @@ import sys
 import time
 from typing import Literal
 
-__all__ = ["TrackingConfig", "Tracker", "read_metrics", "CONSOLE_KEYS"]
+from asyncrl.console import Console
 
-CONSOLE_KEYS = ("critic/score/mean", "reward/accuracy", "response_length/mean", "actor/pg_loss", "actor/entropy",
-                "training/version_lag/max", "fully_async/count/staleness_samples", "trainer/idle_ratio",
-                "rollouter/idle_ratio", "timing_s/param_sync", "perf/throughput")
+__all__ = ["TrackingConfig", "Tracker", "read_metrics"]
 
 
 @dataclasses.dataclass
@@ -40,7 +38,7 @@ class TrackingConfig:
     name: str | None = None
     """wandb run name (default: the run directory's name)."""
     console: bool = True
-    """Print one line per version."""
+    """Print one line per version (`asyncrl.console`)."""
 
 
 def _wandb_mode(requested: str) -> str | None:
@@ -66,8 +64,9 @@ def _jsonable(value):
 
 
 class Tracker:
-    def __init__(self, config: TrackingConfig, *, run_config: dict | None = None):
+    def __init__(self, config: TrackingConfig, *, run_config: dict | None = None, console: Console | None = None):
         self.config, self.run_config = config, run_config or {}
+        self.console = console if console is not None or not config.console else Console()
         self._file = None
         self._samples = None
         self._wandb = None
@@ -92,6 +91,8 @@ class Tracker:
         interrupted run are dropped from metrics.jsonl (they will be logged again), and the wall-clock goes on
         from `wall_s`."""
         self._start = time.time() - wall_s
+        if self.console is not None:
+            self.console.start(version, wall_s)
         path = pathlib.Path(self.config.run_dir) / "metrics.jsonl"
         if path.is_file():
             kept = [line for line in path.read_text().splitlines()
@@ -107,10 +108,8 @@ class Tracker:
         self._file.write(json.dumps(row) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        if self.config.console:
-            shown = "  ".join(f"{k.split('/')[-2] + '/' + k.split('/')[-1] if k.count('/') > 1 else k} "
-                              f"{metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
-            print(f"[version {step:4d} | {row['wall_s']:7.1f}s] {shown}", file=sys.stdout, flush=True)
+        if self.console is not None:
+            self.console.version(metrics, step, row["wall_s"])
 
     def log_samples(self, groups: list, metrics: dict | None = None, *, per_step: int = 2) -> None:
         """Append a few decoded completions of a learner step to samples.jsonl (what the model writes)."""
@@ -131,6 +130,8 @@ class Tracker:
                                     + "\n")
 
     def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
         for f in (self._file, self._samples):
             if f is not None:
                 f.close()

@@ -54,6 +54,11 @@ class Prompt:
     """The rendered prompt, for logs."""
     index: int = -1
     """Row of the dataset it came from (for logs; the run's accounting id is assigned at admission)."""
+    extra_info: dict = dataclasses.field(default_factory=dict)
+    """verl's `extra_info` of the row (JSON-able; passed to reward functions)."""
+    fields: dict = dataclasses.field(default_factory=dict)
+    """The row's other top-level fields (not prompt, data_source, reward_model, ground_truth or extra_info),
+    JSON-able; reward functions of the `(response, ground_truth, **row)` kind get them as keywords."""
 
 
 @dataclasses.dataclass

@@ -36,3 +36,11 @@ def smollm2_cache(tmp_path_factory):
 def gsm8k_test_file() -> pathlib.Path:
     """GSM8K's test split (1,319 rows of {"question", "answer"}; MIT), vendored under tests/fixtures."""
     return GSM8K_DIR / "test.jsonl"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_cache):
+    """SmolLM2-135M-Instruct's tokenizer (the first load converts the GGUF into the session cache: ~20-40 s;
+    subprocesses inherit ASYNCRL_CACHE and find it there)."""
+    from asyncrl.policies import load_tokenizer, smollm2_gguf_path
+    return load_tokenizer(smollm2_gguf_path())

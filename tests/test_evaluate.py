@@ -98,7 +98,7 @@ def test_eval_from_a_real_runs_checkpoint(tmp_path_factory):
                                             (dict(temperature=-1.0), "temperature")])
 def test_bad_arguments_name_the_field(kwargs, field):
     args = {**TINY, **kwargs}
-    with pytest.raises(ValueError, match=f"eval: {field}="):
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} .* is invalid"):
         evaluate("random:tiny-qwen2", TOY, **args)
 
 
@@ -115,4 +115,10 @@ def test_cli_help_and_smoke_run(tmp_path):
     assert printed["prompts"] == 4 and "pass@1" in printed and "pass@2" in printed
     assert json.loads(target.read_text()) == printed
     out = cli("eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--n", "2", "--k", "3")
-    assert out.returncode != 0 and "k=(3,)" in out.stderr
+    assert out.returncode != 0 and "--k 3 is invalid" in out.stderr
+    missing = tmp_path / "run" / "checkpoints" / "step_00000020"
+    out = cli("eval", "--model", str(missing), "--data.task", "toy")
+    assert out.returncode != 0 and f"--model {missing}: no such checkpoint" in out.stderr
+    assert "--checkpoint-every" in out.stderr and "Traceback" not in out.stderr
+    out = cli("eval", "--model", str(tmp_path / "nope"), "--data.task", "toy")
+    assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr

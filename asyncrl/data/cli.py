@@ -41,6 +41,10 @@ def _tokenizer(model: str):
     if model.startswith("random:"):
         raise ValueError(f"--model {model}: random models have no tokenizer; give 'smollm2', an HF model directory "
                          "or a .gguf file")
+    from asyncrl.preflight import check_model_path
+    problem, _ = check_model_path(model, "--model")
+    if problem is not None:
+        raise ValueError(problem)
     return load_tokenizer(smollm2_gguf_path() if model == "smollm2" else model)
 
 

@@ -6,12 +6,15 @@
 Two row formats are read (they may be mixed in one file):
 
 * verl's: `{"prompt": [{"role": "user", "content": "..."}], "data_source": "openai/gsm8k",
-  "reward_model": {"ground_truth": "72"}, "extra_info": {...}}` (`extra_info` is optional and unused);
+  "reward_model": {"ground_truth": "72"}, "extra_info": {...}}` (`extra_info` is optional);
 * plain text: `{"prompt": "...", "ground_truth": "72", "data_source": "openai/gsm8k"}`.
 
-`data_source` selects the reward function (`asyncrl.run.REWARDS`); the ground truth may be a string or a
-number (numbers are turned into strings). Every error names the file, the row (`path:LINE` for JSONL,
-`path: row I` with I counted from 0 for Parquet), the field and the fix.
+`data_source` selects the reward function (a `--reward.fn` plug-in, or the built-in of
+`asyncrl.rewards.registry`); the ground truth may be a string or a number (numbers are turned into
+strings). `extra_info` and the row's other top-level fields ride along in the `Prompt` (`extra_info`,
+`fields`) for reward functions that want them; values JSON cannot hold (timestamps, bytes) become strings.
+Every error names the file, the row (`path:LINE` for JSONL, `path: row I` with I counted from 0 for
+Parquet), the field and the fix.
 
 Prompts longer than `max_prompt_length` tokens (after the chat template) are dropped (`on_long="filter"`)
 or left-truncated (`on_long="truncate"`): the first tokens go, so the end of the prompt — the question's
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 OnLong = Literal["filter", "truncate"]
+OnEmpty = Literal["refuse", "drop"]
 SUFFIXES = (".jsonl", ".parquet")
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
@@ -166,20 +170,45 @@ def _parse_row(row, where: str) -> tuple[str | list[dict], str, str]:
     return prompt, data_source, ground_truth
 
 
+_ROW_KEYS = frozenset({"prompt", "data_source", "reward_model", "ground_truth", "extra_info"})
+
+
+def _jsonable(value, where: str, field: str):
+    """`value` as plain JSON data (a checkpoint stores prompts as JSON); other values become strings."""
+    try:
+        return json.loads(json.dumps(value, default=str))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: field '{field}' cannot be stored as JSON ({err}); use strings, numbers, "
+                         "lists and objects with string keys") from None
+
+
+def _row_extras(row: Mapping, where: str) -> tuple[dict, dict]:
+    """(extra_info, the other top-level fields) of one row, as JSON data."""
+    extra_info = row.get("extra_info")
+    if extra_info is not None and not isinstance(extra_info, Mapping):
+        raise ValueError(f"{where}: field 'extra_info' must be an object {{...}}, got {type(extra_info).__name__}; "
+                         "wrap the value, e.g. {\"extra_info\": {\"value\": ...}}")
+    fields = {str(k): v for k, v in row.items() if k not in _ROW_KEYS}
+    return _jsonable(dict(extra_info or {}), where, "extra_info"), _jsonable(fields, where, "(top-level fields)")
+
+
 def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prompt_length: int,
-                    on_long: OnLong = "filter", system_prompt: str | None = None,
+                    on_long: OnLong = "filter", on_empty: OnEmpty = "refuse", system_prompt: str | None = None,
                     line_numbers: Sequence[int] | None = None) -> tuple[list[Prompt], dict]:
     """Render rows (either format, see the module docstring) into `Prompt`s through the chat template.
 
     Args:
       source: the file the rows came from (for error messages).
       max_prompt_length: longest prompt in tokens; longer ones are dropped or left-truncated (`on_long`).
+      on_empty: a row whose prompt (its last message) is empty or blank raises ("refuse") or is left out ("drop").
       system_prompt: system message for rows without one of their own.
       line_numbers: the JSONL line of each row, for error messages (default: `row I`, counted from 0).
 
     Returns:
-      (prompts, stats) with stats {"rows", "kept", "filtered_too_long", "truncated"}. `Prompt.index` is the
-      row's position in `rows`; `Prompt.text` is the plain prompt, or the content of the last message.
+      (prompts, stats) with stats {"rows", "kept", "filtered_too_long", "truncated", "empty", "longest" (tokens
+      of the longest prompt, before filtering), "first_row_of_source" (data_source -> where its first row is)}. `Prompt.index` is the
+      row's position in `rows`; `Prompt.text` is the plain prompt, or the content of the last message;
+      `Prompt.extra_info` the row's `extra_info` ({} without one); `Prompt.fields` its other top-level fields.
 
     Raises:
       ValueError: a row misses a field or has the wrong type (file, row, field and the fix), or bad arguments.
@@ -193,26 +222,39 @@ def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prom
         raise ValueError(f"rows_to_prompts: on_long={on_long!r} must be 'filter' or 'truncate'")
     if line_numbers is not None and len(line_numbers) != len(rows):
         raise ValueError(f"rows_to_prompts: {len(line_numbers)} line numbers for {len(rows)} rows")
-    stats = {"rows": len(rows), "kept": 0, "filtered_too_long": 0, "truncated": 0}
+    if on_empty not in ("refuse", "drop"):
+        raise ValueError(f"rows_to_prompts: on_empty={on_empty!r} must be 'refuse' or 'drop'")
+    stats = {"rows": len(rows), "kept": 0, "filtered_too_long": 0, "truncated": 0, "empty": 0, "longest": 0,
+             "first_row_of_source": {}}
     prompts = []
     for index, row in enumerate(rows):
         where = f"{source}:{line_numbers[index]}" if line_numbers is not None else f"{source}: row {index}"
         prompt, data_source, ground_truth = _parse_row(row, where)
+        extra_info, fields = _row_extras(row, where)
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        if not text.strip():
+            if on_empty == "refuse":
+                raise ValueError(f"{where}: the prompt is empty; fix the row, or pass --data.on-empty drop to leave "
+                                 "such rows out")
+            stats["empty"] += 1
+            continue
+        stats["first_row_of_source"].setdefault(data_source, where)
         ids = render_chat(tokenizer, prompt, system=system_prompt)
+        stats["longest"] = max(stats["longest"], len(ids))
         if len(ids) > max_prompt_length:
             if on_long == "filter":
                 stats["filtered_too_long"] += 1
                 continue
             ids = ids[-max_prompt_length:]
             stats["truncated"] += 1
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        prompts.append(Prompt(list(ids), data_source=data_source, ground_truth=ground_truth, text=text, index=index))
+        prompts.append(Prompt(list(ids), data_source=data_source, ground_truth=ground_truth, text=text, index=index,
+                              extra_info=extra_info, fields=fields))
     stats["kept"] = len(prompts)
     return prompts, stats
 
 
 def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: int, on_long: OnLong = "filter",
-                     system_prompt: str | None = None) -> tuple[list[Prompt], dict]:
+                     on_empty: OnEmpty = "refuse", system_prompt: str | None = None) -> tuple[list[Prompt], dict]:
     """Read a `.jsonl` or `.parquet` prompt file and render it (`rows_to_prompts`): (prompts, stats)."""
     path = pathlib.Path(path)
     if path.suffix == ".jsonl":
@@ -223,7 +265,7 @@ def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: i
     else:
         raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}; give a .jsonl or .parquet file")
     return rows_to_prompts(rows, tokenizer, source=str(path), max_prompt_length=max_prompt_length, on_long=on_long,
-                           system_prompt=system_prompt, line_numbers=lines)
+                           on_empty=on_empty, system_prompt=system_prompt, line_numbers=lines)
 
 
 def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,

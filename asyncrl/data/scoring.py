@@ -1,56 +1,305 @@
-"""Scoring completions: a plain mapping from `data_source` to a pure reward function.
+"""Scoring completions: the reward function of each prompt's data source, sync or async, with failures counted.
 
-    scorer = Scorer({"openai/gsm8k": gsm8k_reward, "arithmetic": arithmetic_reward}, tokenizer=tok)
-    reward = scorer(prompt, completion)
+    scorer = Scorer(RewardTable.from_specs(["my_reward.py:score"]), tokenizer=tok)
+    group = scorer.score_group(prompt, completions)        # ScoredGroup: rewards, texts, extras, errors, timeouts
+    future = scorer.submit_group(prompt, completions)      # at once for async rewards; poll future.done()
+    reward, text = scorer.score(prompt, completion)        # one completion
 
-A reward function takes `(response_text, ground_truth)` and returns a float. Without a tokenizer the
+`rewards` is a `RewardTable` (plug-ins over the built-ins, `asyncrl.rewards.plugin`) or a plain mapping
+from `data_source` to a `(response_text, ground_truth) -> float` function. Without a tokenizer the
 response text is the token ids joined by spaces ("5 17 2"), which is what token-level toy tasks score.
-A reward function that raises gives reward 0 and increments `scorer.errors` (the run logs it as
-`reward/errors`); with `strict=True` the error propagates and stops the run.
+
+Sync rewards run in the calling thread. Async rewards run on one event loop in a daemon thread of the
+scorer (started on first use, stopped by `close()`): a group's completions are scored concurrently, at most
+`max_concurrency` calls at once over all groups, each call cut off after `timeout_s` seconds (it then
+scores 0 and counts in `timeouts`; sync calls cannot be cut off).
+
+A reward that raises, or returns NaN, inf or something that is not a number, scores 0 and counts in
+`errors` (the run logs `reward/errors`; `error_examples` keeps the first few distinct messages); with
+`strict=True` it raises `RewardError` instead, which stops the run.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+from typing import Any, Callable, Mapping, Sequence
 
+from asyncrl.rewards.plugin import RewardFunction, RewardTable, RewardValueError, normalize_result
 from asyncrl.types import Completion, Prompt
 
-__all__ = ["RewardFn", "Scorer", "decode_ids"]
+__all__ = ["RewardFn", "RewardError", "ScoredGroup", "Scorer", "decode_ids"]
 
 RewardFn = Callable[[str, str], float]
+MAX_ERROR_EXAMPLES = 5
 
 
 def decode_ids(token_ids: list[int]) -> str:
+    """Token ids as the text that token-level rewards score: the ids joined by spaces."""
     return " ".join(str(t) for t in token_ids)
 
 
-class Scorer:
-    def __init__(self, rewards: Mapping[str, RewardFn], *, tokenizer=None, default: str | None = None,
-                 strict: bool = False):
-        if not rewards:
-            raise ValueError("Scorer: no reward functions given; map each data_source to a reward function")
-        self.rewards, self.tokenizer, self.default, self.strict = dict(rewards), tokenizer, default, strict
-        self.errors = 0
+class RewardError(RuntimeError):
+    """A reward function raised or returned no finite number while the scorer is strict (one-line message
+    naming the function, data_source, row and the original error)."""
 
+
+@dataclasses.dataclass
+class ScoredGroup:
+    """The scores of one prompt's completions."""
+
+    rewards: list[float]
+    """One per completion; 0 where the reward failed or timed out."""
+    texts: list[str]
+    """The decoded responses that were scored."""
+    extras: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Extra numeric entries of dict results: per key, the values of the completions that returned it."""
+    errors: int = 0
+    """Completions whose reward raised or returned no finite number."""
+    timeouts: int = 0
+    """Completions whose (async) reward took longer than `timeout_s`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What one reward call gave: its raw result, the exception it raised, or a timeout."""
+
+    raw: Any = None
+    error: BaseException | None = None
+    timed_out: bool = False
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _failure(fn: RewardFunction, prompt: Prompt, error: BaseException) -> str:
+    if isinstance(error, RewardValueError):
+        return _one_line(str(error))
+    return _one_line(f"{fn.name} raised {type(error).__name__}: {error} for data_source={prompt.data_source!r}, "
+                     f"row {prompt.index}")
+
+
+def _fold_outcomes(fn: RewardFunction, prompt: Prompt, texts: list[str],
+                   outcomes: Sequence[_Outcome]) -> tuple[ScoredGroup, list[tuple[str, str, BaseException]]]:
+    """The ScoredGroup of one prompt's reward calls, and its failures as (dedup key, message, exception)."""
+    group = ScoredGroup(rewards=[], texts=texts)
+    failures = []
+    for outcome in outcomes:
+        error = outcome.error
+        if outcome.timed_out:
+            group.timeouts += 1
+            group.rewards.append(0.0)
+            continue
+        if error is None:
+            try:
+                result = normalize_result(outcome.raw, fn_name=fn.name, data_source=prompt.data_source,
+                                          index=prompt.index)
+            except RewardValueError as err:
+                error = err
+        if error is not None:
+            group.errors += 1
+            group.rewards.append(0.0)
+            message = _failure(fn, prompt, error)
+            key = f"{fn.name}|{type(error).__name__}|{error}".replace(f", row {prompt.index}", "")  # one per kind
+            failures.append((key, message, error))
+            continue
+        group.rewards.append(result.score)
+        for name, value in result.extras.items():
+            group.extras.setdefault(name, []).append(value)
+    return group, failures
+
+
+class _LoopThread:
+    """One asyncio event loop running forever in a daemon thread, with the scorer's concurrency limit."""
+
+    def __init__(self, max_concurrency: int):
+        self.loop = asyncio.new_event_loop()
+        self.semaphore = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use (Python >= 3.10)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="asyncrl-rewards", daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is still running, stop the loop and close it."""
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(cancel_all()).result(timeout)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout)
+            if not self.thread.is_alive():
+                self.loop.close()
+
+
+class Scorer:
+    """Scores completions with the reward function of their prompt's data source (see the module docstring).
+
+    Args:
+      rewards: a RewardTable, or data_source -> `(response_text, ground_truth)` function (or RewardFunction).
+      tokenizer: decodes completions (None: token ids joined by spaces).
+      default: the data source whose reward scores data sources that have none.
+      strict: a failing reward raises RewardError instead of scoring 0.
+      timeout_s: longest an async reward call may take (it then scores 0 and counts as a timeout).
+      max_concurrency: async reward calls in flight at once, over all groups.
+    """
+
+    def __init__(self, rewards: RewardTable | Mapping[str, RewardFn | RewardFunction], *, tokenizer=None,
+                 default: str | None = None, strict: bool = False, timeout_s: float = 60.0,
+                 max_concurrency: int = 16):
+        table = rewards if isinstance(rewards, RewardTable) else RewardTable.from_specs((), builtins=rewards)
+        if not (table.plugins or table.default_plugin or table.builtins):
+            raise ValueError("Scorer: no reward functions given; map each data_source to a reward function")
+        if not timeout_s > 0:
+            raise ValueError(f"Scorer: timeout_s={timeout_s} must be > 0 seconds")
+        if max_concurrency < 1:
+            raise ValueError(f"Scorer: max_concurrency={max_concurrency} must be >= 1")
+        self.table, self.tokenizer, self.default, self.strict = table, tokenizer, default, strict
+        self.timeout_s, self.max_concurrency = timeout_s, max_concurrency
+        self._lock = threading.Lock()
+        self._loop: _LoopThread | None = None
+        self._errors = self._timeouts = self._calls = 0
+        self._examples: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------------------- counters
+    @property
+    def errors(self) -> int:
+        """Reward calls so far that raised or returned no finite number."""
+        return self._errors
+
+    @property
+    def timeouts(self) -> int:
+        """Async reward calls so far that took longer than `timeout_s`."""
+        return self._timeouts
+
+    @property
+    def calls(self) -> int:
+        """Reward calls so far (one per scored completion)."""
+        return self._calls
+
+    @property
+    def error_examples(self) -> list[str]:
+        """The first few distinct error messages (at most MAX_ERROR_EXAMPLES; `errors` is the total)."""
+        with self._lock:
+            return list(self._examples.values())
+
+    # ------------------------------------------------------------------------------------------- scoring
     def text(self, completion: Completion) -> str:
+        """The response text the reward sees."""
         if self.tokenizer is None:
             return decode_ids(completion.token_ids)
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
+    def reward_for(self, prompt: Prompt) -> RewardFunction:
+        """The reward function of `prompt`'s data source (or of `default`); ValueError when there is none."""
+        fn = self.table.get(prompt.data_source)
+        if fn is None and self.default is not None:
+            fn = self.table.get(self.default)
+        return fn if fn is not None else self.table.resolve(prompt.data_source, row=prompt.index)
+
+    def submit_group(self, prompt: Prompt, completions: Sequence[Completion]
+                     ) -> concurrent.futures.Future[ScoredGroup]:
+        """Start scoring one prompt's completions: a future of the ScoredGroup, already done for sync rewards
+        (its `.result()` raises RewardError on a failure when strict).
+
+        Raises:
+          ValueError: no reward function for the prompt's data source.
+        """
+        fn = self.reward_for(prompt)
+        texts = [self.text(c) for c in completions]
+        if fn.is_async:
+            loop = self._async_loop()
+            return loop.submit(self._score_async(fn, prompt, texts, loop.semaphore))
+        future: concurrent.futures.Future[ScoredGroup] = concurrent.futures.Future()
+        try:
+            future.set_result(self._finish(fn, prompt, texts, [_call(fn, t, prompt) for t in texts]))
+        except RewardError as err:
+            future.set_exception(err)
+        return future
+
+    def score_group(self, prompt: Prompt, completions: Sequence[Completion]) -> ScoredGroup:
+        """Score one prompt's completions (waiting for async rewards).
+
+        Raises:
+          ValueError: no reward function for the prompt's data source.
+          RewardError: a reward failed and the scorer is strict.
+        """
+        return self.submit_group(prompt, completions).result()
+
+    def score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
+        """(reward, decoded response text) of one completion."""
+        group = self.score_group(prompt, [completion])
+        return group.rewards[0], group.texts[0]
+
     def __call__(self, prompt: Prompt, completion: Completion) -> float:
         return self.score(prompt, completion)[0]
 
-    def score(self, prompt: Prompt, completion: Completion) -> tuple[float, str]:
-        """(reward, decoded response text)."""
-        fn = self.rewards.get(prompt.data_source) or (self.rewards.get(self.default) if self.default else None)
-        if fn is None:
-            raise ValueError(f"Scorer: no reward function for data_source={prompt.data_source!r}; known: "
-                             f"{', '.join(sorted(self.rewards))} (pass default= to fall back)")
-        text = self.text(completion)
-        try:
-            return float(fn(text, prompt.ground_truth)), text
-        except Exception:
-            if self.strict:
-                raise
-            self.errors += 1
-            return 0.0, text
+    def close(self) -> None:
+        """Stop the event loop of async rewards (cancelling calls still running); a later async call starts a
+        new one."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.stop()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _async_loop(self) -> _LoopThread:
+        with self._lock:
+            if self._loop is None:
+                self._loop = _LoopThread(self.max_concurrency)
+            return self._loop
+
+    async def _score_async(self, fn: RewardFunction, prompt: Prompt, texts: list[str],
+                           semaphore: asyncio.Semaphore) -> ScoredGroup:
+        outcomes = await asyncio.gather(*(self._call_async(fn, t, prompt, semaphore) for t in texts))
+        return self._finish(fn, prompt, texts, outcomes)
+
+    async def _call_async(self, fn: RewardFunction, text: str, prompt: Prompt,
+                          semaphore: asyncio.Semaphore) -> _Outcome:
+        async with semaphore:
+            try:
+                return _Outcome(raw=await asyncio.wait_for(fn.call(text, prompt), self.timeout_s))
+            except asyncio.TimeoutError:
+                return _Outcome(timed_out=True)
+            except Exception as err:  # noqa: BLE001 - a reward's failure is counted (or raised when strict)
+                return _Outcome(error=err)
+
+    def _finish(self, fn: RewardFunction, prompt: Prompt, texts: list[str], outcomes: Sequence[_Outcome]
+                ) -> ScoredGroup:
+        group, failures = _fold_outcomes(fn, prompt, texts, outcomes)
+        with self._lock:
+            self._calls += len(outcomes)
+            self._errors += group.errors
+            self._timeouts += group.timeouts
+            for key, message, _ in failures:
+                if len(self._examples) < MAX_ERROR_EXAMPLES:
+                    self._examples.setdefault(key, message)
+        if failures and self.strict:
+            _, message, error = failures[0]
+            raise RewardError(message) from error
+        return group
+
+
+def _call(fn: RewardFunction, text: str, prompt: Prompt) -> _Outcome:
+    """One sync reward call."""
+    try:
+        return _Outcome(raw=fn.call(text, prompt))
+    except Exception as err:  # noqa: BLE001 - a reward's failure is counted (or raised when strict)
+        return _Outcome(error=err)

@@ -47,6 +47,10 @@ ARCH_PRESETS: dict[str, dict] = {
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "tiny-smollm2": dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
 }
 """Architecture shapes by name, for random-weight models (benchmarks, tests, demos)."""
 

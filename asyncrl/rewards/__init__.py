@@ -1,4 +1,8 @@
-"""Pure reward functions: strings (or lengths) in, a float out. No model, no I/O."""
+"""Pure reward functions: strings (or lengths) in, a float out. No model, no I/O.
+
+Which data source each scores: `asyncrl.rewards.registry`; reward functions of your own (`--reward.fn`):
+`asyncrl.rewards.plugin`.
+"""
 
 from asyncrl.rewards.arithmetic import arithmetic_reward, countdown_reward, even_token_reward
 from asyncrl.rewards.format import GSM8K_FORMAT, THINK_ANSWER_FORMAT, format_reward

@@ -22,16 +22,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import Tensor
 
 from asyncrl.config import RolloutConfig
-from asyncrl.data.scoring import Scorer
+from asyncrl.data.scoring import RewardError, Scorer
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.rpc.queue import Task
+from asyncrl.rpc.reward_tally import group_reward_info
 from asyncrl.rpc.roster import Fenced
 from asyncrl.types import GenerationOutput, Group
 
@@ -59,6 +61,7 @@ class RolloutAgent:
         self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
         self.on_exit = on_exit
         self.tasks: dict[str, Task] = {}  # engine request id -> task
+        self.scoring: list[tuple[Task, GenerationOutput, Future]] = []  # finished generations being scored
         self.accepting = True
         self.versions_seen: list[int] = [engine.version]
         self.error: BaseException | None = None
@@ -97,9 +100,14 @@ class RolloutAgent:
             log.error("agent %s was fenced out of the run: %s", self.name, err)
         except BaseException as err:  # surface it: tell the controller at once (else it sees the agent fall silent)
             self.error = err
-            log.exception("agent %s stopped on an error", self.name)
+            if isinstance(err, RewardError):  # the user's reward, named in the message: no traceback of ours
+                why = f"its reward failed under --strict-rewards: {err}"
+                log.error("agent %s stopped: %s", self.name, why)
+            else:
+                why = f"its generation loop raised {err!r}"
+                log.exception("agent %s stopped on an error", self.name)
             try:
-                self.controller.agent_failed(self.name, f"its generation loop raised {err!r}")
+                self.controller.agent_failed(self.name, why)
             except Exception:  # noqa: BLE001 - the controller may be gone too; the timeout still catches it
                 log.warning("agent %s could not report its failure", self.name)
         finally:
@@ -111,6 +119,8 @@ class RolloutAgent:
         if now - self._last_beat > self.heartbeat_s:
             self.controller.heartbeat(self.name)
             self._last_beat = now
+        if self.scoring:
+            self._deliver()
         if self.accepting and not self.engine.is_paused:
             self._fill()
         if not self.engine.has_unfinished() or self.engine.is_paused:
@@ -139,15 +149,25 @@ class RolloutAgent:
             self.tasks[rid] = task
 
     def _submit(self, out: GenerationOutput) -> None:
+        """Start scoring a finished generation; sync rewards are done at once, async ones (judges, sandboxes)
+        run on the scorer's event loop while the engine goes on generating."""
         task = self.tasks.pop(out.request_id)
-        scored = [self.scorer.score(task.prompt, c) for c in out.completions]
-        group = Group(prompt_id=task.prompt_id, prompt_ids=out.prompt_ids, completions=out.completions,
-                      rewards=[r for r, _ in scored], data_source=task.prompt.data_source,
-                      admitted_version=task.admitted_version,
-                      info={"index": task.prompt.index, "agent": self.name, "prompt_text": task.prompt.text,
-                            "texts": [t for _, t in scored], "reward_errors": self.scorer.errors})
-        self.controller.submit(self.name, group)
-        self.submitted += 1
+        self.scoring.append((task, out, self.scorer.submit_group(task.prompt, out.completions)))
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Push every group whose scoring is done, in the order they finished generating."""
+        while self.scoring and self.scoring[0][2].done():
+            task, out, future = self.scoring.pop(0)
+            scored = future.result()  # a strict scorer's RewardError ends the loop (the run names the reward)
+            group = Group(prompt_id=task.prompt_id, prompt_ids=out.prompt_ids, completions=out.completions,
+                          rewards=scored.rewards, data_source=task.prompt.data_source,
+                          admitted_version=task.admitted_version,
+                          info={"index": task.prompt.index, "agent": self.name, "prompt_text": task.prompt.text,
+                                "texts": scored.texts,
+                                "rewards": group_reward_info(scored, self.scorer.error_examples)})
+            self.controller.submit(self.name, group)
+            self.submitted += 1
 
     # ------------------------------------------------------------------------------ weight updates
     def pause_for_sync(self, partial: bool, timeout: float) -> None:

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed.rpc as rpc
 
+from asyncrl.console import phase
 from asyncrl.learner import memory_metrics
 from asyncrl.rpc.agent import RolloutAgent
 from asyncrl.rpc.assembly import build_engine, local_device
@@ -74,7 +75,10 @@ class AgentServer:
         self.spec, self.name, self.hosted = spec, name, hosted
         agent_spec = spec.agent_spec(slot, device)
         self.device = torch.device(local_device(agent_spec.device))
+        phase(f"{name}: loading the model and building its engine on {self.device}")
+        loading = time.monotonic()
         engine = build_engine(spec, agent_spec, slot, name)
+        phase(f"{name}: engine ready in {time.monotonic() - loading:.1f} s")
         colocated = spec.async_.colocated and spec.async_.colocated_sleep
         self.agent = RolloutAgent(name, engine, spec.scorer_factory(), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,

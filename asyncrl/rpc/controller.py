@@ -54,6 +54,30 @@ class RunSummary:
     """The checkpoint written last (at the end, or when interrupted)."""
     agents: dict = dataclasses.field(default_factory=dict)
     """Every agent that took part: status, why it left, first and last weight version, groups delivered."""
+    rewards: dict = dataclasses.field(default_factory=dict)
+    """Reward calls of the run: {"calls", "errors", "timeouts", "examples": first distinct error messages}."""
+
+    def done_lines(self, warn_share: float = 0.5) -> str:
+        """What the console prints at the end: versions, the prompt ledger with drop reasons, reward failures."""
+        ledger = self.ledger
+        reasons = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in ledger.items() if k.startswith("dropped/"))
+        lines = [f"done: {self.versions} versions, {self.steps} learner steps",
+                 f"prompts: {ledger.get('admitted', 0)} admitted, {ledger.get('trained', 0)} trained, "
+                 f"{ledger.get('dropped', 0)} dropped" + (f" ({reasons})" if reasons else "")
+                 + (f", {ledger['carried']} carried to the checkpoint" if ledger.get("carried") else "")]
+        if self.rewards.get("calls"):
+            r = self.rewards
+            lines.append(f"rewards: {r['calls']} scored, {r.get('errors', 0)} errors, {r.get('timeouts', 0)} timeouts")
+            lines += [f"  {example}" for example in r.get("examples", [])]
+        failed = [row["version"] for row in self.history
+                  if isinstance(row.get("reward/error_share"), (int, float)) and row["reward/error_share"] > warn_share]
+        if failed:
+            shown = ", ".join(map(str, failed[:10])) + (" …" if len(failed) > 10 else "")
+            lines.append(f"! more than {warn_share:.0%} of the rewards failed in {len(failed)} versions ({shown}); "
+                         "see reward/errors and reward/timeouts in metrics.jsonl")
+        if self.dead_agents:
+            lines.append(f"dead agents: {', '.join(self.dead_agents)}")
+        return "\n".join(lines)
 
     def interrupted_line(self) -> str:
         written = (f"checkpoint {pathlib.Path(self.checkpoint).name} written; resume with --resume"
@@ -82,7 +106,6 @@ class Controller:
         self.wall_clock = wall_clock or (lambda: time.monotonic() - started)
         # the last `history_limit` versions' metrics (for the summary; every version is in the tracker's log)
         self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
-        self.reward_errors: dict[str, int] = {}
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
         self.started_at_step = state.step
 
@@ -138,9 +161,6 @@ class Controller:
         lags = [self.state.version - lo for lo, _ in versions]
         for lag in set(lags):  # histogram of trained groups' version lag (summed over a window, then a run)
             metrics[f"training/version_lag/hist/{lag}"] = lags.count(lag)
-        for g in groups:  # agents report their scorer's cumulative error count
-            self.reward_errors[g.info.get("agent", "")] = g.info.get("reward_errors", 0)
-        metrics["reward/errors"] = sum(self.reward_errors.values())
         metrics.update({
             "timing_s/gen": waited, "timing_s/update_actor": time.monotonic() - start,
             "fully_async/partial/partial_ratio": sum(lo != hi for lo, hi in versions) / len(versions),
@@ -204,7 +224,7 @@ class Controller:
             except Interrupted as stop:
                 interrupted = str(stop)
                 break
-            self.history.append(metrics)
+            self.history.append({"version": self.state.version, **metrics})
             self.log_metrics(metrics, self.state.version)
             if self._checkpoint_due():
                 if self.state.version >= self.config.total_versions:
@@ -217,7 +237,8 @@ class Controller:
             if self.run_dir is not None and self.state.step > self.started_at_step:
                 checkpoint = self.checkpoint()  # nothing trained since the start (or the resume): nothing to save
         return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), self.roster.dead(),
-                          list(self.history), interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None)
+                          list(self.history), interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None,
+                          rewards=self.roster.rewards.totals())
 
     def _checkpoint_due(self) -> bool:
         return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from asyncrl.console import phase
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resume_checkpoint, resume_info
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
@@ -50,7 +51,10 @@ class _Head:
         self.device = local_device(spec.trainer_devices[0])
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
+        phase(f"trainer0: loading the model on {self.device}")
+        loading = time.monotonic()
         self.state = build_learner_state(spec, self.device, dist.group.WORLD if spec.num_trainers > 1 else None)
+        phase(f"trainer0: model ready in {time.monotonic() - loading:.1f} s")
         self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
             if spec.colocate else None
         self.trainers = TrainerGroup(group, hosted=self.hosted)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from asyncrl.rpc.assembly import local_device, resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.lifecycle import StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.rpc.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
@@ -104,6 +104,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             _report(results, summary)
         else:
             _wait_for_end(store, poll_s=0.5)
+    except RunFailed as err:  # its message says it all: the launcher prints it once
+        _report(results, err)
     except BaseException as err:
         log.exception("%s failed", role)  # the exit below would swallow the traceback
         _report(results, RuntimeError(f"{role} failed: {err}"))

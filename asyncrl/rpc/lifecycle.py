@@ -18,12 +18,17 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["StopRequest", "on_signals", "die_with_parent", "name_process", "STOP_SIGNALS", "exit_code"]
+__all__ = ["StopRequest", "RunFailed", "on_signals", "die_with_parent", "name_process", "STOP_SIGNALS", "exit_code"]
 
 log = logging.getLogger("asyncrl.lifecycle")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot go on for a reason its message states in full (every rollout agent is dead, a strict
+    reward failed): reported as one line, without a traceback."""
 
 
 class StopRequest:

@@ -88,9 +88,12 @@ class Ledger:
         return [pid for pid, s in self.state.items() if s == state]
 
     def summary(self) -> dict[str, int]:
+        """Prompts per state, and per drop reason (`dropped/<reason>`)."""
         by_state = collections.Counter(self.state.values())
+        reasons = collections.Counter(self.dropped.values())
         return {"admitted": len(self.state), **{k: by_state.get(k, 0) for k in
-                                                ("in_flight", "pending", "queued", "trained", "dropped")}}
+                                                ("in_flight", "pending", "queued", "trained", "dropped")},
+                **{f"dropped/{reason}": n for reason, n in sorted(reasons.items())}}
 
 
 class SampleQueue:

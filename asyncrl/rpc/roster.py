@@ -27,7 +27,9 @@ import threading
 import time
 from typing import Callable, Literal
 
+from asyncrl.rpc.lifecycle import RunFailed
 from asyncrl.rpc.queue import SampleQueue, Task
+from asyncrl.rpc.reward_tally import RewardTally
 from asyncrl.types import Group
 
 __all__ = ["Roster", "Fenced", "Member"]
@@ -67,6 +69,7 @@ class Roster:
         self.check_every_s = check_every_s if check_every_s is not None else min(1.0, agent_timeout_s / 10)
         self.clock = clock
         self.members: dict[str, Member] = {}
+        self.rewards = RewardTally()  # what the reward functions did, counted as groups arrive
         self.lock = threading.Lock()
         self.counts: collections.Counter = collections.Counter()
         self.fatal: BaseException | None = None  # set when no agent is left; raised by the trainer loop
@@ -175,7 +178,7 @@ class Roster:
         if self.on_removed is not None:
             self.on_removed(name, status, why)
         if empty and status == "dead" and not self.allow_empty and self.fatal is None:
-            self.fatal = RuntimeError(f"every rollout agent is dead (last: {name}, {why}); the run cannot continue")
+            self.fatal = RunFailed(f"every rollout agent is dead (last: {name}, {why}); the run cannot continue")
         return True
 
     # ---------------------------------------------------------------------- agent-facing calls
@@ -200,6 +203,7 @@ class Roster:
     def submit(self, agent: str, group: Group) -> None:
         self._heard(agent, "submissions")
         self.queue.submit(agent, group)
+        self.rewards.add(group.info.get("rewards"))
         with self.lock:
             self.members[agent].submitted += 1
 
@@ -248,4 +252,4 @@ class Roster:
         return {"fully_async/agents/live": by_status["live"], "fully_async/agents/joining": by_status["joining"],
                 "fully_async/dead_agents": by_status["dead"], "fully_async/agents/left": by_status["left"],
                 "fully_async/count/fenced_submissions": counts.get("fenced_submissions", 0),
-                "fully_async/count/agents_joined": counts.get("joined", 0)}
+                "fully_async/count/agents_joined": counts.get("joined", 0), **self.rewards.window()}

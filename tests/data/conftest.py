@@ -1,16 +1,9 @@
-"""Fixtures of the data tests: the SmolLM2 tokenizer (from the suite's shared session cache). The GSM8K
-test split comes from tests/conftest.py."""
+"""Fixtures of the data tests: a tokenizer with predictable lengths. The SmolLM2 tokenizer and the GSM8K
+test split come from tests/conftest.py."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_cache):
-    """SmolLM2-135M-Instruct's tokenizer (the first load converts the GGUF: ~20-40 s)."""
-    from asyncrl.policies import load_tokenizer, smollm2_gguf_path
-    return load_tokenizer(smollm2_gguf_path())
 
 
 class WordTokenizer:

@@ -62,5 +62,5 @@ def test_gsm8k_preset_refuses_placeholders_before_writing(tmp_path):
     run_dir = tmp_path / "run"
     out = _asyncrl("train", "gsm8k-qwen2.5-0.5b", "--wandb", "off", "--run-dir", run_dir)
     assert out.returncode != 0
-    assert "model.path='<path to Qwen2.5-0.5B-Instruct>' is invalid" in out.stderr and "--model.path" in out.stderr
+    assert "--model.path <path to Qwen2.5-0.5B-Instruct> is invalid" in out.stderr and "--model.path" in out.stderr
     assert not run_dir.exists()

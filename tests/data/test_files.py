@@ -4,6 +4,7 @@ the promised error messages, and the length filter / left truncation."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -13,7 +14,7 @@ from asyncrl.data.files import (
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.tasks import ArithmeticTask, render_chat
 from asyncrl.rewards.gsm8k import gsm8k_ground_truth
-from asyncrl.run import REWARDS
+from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.types import Completion
 
 GSM8K_ROWS = 1319
@@ -62,7 +63,10 @@ def test_convert_gsm8k_round_trips_the_test_split(gsm8k_converted, suffix):
 def test_gsm8k_file_renders_through_the_chat_template(gsm8k_converted, smollm2_tokenizer):
     paths, original = gsm8k_converted
     prompts, stats = load_prompt_file(paths[".parquet"], smollm2_tokenizer, max_prompt_length=1024)
-    assert stats == {"rows": GSM8K_ROWS, "kept": GSM8K_ROWS, "filtered_too_long": 0, "truncated": 0}
+    assert {k: stats[k] for k in ("rows", "kept", "filtered_too_long", "truncated", "empty")} == \
+        {"rows": GSM8K_ROWS, "kept": GSM8K_ROWS, "filtered_too_long": 0, "truncated": 0, "empty": 0}
+    assert stats["first_row_of_source"] == {"openai/gsm8k": f"{paths['.parquet']}: row 0"}
+    assert stats["longest"] == max(len(p.prompt_ids) for p in prompts)
     from_jsonl, _ = load_prompt_file(paths[".jsonl"], smollm2_tokenizer, max_prompt_length=1024)
     assert from_jsonl == prompts  # the two formats carry the same rows
     for prompt, src in zip(prompts[:50], original):
@@ -73,7 +77,7 @@ def test_gsm8k_file_renders_through_the_chat_template(gsm8k_converted, smollm2_t
     text = smollm2_tokenizer.decode(prompts[0].prompt_ids)
     assert "<|im_start|>user\nJanet" in text and text.endswith("<|im_start|>assistant\n")
     # the reward table scores a response to a file prompt through its data_source
-    scorer = Scorer(REWARDS, tokenizer=smollm2_tokenizer)
+    scorer = Scorer(BUILTIN_REWARDS, tokenizer=smollm2_tokenizer)
     right = Completion(smollm2_tokenizer.encode("16 - 3 - 4 = 9 eggs, 9 * 2 = 18\n#### 18"), [], [])
     wrong = Completion(smollm2_tokenizer.encode("#### 17"), [], [])
     assert scorer(prompts[0], right) == 1.0 and scorer(prompts[0], wrong) == 0.0
@@ -133,6 +137,8 @@ def test_bad_json_line_names_file_and_line(tmp_path, word_tokenizer):
      r"field 'reward_model' must be an object"),
     ({"prompt": "q", "ground_truth": True, "data_source": "d"},
      r"field 'ground_truth' must be a string or a number, got bool"),
+    ({"prompt": "q", "ground_truth": "1", "data_source": "d", "extra_info": "train"},
+     r"field 'extra_info' must be an object \{\.\.\.\}, got str"),
 ])
 def test_malformed_row_names_file_line_and_field(tmp_path, word_tokenizer, row, message):
     path = _write_jsonl(tmp_path / "bad.jsonl", [_verl_row("fine row"), "", row])  # the bad row is on line 3
@@ -194,7 +200,8 @@ def _rows_of_lengths(words: list[int]) -> list[dict]:
 def test_length_filter_counts(word_tokenizer):
     words = [1, 10, 6, 7, 30, 5, 8]  # rendered lengths 3, 12, 8, 9, 32, 7, 10
     prompts, stats = rows_to_prompts(_rows_of_lengths(words), word_tokenizer, source="s", max_prompt_length=9)
-    assert stats == {"rows": 7, "kept": 4, "filtered_too_long": 3, "truncated": 0}
+    assert {k: stats[k] for k in ("rows", "kept", "filtered_too_long", "truncated")} == \
+        {"rows": 7, "kept": 4, "filtered_too_long": 3, "truncated": 0}
     assert [p.index for p in prompts] == [0, 2, 3, 5]  # exactly max_prompt_length (9 tokens) is kept
     assert [len(p.prompt_ids) for p in prompts] == [3, 8, 9, 7]
     assert [p.ground_truth for p in prompts] == ["0", "2", "3", "5"]  # numbers become strings
@@ -205,7 +212,8 @@ def test_truncation_keeps_the_end_of_the_prompt(word_tokenizer):
     rows = _rows_of_lengths([1, 10, 6, 7, 30])
     full, _ = rows_to_prompts(rows, word_tokenizer, source="s", max_prompt_length=10_000)
     prompts, stats = rows_to_prompts(rows, word_tokenizer, source="s", max_prompt_length=9, on_long="truncate")
-    assert stats == {"rows": 5, "kept": 5, "filtered_too_long": 0, "truncated": 2}
+    assert {k: stats[k] for k in ("rows", "kept", "filtered_too_long", "truncated")} == \
+        {"rows": 5, "kept": 5, "filtered_too_long": 0, "truncated": 2}
     assert [len(p.prompt_ids) for p in prompts] == [3, 9, 8, 9, 9]
     for short, long in zip(prompts, full):
         assert short.prompt_ids == long.prompt_ids[-9:]  # left truncation: the generation prompt survives
@@ -220,3 +228,40 @@ def test_system_prompt_applies_to_rows_without_one(word_tokenizer):
     assert word_tokenizer.decode(prompts[0].prompt_ids) == "<system> be brief <user> q one <assistant>"
     assert word_tokenizer.decode(prompts[1].prompt_ids) == "<system> own <user> q two <assistant>"
     assert prompts[1].text == "q two"  # the last message, for logs
+
+
+def test_rows_carry_extra_info_and_their_other_fields_into_the_prompt(tmp_path, word_tokenizer):
+    import dataclasses
+    import datetime
+
+    from asyncrl.types import Prompt
+
+    rows = [{**_verl_row("q one"), "ability": "math", "extra_info": {"index": 4, "split": "train"}},
+            {"prompt": "q two", "ground_truth": "3", "data_source": "plain", "level": 2,
+             "when": datetime.date(2024, 5, 1)},  # parquet may hold dates: they become strings
+            {**_verl_row("q three"), "extra_info": None}]
+    prompts, _ = rows_to_prompts(rows, word_tokenizer, source="s", max_prompt_length=64)
+    assert [p.extra_info for p in prompts] == [{"index": 4, "split": "train"}, {}, {}]
+    assert [p.fields for p in prompts] == [{"ability": "math"}, {"level": 2, "when": "2024-05-01"}, {}]
+    # a checkpoint stores unfinished prompts as JSON and rebuilds them; one written before these fields loads too
+    for prompt in prompts:
+        assert Prompt(**json.loads(json.dumps(dataclasses.asdict(prompt)))) == prompt
+    old = {k: v for k, v in dataclasses.asdict(prompts[0]).items() if k not in ("extra_info", "fields")}
+    assert Prompt(**old).extra_info == {} and Prompt(**old).fields == {}
+    # from Parquet alike, where a date column holds dates
+    path = tmp_path / "rows.parquet"
+    write_rows([{**rows[0], "when": datetime.date(2024, 5, 1)}], path)
+    (from_parquet,), _ = load_prompt_file(path, word_tokenizer, max_prompt_length=64)
+    assert from_parquet.extra_info == {"index": 4, "split": "train"}
+    assert from_parquet.fields == {"ability": "math", "when": "2024-05-01"}
+
+
+def test_empty_prompts_are_refused_naming_the_row_or_dropped_and_counted(word_tokenizer, tmp_path):
+    rows = _rows_of_lengths([2, 3]) + [{"prompt": "  ", "ground_truth": "1", "data_source": "plain"},
+                                       _verl_row("", truth=4)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}:3: the prompt is empty; .*--data\.on-empty drop"):
+        load_prompt_file(path, word_tokenizer, max_prompt_length=64)
+    prompts, stats = load_prompt_file(path, word_tokenizer, max_prompt_length=64, on_empty="drop")
+    assert [p.index for p in prompts] == [0, 1] and stats["empty"] == 2 and stats["kept"] == 2

@@ -70,7 +70,7 @@ def test_source_factory_loads_a_prompt_file(tmp_path, smollm2_tokenizer, caplog)
     with caplog.at_level(logging.INFO, logger="asyncrl.run"):
         source = SourceFactory(data, "smollm2", max_prompt_length=128)()
     assert isinstance(source, DatasetSource) and len(source.prompts) == 11
-    assert "12 rows, 11 kept, 1 filtered (longer than 128 tokens), 0 truncated" in caplog.text
+    assert "12 rows, 11 kept, 1 filtered (longer than 128 tokens), 0 truncated, 0 empty dropped" in caplog.text
     seen = _take(source, 11)
     assert sorted(seen) == [i for i in range(12) if i != 5]
     assert seen == _take(DatasetSource(source.prompts, seed=5), 11)  # shuffled with data.seed
@@ -84,13 +84,13 @@ def test_source_factory_loads_a_prompt_file(tmp_path, smollm2_tokenizer, caplog)
 
 def test_source_factory_errors_name_the_fix(tmp_path):
     path = _small_jsonl(tmp_path / "small.jsonl")
-    with pytest.raises(ValueError, match=r"all 12 prompts are longer than rollout\.max_prompt_length=4 .*"
-                                         r"data\.on_long=truncate"):
+    with pytest.raises(ValueError, match=r"all 12 prompts are longer than --rollout\.max-prompt-length 4 .*"
+                                         r"--data\.on-long truncate"):
         SourceFactory(DataConfig(path=path), "smollm2", max_prompt_length=4)()
-    with pytest.raises(ValueError, match=r"model\.path='random:tiny-qwen2' has none"):
+    with pytest.raises(ValueError, match=r"--model\.path random:tiny-qwen2 has none"):
         SourceFactory(DataConfig(path=path), "random:tiny-qwen2", max_prompt_length=128)()
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match=r"empty\.jsonl' holds no rows"):
+    with pytest.raises(ValueError, match=r"empty\.jsonl holds no rows"):
         SourceFactory(DataConfig(path=str(tmp_path / "empty.jsonl")), "smollm2", max_prompt_length=128)()
 
 
@@ -107,11 +107,11 @@ def test_gsm8k_preset_mirrors_the_experiment_and_demands_its_paths():
     assert a.partial_rollout
     assert preset.placement.trainer_devices == ("cuda:0",) and preset.placement.agent_devices == ("cuda:1",)
 
-    with pytest.raises(ValueError, match=r"model\.path='<.*>' is invalid: it is a preset placeholder; "
+    with pytest.raises(ValueError, match=r"--model\.path <.*> is invalid: it is a preset placeholder; "
                                          r"pass --model\.path "):
         preset.validate()
     with_model = dataclasses.replace(preset, model=dataclasses.replace(preset.model, path="/models/qwen"))
-    with pytest.raises(ValueError, match=r"data\.path='<.*>' is invalid: .* --data\.path .*`asyncrl data "
+    with pytest.raises(ValueError, match=r"--data\.path <.*> is invalid: .* --data\.path .*`asyncrl data "
                                          r"convert-gsm8k --src "):
         with_model.validate()
     ready = dataclasses.replace(with_model, data=dataclasses.replace(preset.data, path="data/gsm8k/train.parquet"))
@@ -120,7 +120,7 @@ def test_gsm8k_preset_mirrors_the_experiment_and_demands_its_paths():
     assert spec.source_factory.data.path == "data/gsm8k/train.parquet"
     assert spec.source_factory.max_prompt_length == ready.rollout.max_prompt_length
     bad = dataclasses.replace(ready, data=dataclasses.replace(ready.data, path="train.csv"))
-    with pytest.raises(ValueError, match=r"data\.path='train\.csv' is invalid: must be a \.jsonl or \.parquet file"):
+    with pytest.raises(ValueError, match=r"--data\.path train\.csv is invalid: must be a \.jsonl or \.parquet file"):
         bad.validate()
     assert RunConfig().data.path is None  # the other presets keep their procedural tasks
 
@@ -128,7 +128,7 @@ def test_gsm8k_preset_mirrors_the_experiment_and_demands_its_paths():
 def test_random_model_reading_text_prompts_needs_a_tokenizer_at_startup():
     cfg = dataclasses.replace(PRESETS["cpu-demo"][1], model=dataclasses.replace(PRESETS["cpu-demo"][1].model,
                                                                                   path="random:tiny-qwen2"))
-    with pytest.raises(ValueError, match=r"model\.tokenizer.*set model\.tokenizer"):
+    with pytest.raises(ValueError, match=r"--model\.tokenizer None is invalid: --model\.path random:tiny-qwen2 has no tokenizer.*set --model\.tokenizer"):
         cfg.validate()
     cfg.model.tokenizer = "smollm2"
     cfg.validate()  # a random model of a real shape may borrow a tokenizer

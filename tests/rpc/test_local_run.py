@@ -108,7 +108,7 @@ def test_wait_policy_holds_publication_back_until_old_work_is_trained():
 def test_wait_policy_with_cap_zero_needs_staleness_zero():
     # staleness > 0 admits work ahead of training, which is always a version old when the next publication is
     # due: with a cap of 0 the publication could never happen (the trainer would train at version 0 forever)
-    with pytest.raises(ValueError, match="async.lag_policy='wait' is invalid: 'wait' with max_version_lag=0"):
+    with pytest.raises(ValueError, match="--async-training.lag-policy wait is invalid: 'wait' with --async-training.max-version-lag 0"):
         local_run(AsyncConfig(staleness_threshold=0.5, max_version_lag=0, lag_policy="wait"))
     # with staleness 0 it is a synchronous run, and it runs
     config = AsyncConfig(staleness_threshold=0.0, trigger_parameter_sync_step=2, partial_rollout=True,

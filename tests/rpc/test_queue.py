@@ -276,7 +276,7 @@ def test_ledger_forbids_ending_a_prompt_twice():
         ledger.admit(2, "a0")
         ledger.trained(2)
     assert ledger.summary() == {"admitted": 3, "in_flight": 1, "pending": 0, "queued": 0, "trained": 1,
-                                "dropped": 1}
+                                "dropped": 1, "dropped/run_end": 1}
 
 
 def test_queue_rejects_training_or_dropping_a_group_twice():

@@ -1,0 +1,299 @@
+"""Every check of a run that needs no process: made before anything is spawned or written.
+
+    report = preflight(cfg)
+    if report.problems: ...        # each names the flag (or file and row), the value and the fix
+    print(report.render())         # what `asyncrl train ... --dry-run` prints
+
+Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture, the
+run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
+parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
+learner step) and a resume's checkpoint. Checks that depend on a failed one are skipped rather than
+reported twice. Notes are facts worth knowing that do not stop the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Callable
+
+from asyncrl.config import RunConfig, flag
+
+__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir"]
+
+
+@dataclasses.dataclass
+class Preflight:
+    """What the checks found: problems stop the run; notes and facts are printed."""
+
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    facts: list[str] = dataclasses.field(default_factory=list)
+    """What was checked and found fine ("data: 7473 rows, 7473 kept")."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        lines = [f"  ok    {f}" for f in self.facts] + [f"  note  {n}" for n in self.notes]
+        lines += [f"  error {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def failure(self, prog: str) -> str:
+        """The message a command exits with: one line per problem."""
+        head = f"{prog}: " + ("" if len(self.problems) == 1 else f"{len(self.problems)} problems:\n  ")
+        return head + "\n  ".join(self.problems)
+
+
+def _device_problem(device: str, cuda_count: int, option: str) -> str | None:
+    import torch
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return f"{option} {device}: not a device; use cpu, cuda or cuda:N"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        return f"{option} {device}: {parsed.type} devices are not supported; use cpu, cuda or cuda:N"
+    if cuda_count == 0:
+        return f"{option} {device}: {device} requested but CUDA is not available on this machine; use cpu"
+    if parsed.index is not None and parsed.index >= cuda_count:
+        return (f"{option} {device}: this machine has {cuda_count} GPU{'s' * (cuda_count != 1)} "
+                f"(cuda:0..cuda:{cuda_count - 1})")
+    return None
+
+
+def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = None) -> list[str]:
+    """Problems with device names, per flag ({'--placement.agent-devices': ('cuda:0',)})."""
+    if cuda_count is None:
+        import torch
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [p for option, names in devices.items() for d in names
+            if (p := _device_problem(d, cuda_count, option)) is not None]
+
+
+def check_model_path(path: str, option: str = "--model.path") -> tuple[str | None, str | None]:
+    """(problem, fact) for a model (or tokenizer) path: it exists and is an architecture asyncrl runs."""
+    from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
+    from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
+    if path.startswith("random:"):
+        preset = path.removeprefix("random:")
+        if preset in ARCH_PRESETS or pathlib.Path(preset).is_file() or (pathlib.Path(preset) / "config.json").is_file():
+            return None, f"model: random weights of {preset}"
+        return f"{option} {path}: no preset or config.json {preset!r}; presets: {', '.join(ARCH_PRESETS)}", None
+    if path == "smollm2":
+        try:
+            return None, f"model: SmolLM2-135M-Instruct ({smollm2_gguf_path()})"
+        except ValueError as err:
+            return f"{option} smollm2: {err}", None
+    p = pathlib.Path(path)
+    if not p.exists():
+        return (f"{option} {path}: does not exist; give an HF model directory (with config.json and *.safetensors), "
+                "a .gguf file, smollm2 or random:<preset>"), None
+    if p.suffix == ".gguf":
+        return (None, f"model: {p} (GGUF)") if p.is_file() else (f"{option} {path}: not a file", None)
+    config = p / "config.json"
+    if not config.is_file():
+        return (f"{option} {path}: no config.json in this directory; give an HF model directory, a .gguf file, "
+                "smollm2 or random:<preset>"), None
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, OSError) as err:
+        return f"{config}: not readable JSON ({err})", None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return (f"{option} {path}: model_type {model_type!r} is not supported; asyncrl runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)"), None
+    return None, f"model: {p} ({model_type})"
+
+
+def check_run_dir(run_dir: str) -> str | None:
+    """A problem when the run directory cannot be created or written."""
+    p = pathlib.Path(run_dir)
+    if p.exists() and not p.is_dir():
+        return f"--run-dir {run_dir}: is a file, not a directory"
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"--run-dir {run_dir}: {existing} is not writable; point --run-dir somewhere you can write"
+    return None
+
+
+class _Checks:
+    """One pass of checks over a config; `report` collects the results."""
+
+    def __init__(self, cfg: RunConfig, say: Callable[[str], None]):
+        self.cfg, self.say, self.report = cfg, say, Preflight()
+
+    def run(self) -> Preflight:
+        cfg = self.cfg
+        try:
+            cfg.validate()
+            valid = True
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            valid = False  # the data checks read the values validate refused: they wait for a fix
+        self._devices()
+        model_ok = self._model()
+        if (problem := check_run_dir(cfg.run_dir)) is not None:
+            self.report.problems.append(problem)
+        table = self._rewards()
+        if model_ok and valid:
+            self._data(table)
+        if not self.report.problems and (cfg.resume or cfg.resume_or_start):
+            self._resume()
+        return self.report
+
+    def _devices(self) -> None:
+        placement = self.cfg.placement
+        problems = check_devices({"--placement.trainer-devices": placement.trainer_devices,
+                                  "--placement.agent-devices": placement.agent_devices})
+        self.report.problems += problems
+        if not problems:
+            self.report.facts.append(f"devices: trainer {' '.join(placement.trainer_devices)}; "
+                                     f"agents {' '.join(placement.agent_devices)}")
+
+    def _model(self) -> bool:
+        ok = True
+        paths = [("--model.path", self.cfg.model.path)]
+        if self.cfg.model.tokenizer is not None:
+            paths.append(("--model.tokenizer", self.cfg.model.tokenizer))
+        for option, path in paths:
+            problem, fact = check_model_path(path, option)
+            if problem is not None:
+                self.report.problems.append(problem)
+                ok = False
+            else:
+                self.report.facts.append(fact if option == "--model.path" else fact.replace("model:", "tokenizer:"))
+        return ok
+
+    def _rewards(self):
+        from asyncrl.rewards.plugin import RewardTable
+        try:
+            table = RewardTable.from_specs(self.cfg.reward.fn)
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return None
+        for spec in self.cfg.reward.fn:
+            self.report.facts.append(f"reward: {spec}")
+        return table
+
+    def _tokenizer(self):
+        from asyncrl.run import run_tokenizer, tokenizer_path
+        path = tokenizer_path(self.cfg)
+        if path.startswith("random:"):
+            return None
+        self.say("loading the tokenizer" + (" (a GGUF model is converted on first use, then cached)"
+                                            if path == "smollm2" or path.endswith(".gguf") else ""))
+        return run_tokenizer(path)
+
+    def _data(self, table) -> None:
+        cfg = self.cfg
+        try:
+            tokenizer = self._tokenizer()
+        except (ValueError, OSError) as err:
+            self.report.problems.append(f"{flag('model', 'path')} {cfg.model.path}: its tokenizer does not load: {err}")
+            return
+        step = cfg.trainer.mini_batch_size * cfg.async_training.require_batches
+        if cfg.data.path is not None:
+            sources = self._prompt_file(tokenizer, step)
+            if sources is None:
+                return
+        else:
+            sources = self._task(tokenizer)
+            if sources is None:
+                return
+        if table is not None:
+            for source, where in sources.items():
+                found = table.get(source)
+                if found is None:
+                    self.report.problems.append(
+                        f"--reward.fn: no reward function for data_source {source!r} (first at {where}); known data sources "
+                        f"{', '.join(table.known)}; pass --reward.fn PATH.py:NAME (or "
+                        f"--reward.fn {source}=PATH.py:NAME for this data source only)")
+                else:
+                    self.report.facts.append(f"reward of {source!r}: {found.name}")
+
+    def _prompt_file(self, tokenizer, step: int) -> dict[str, str] | None:
+        from asyncrl.data.files import load_prompt_file
+        cfg = self.cfg
+        if tokenizer is None:
+            self.report.problems.append(
+                f"--data.path {cfg.data.path}: rendering its prompts needs a tokenizer, and --model.path "
+                f"{cfg.model.path} has none; set --model.tokenizer or use --data.task toy")
+            return None
+        if not pathlib.Path(cfg.data.path).is_file():
+            self.report.problems.append(f"--data.path {cfg.data.path}: " + (
+                "is a directory; give a .jsonl or .parquet file" if pathlib.Path(cfg.data.path).is_dir()
+                else "no such file"))
+            return None
+        self.say(f"checking {cfg.data.path}")
+        try:
+            prompts, stats = load_prompt_file(cfg.data.path, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length,
+                                              on_long=cfg.data.on_long, on_empty=cfg.data.on_empty,
+                                              system_prompt=cfg.data.system_prompt)
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return None
+        if not stats["rows"]:
+            self.report.problems.append(f"--data.path {cfg.data.path}: holds no rows")
+            return None
+        if not prompts:
+            self.report.problems.append(
+                f"--data.path {cfg.data.path}: all {stats['rows']} prompts are longer than --rollout.max-prompt-length "
+                f"{cfg.rollout.max_prompt_length} tokens (the longest has {stats['longest']}); raise it or add "
+                "--data.on-long truncate")
+            return None
+        self.report.facts.append(f"data: {cfg.data.path}: {stats['rows']} rows, {stats['kept']} kept, longest "
+                                 f"prompt {stats['longest']} tokens")
+        if stats["filtered_too_long"]:
+            self.report.notes.append(
+                f"{stats['filtered_too_long']} of {stats['rows']} prompts are longer than --rollout.max-prompt-length "
+                f"{cfg.rollout.max_prompt_length} tokens and are left out (--data.on-long truncate keeps their ends)")
+        if stats["truncated"]:
+            self.report.notes.append(f"{stats['truncated']} prompts are left-truncated to "
+                                     f"{cfg.rollout.max_prompt_length} tokens")
+        if stats["empty"]:
+            self.report.notes.append(f"{stats['empty']} rows with an empty prompt are dropped (--data.on-empty drop)")
+        if len(prompts) < step:
+            self.report.notes.append(
+                f"the data holds {len(prompts)} prompts, fewer than a learner step's {step} groups "
+                f"(--trainer.mini-batch-size × --async-training.require-batches): an epoch wraps inside a step, so "
+                "prompts repeat within it")
+        return stats["first_row_of_source"]
+
+    def _task(self, tokenizer) -> dict[str, str] | None:
+        from asyncrl.run import task_of, with_system
+        cfg = self.cfg
+        task = task_of(cfg.data)
+        try:
+            prompt = task.prompt(0, with_system(tokenizer, cfg.data.system_prompt))
+        except ValueError as err:
+            self.report.problems.append(f"--data.task {cfg.data.task}: {err}")
+            return None
+        if len(prompt.prompt_ids) > cfg.rollout.max_prompt_length:
+            self.report.problems.append(
+                f"--rollout.max-prompt-length {cfg.rollout.max_prompt_length} is invalid: the {cfg.data.task} task's "
+                f"prompts take {len(prompt.prompt_ids)} tokens with this tokenizer and system prompt; raise it")
+            return None
+        self.report.facts.append(f"data: the {cfg.data.task} task (prompt 0 has {len(prompt.prompt_ids)} tokens)")
+        return {prompt.data_source: f"the {cfg.data.task} task"}
+
+    def _resume(self) -> None:
+        from asyncrl.rpc.assembly import resume_checkpoint
+        from asyncrl.run import build_spec
+        try:
+            found = resume_checkpoint(build_spec(self.cfg))
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return
+        if found is not None:
+            self.report.facts.append(f"resume: from {found}")
+
+
+def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None) -> Preflight:
+    """Run every up-front check of `cfg`; `say` gets a line before each slow one (loading a tokenizer)."""
+    return _Checks(cfg, say).run()

@@ -1,0 +1,148 @@
+"""Bad input to `asyncrl train` / `asyncrl eval`: one clear message naming the flag (or the file and row) and
+the fix, before any process is spawned and before the run directory is written."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import RunConfig, as_flags
+from asyncrl.preflight import check_devices, check_model_path, check_run_dir, preflight
+from asyncrl.presets import PRESETS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
+TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off"]
+
+
+def asyncrl(*args, cwd=ROOT, timeout=300):
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def refused(out, run_dir: pathlib.Path, *expected: str) -> str:
+    """The command failed up front: the messages are there, no traceback, no process, no run directory."""
+    err = out.stderr
+    assert out.returncode != 0, (out.stdout[-2000:], err[-2000:])
+    for text in expected:
+        assert text in err, (text, err[-3000:])
+    assert "Traceback" not in err and "starting " not in err, err[-3000:]
+    assert not run_dir.exists()
+    return err
+
+
+def rows_file(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def row(prompt="What is 2 + 2?", source="mine", truth="4"):
+    return {"prompt": [{"role": "user", "content": prompt}], "data_source": source,
+            "reward_model": {"ground_truth": truth}}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--rollout.top-p", "1.5"], ["--rollout.top-p 1.5 is invalid: must lie in (0, 1]"]),
+    (["--rollout.top-p", "0"], ["--rollout.top-p 0.0 is invalid"]),
+    (["--rollout.top-k", "0"], ["--rollout.top-k 0 is invalid: must be -1 (off) or >= 1"]),
+    (["--placement.agent-devices", "cuda:0"],
+     ["--placement.agent-devices cuda:0: cuda:0 requested but CUDA is not available on this machine; use cpu"]),
+    (["--placement.trainer-devices", "cuda"], ["--placement.trainer-devices cuda: cuda requested but CUDA"]),
+    (["--placement.agent-devices", "gpu0"], ["--placement.agent-devices gpu0: not a device"]),
+    (["--model.path", "/no/such/model"], ["--model.path /no/such/model: does not exist"]),
+    (["--model.path", "random:nope"], ["--model.path random:nope: no preset or config.json 'nope'"]),
+    (["--async-training.staleness-threshold", "-1"], ["--async-training.staleness-threshold -1.0 is invalid"]),
+    (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is invalid: must be >= 0"]),
+    (["--trainer.temperature", "0.5"], ["--trainer.temperature 0.5 is invalid: must equal --rollout.temperature 1.0",
+                                        "leave it out and the trainer takes the rollout's"]),
+    (["--reward.fn", "nope.py:score"], ["--reward.fn", "nope.py"]),
+    (["--reward.timeout-s", "0"], ["--reward.timeout-s 0.0 is invalid: must be > 0 seconds"]),
+])
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device cases assume a machine without CUDA")
+def test_bad_flags_are_refused_up_front_naming_the_flag(tmp_path, args, expected):
+    run_dir = tmp_path / "run"
+    refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, *expected)
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    err = refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, "--rollout.top-p", "2",
+                          "--model.path", tmp_path / "missing"), run_dir)
+    assert "2 problems" in err and "--rollout.top-p 2.0" in err and f"--model.path {tmp_path / 'missing'}" in err
+
+
+def test_data_problems_name_the_file_and_row(tmp_path, smollm2_tokenizer):
+    run_dir = tmp_path / "run"
+    unknown = rows_file(tmp_path / "unknown.jsonl", [row(source="openai/gsm8k"), row(source="mine")])
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", unknown), run_dir,
+            f"--reward.fn: no reward function for data_source 'mine' (first at {unknown}:2)",
+            "--reward.fn mine=PATH.py:NAME")
+    empty = rows_file(tmp_path / "empty.jsonl", [row(source="openai/gsm8k"), row("", source="openai/gsm8k")])
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", empty), run_dir,
+            f"{empty}:2: the prompt is empty", "--data.on-empty drop")
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", tmp_path / "none.jsonl"),
+            run_dir, f"--data.path {tmp_path / 'none.jsonl'}: no such file")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(row(source="openai/gsm8k")) + "\n{oops\n")
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", broken), run_dir,
+            f"{broken}:2: not valid JSON")
+    long = rows_file(tmp_path / "long.jsonl", [row("word " * 200, source="openai/gsm8k")])
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", long), run_dir,
+            f"--data.path {long}: all 1 prompts are longer than --rollout.max-prompt-length 64 tokens",
+            "--data.on-long truncate")
+    # the built-in arithmetic task against a too small prompt budget: one message, naming the flag
+    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--rollout.max-prompt-length", "8"), run_dir,
+            "--rollout.max-prompt-length 8 is invalid: the arithmetic task's prompts take")
+
+
+def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(tmp_path, smollm2_tokenizer):
+    import shlex
+
+    import tyro
+    run_dir = tmp_path / "run"
+    data = rows_file(tmp_path / "d.jsonl", [row(source="openai/gsm8k")] * 3 + [row("", source="openai/gsm8k")])
+    out = asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", data, "--data.on-empty", "drop",
+                  "--rollout.temperature", "0.7", "--dry-run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not run_dir.exists() and "starting " not in out.stderr
+    assert f"ok    data: {data}: 4 rows, 3 kept" in out.stdout
+    assert "note  1 rows with an empty prompt are dropped" in out.stdout
+    assert "note  the data holds 3 prompts, fewer than a learner step's 4 groups" in out.stdout
+    command = out.stdout.split("checks:")[0].replace("\\\n", " ")
+    args = shlex.split(command)[3:]  # after `asyncrl train cpu-demo`
+    parsed = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1], args=args)
+    assert parsed.rollout.temperature == 0.7 and parsed.trainer.temperature is None
+    assert parsed.data.path == str(data) and as_flags(parsed) == as_flags(parsed)
+
+
+def test_the_trainer_takes_the_rollout_temperature():
+    from asyncrl.run import build_spec
+    cfg = RunConfig()
+    cfg.rollout.temperature = 0.6
+    assert build_spec(cfg).trainer.temperature == 0.6
+
+
+def test_checks_as_functions(tmp_path):
+    assert check_devices({"--d": ("cpu", "cuda:1")}, cuda_count=1) == ["--d cuda:1: this machine has 1 GPU (cuda:0..cuda:0)"]
+    assert check_devices({"--d": ("cuda:0", "cpu")}, cuda_count=2) == []
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    problem, _ = check_model_path(str(tmp_path / "m"))
+    assert "model_type 'gpt2' is not supported" in problem
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in check_run_dir(str(tmp_path / "file"))
+    assert check_run_dir(str(tmp_path / "new" / "run")) is None
+    report = preflight(RunConfig(model=RunConfig().model.__class__(path="random:tiny-qwen2"),
+                                 data=RunConfig().data.__class__(task="toy"), run_dir=str(tmp_path / "r")))
+    assert report.ok and any(f.startswith("reward of 'toy'") for f in report.facts)
+
+
+def test_eval_on_a_missing_path_says_so(tmp_path):
+    missing = tmp_path / "runs" / "x" / "checkpoints" / "step_00000020"
+    out = asyncrl("eval", "--model", missing, "--data.task", "toy")
+    assert out.returncode != 0 and f"--model {missing}: no such checkpoint" in out.stderr
+    assert "Traceback" not in out.stderr and "Repo id" not in out.stderr

@@ -1,0 +1,100 @@
+"""Every `asyncrl …` command in README.md runs, in the order the README shows them, in a fresh directory.
+
+`asyncrl train` commands are checked with `--dry-run` (every up-front check: config, devices, model, rewards,
+data), except two that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
+checkpoint is what the README's `asyncrl eval` reads) and the worked example of a task of your own. `eval`
+runs with a smaller budget appended. Commands that need GPUs, a model you download, or a second running job
+are listed in NOT_RUN with the reason, and the test fails when the README's commands and these lists drift
+apart.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_TRAIN = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
+              "--rollout.max-new-tokens", "2"]
+TRAINED_FOR_REAL = {
+    "asyncrl train cpu-demo": ["--async-training.total-versions", "20"],
+    "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
+        ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
+}
+SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
+NOT_RUN = {
+    "asyncrl train PRESET [--field value ...]": "a synopsis",
+    "asyncrl bench engine [--batch-sizes 64 256]": "a GPU benchmark (tests/test_bench.py runs it small on CPU)",
+    "asyncrl bench learner": "a benchmark of minutes (tests/test_bench.py runs it small)",
+    "asyncrl bench async --devices cuda:0 cuda:1": "needs two GPUs (tests/test_bench_async.py runs it on CPU)",
+    "asyncrl agent --join 127.0.0.1:29511 --device cpu": "joins a running job (tests/rpc/test_supervision.py "
+                                                         "runs the pair)",
+}
+NEEDS_DOWNLOAD = "/models/"  # commands naming a model you download: refused up front naming that path alone
+
+
+def readme_commands() -> list[str]:
+    """The `asyncrl …` lines of README.md's code blocks, without trailing comments."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("asyncrl "):
+                commands.append(re.sub(r"\s+#.*$", "", line).strip())
+    return commands
+
+
+def test_the_lists_match_the_readme():
+    commands = readme_commands()
+    assert len(commands) >= 12
+    for listed in [*TRAINED_FOR_REAL, *NOT_RUN]:
+        assert listed in commands, f"{listed!r} is no longer in README.md: update tests/test_readme.py"
+
+
+@pytest.fixture
+def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
+    """A fresh directory with what the README's commands expect around them: GSM8K's raw files (here its
+    test split under both names) and the examples."""
+    (tmp_path / "gsm8k").mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        shutil.copy(gsm8k_test_file, tmp_path / "gsm8k" / name)
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    return tmp_path
+
+
+def _run(args: list[str], cwd: pathlib.Path, timeout: float = 600):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+def test_every_readme_command_runs(workdir):
+    ran = []
+    for command in readme_commands():
+        if command in NOT_RUN:
+            continue
+        args = shlex.split(command)[1:]
+        if command in TRAINED_FOR_REAL:
+            args += TINY_TRAIN + TRAINED_FOR_REAL[command]
+        elif args[0] == "train" and "--dry-run" not in args:
+            args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
+        args += SMALLER.get(args[0], [])
+        out = _run(args, workdir)
+        if NEEDS_DOWNLOAD in command:
+            path = next(a for a in args if a.startswith(NEEDS_DOWNLOAD))
+            assert out.returncode != 0 and f"{path}: does not exist" in out.stderr, (command, out.stderr[-3000:])
+            assert "Traceback" not in out.stderr, (command, out.stderr[-3000:])
+        else:
+            assert out.returncode == 0, (command, out.stdout[-2000:], out.stderr[-3000:])
+        ran.append(command)
+    assert (workdir / "runs" / "cpu-demo" / "checkpoints" / "step_00000020").is_dir()
+    assert (workdir / "runs" / "cpu-demo" / "report.md").is_file()
+    assert (workdir / "runs" / "word_length" / "summary.json").is_file()
+    assert len(ran) == len(readme_commands()) - len(NOT_RUN)
