@@ -63,9 +63,24 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--reward.timeout-s", "0"], ["--reward.timeout-s 0.0 is invalid: must be > 0 seconds"]),
 ])
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device cases assume a machine without CUDA")
-def test_bad_flags_are_refused_up_front_naming_the_flag(tmp_path, args, expected):
+def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, expected):
+    """The checks `asyncrl train` runs before it spawns anything, on the config the command line gives."""
+    import tyro
+    cfg = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1], args=[*TINY, "--run-dir", str(tmp_path / "run"), *args])
+    report = preflight(cfg)
+    for text in expected:
+        assert any(text in problem for problem in report.problems), (text, report.problems)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--rollout.top-p", "1.5"], "--rollout.top-p 1.5 is invalid: must lie in (0, 1]"),
+    (["--placement.agent-devices", "cuda:0"], "--placement.agent-devices cuda:0: cuda:0 requested but CUDA"),
+    (["--model.path", "/no/such/model"], "--model.path /no/such/model: does not exist"),
+])
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device case assumes a machine without CUDA")
+def test_the_command_exits_before_spawning_anything(tmp_path, args, expected):
     run_dir = tmp_path / "run"
-    refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, *expected)
+    refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, expected)
 
 
 def test_every_problem_is_listed_at_once(tmp_path):
@@ -75,6 +90,14 @@ def test_every_problem_is_listed_at_once(tmp_path):
     assert "2 problems" in err and "--rollout.top-p 2.0" in err and f"--model.path {tmp_path / 'missing'}" in err
 
 
+def _problems(tmp_path, *args) -> list[str]:
+    """The problems `asyncrl train cpu-demo ARGS` stops on (the same checks, in this process)."""
+    import tyro
+    cfg = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1],
+                   args=[*TEXT, "--run-dir", str(tmp_path / "run"), *map(str, args)])
+    return preflight(cfg).problems
+
+
 def test_data_problems_name_the_file_and_row(tmp_path, smollm2_tokenizer):
     run_dir = tmp_path / "run"
     unknown = rows_file(tmp_path / "unknown.jsonl", [row(source="openai/gsm8k"), row(source="mine")])
@@ -82,21 +105,21 @@ def test_data_problems_name_the_file_and_row(tmp_path, smollm2_tokenizer):
             f"--reward.fn: no reward function for data_source 'mine' (first at {unknown}:2)",
             "--reward.fn mine=PATH.py:NAME")
     empty = rows_file(tmp_path / "empty.jsonl", [row(source="openai/gsm8k"), row("", source="openai/gsm8k")])
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", empty), run_dir,
-            f"{empty}:2: the prompt is empty", "--data.on-empty drop")
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", tmp_path / "none.jsonl"),
-            run_dir, f"--data.path {tmp_path / 'none.jsonl'}: no such file")
+    assert _problems(tmp_path, "--data.path", empty) == [
+        f"{empty}:2: the prompt is empty; fix the row, or pass --data.on-empty drop to leave such rows out"]
+    missing = tmp_path / "none.jsonl"
+    assert _problems(tmp_path, "--data.path", missing) == [f"--data.path {missing}: no such file"]
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(row(source="openai/gsm8k")) + "\n{oops\n")
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", broken), run_dir,
-            f"{broken}:2: not valid JSON")
+    [problem] = _problems(tmp_path, "--data.path", broken)
+    assert problem.startswith(f"{broken}:2: not valid JSON")
     long = rows_file(tmp_path / "long.jsonl", [row("word " * 200, source="openai/gsm8k")])
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", long), run_dir,
-            f"--data.path {long}: all 1 prompts are longer than --rollout.max-prompt-length 64 tokens",
-            "--data.on-long truncate")
+    [problem] = _problems(tmp_path, "--data.path", long)
+    assert problem.startswith(f"--data.path {long}: all 1 prompts are longer than --rollout.max-prompt-length 64 "
+                              "tokens") and "--data.on-long truncate" in problem
     # the built-in arithmetic task against a too small prompt budget: one message, naming the flag
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--rollout.max-prompt-length", "8"), run_dir,
-            "--rollout.max-prompt-length 8 is invalid: the arithmetic task's prompts take")
+    [problem] = _problems(tmp_path, "--rollout.max-prompt-length", 8)
+    assert problem.startswith("--rollout.max-prompt-length 8 is invalid: the arithmetic task's prompts take")
 
 
 def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(tmp_path, smollm2_tokenizer):
