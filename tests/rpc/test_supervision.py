@@ -59,15 +59,17 @@ def test_a_hung_agent_is_named_and_fenced_the_trainer_steps_on_then_sigterm_chec
 
     # SIGSTOP: named within agent_timeout_s (+ a margin), whatever the trainer was doing
     os.kill(agent1, signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    stopped_at, at_stop = time.monotonic(), len(job.metrics())
     found = job.wait_for(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s", timeout=timeout + limit(60))
     named_after, at_death = time.monotonic() - stopped_at, len(job.metrics())
     assert timeout <= float(found.group(1)) <= timeout + detection_margin(), found.group(0)
     assert named_after <= timeout + detection_margin() + 1.0, named_after
     # a publication did not wait for it: after five heartbeats it left the agent's sync in the background and
-    # published to agent0 (the trainer may still wait for samples: the hung agent holds its share of the
-    # version's admissions until its death re-admits them) ...
-    assert "agent agent1 is late" in job.text()
+    # published to agent0. Whether a publication falls inside the hang depends on the trainer: it may wait for
+    # samples the whole time instead (the hung agent holds its share of the version's admissions until its
+    # death re-admits them). Two versions logged during the hang mean one publication began after the stop ...
+    if at_death - at_stop >= 2:
+        assert "agent agent1 is late" in job.text()
     # ... and after
     job.wait_versions(at_death + 10)
 
