@@ -49,7 +49,7 @@ def train_main(args: list[str]) -> None:
     if not report.ok:
         raise SystemExit(report.failure("asyncrl train"))
     if config.dry_run:
-        from asyncrl.config import as_flags
+        from asyncrl.flags import as_flags
         print(f"asyncrl train {args[0]} \\\n  " + " \\\n  ".join(as_flags(config)))
         print("checks:\n" + report.render())
         return
@@ -95,10 +95,9 @@ def agent_main(args: list[str]) -> None:
     host, _, port = parsed.join.rpartition(":")
     if not host or not port.isdigit():
         raise SystemExit(f"asyncrl agent: --join {parsed.join!r} is not HOST:PORT (e.g. --join 10.0.0.5:29511)")
-    if parsed.device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            raise SystemExit(f"asyncrl agent: --device {parsed.device} requested but CUDA is not available; use cpu")
+    from asyncrl.preflight import check_devices
+    for problem in check_devices({"--device": (parsed.device,)}):
+        raise SystemExit(f"asyncrl agent: {problem}")
     import torch
     torch.set_num_threads(parsed.threads)
     from asyncrl.rpc.launch import run_agent

@@ -19,7 +19,8 @@ import os
 import pathlib
 from typing import Callable
 
-from asyncrl.config import RunConfig, flag
+from asyncrl.config import RunConfig
+from asyncrl.flags import flag
 
 __all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir"]
 

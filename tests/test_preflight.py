@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from asyncrl.config import RunConfig, as_flags
+from asyncrl.config import RunConfig
+from asyncrl.flags import as_flags
 from asyncrl.preflight import check_devices, check_model_path, check_run_dir, preflight
 from asyncrl.presets import PRESETS
 
@@ -80,7 +81,8 @@ def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, expected):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device case assumes a machine without CUDA")
 def test_the_command_exits_before_spawning_anything(tmp_path, args, expected):
     run_dir = tmp_path / "run"
-    refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, expected)
+    err = refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, expected)
+    assert expected in err.rstrip().splitlines()[-1]  # the one line it exits with
 
 
 def test_every_problem_is_listed_at_once(tmp_path):
