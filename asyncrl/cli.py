@@ -100,8 +100,8 @@ def agent_main(args: list[str]) -> None:
         raise SystemExit(f"asyncrl agent: {problem}")
     import torch
     torch.set_num_threads(parsed.threads)
-    from asyncrl.rpc.launch import run_agent
-    raise SystemExit(run_agent(host, int(port), device=parsed.device))
+    from asyncrl.rpc.launch import run_agent_process
+    run_agent_process(host, int(port), device=parsed.device)
 
 
 def _lazy(module: str, function: str):

@@ -24,7 +24,10 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import time
+import traceback
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,7 @@ from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
-__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "free_port"]
+__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port"]
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -184,6 +187,24 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
         leave_rpc()
 
 
+def run_agent_process(host: str, port: int, **kwargs) -> NoReturn:
+    """`run_agent`, then end the process at once with its status. An agent must not end through the
+    interpreter's teardown: its weight channel (a gloo group held by the `AgentServer` that RPC owns) still has
+    live threads then, and destroying it there aborts the process ("terminate called without an active
+    exception", exit -6) after a run that went well."""
+    try:
+        code = run_agent(host, port, **kwargs)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed here: os._exit below skips the interpreter's report
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # ------------------------------------------------------------------------------------------ launchers
 def launch(spec: RunSpec) -> RunSummary:
     """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
@@ -197,7 +218,7 @@ def launch(spec: RunSpec) -> RunSummary:
 def run_torchrun(spec: RunSpec) -> RunSummary | None:
     """Entry point under `torchrun`: this process's role comes from RANK (0 .. T−1 trainers, then agents);
     rank 0 serves the run's store on MASTER_PORT + 1 (where `asyncrl agent --join` connects) and the RPC group
-    on MASTER_PORT + 2. Returns the summary on rank 0, None elsewhere."""
+    on MASTER_PORT + 2. Returns the summary on rank 0, None on other trainer ranks; an agent rank ends its process."""
     env = os.environ
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
@@ -216,7 +237,4 @@ def run_torchrun(spec: RunSpec) -> RunSummary | None:
             resume_checkpoint(spec)
         return run_trainer(rank, spec, host, port + 1, port + 2, parent_pid=parent)
     slot = rank - spec.num_trainers
-    code = run_agent(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent)
-    if code:
-        raise SystemExit(code)
-    return None
+    run_agent_process(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent)

@@ -29,7 +29,7 @@ import socket
 import time
 
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.launch import free_port, run_agent, run_trainer
+from asyncrl.rpc.launch import run_agent_process, free_port, run_trainer
 from asyncrl.rpc.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
@@ -49,7 +49,7 @@ class RunKilled(RuntimeError):
 
 def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int) -> None:
     os.setpgid(0, 0)  # terminal signals reach the launcher only, which forwards them once
-    os._exit(run_agent(host, port, device=device, slot=slot, parent_pid=parent_pid))
+    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid)
 
 
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
