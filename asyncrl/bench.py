@@ -3,6 +3,7 @@
     asyncrl bench engine                                  # GPU: Qwen2.5-0.5B shape, bf16, batch 64 and 256
     asyncrl bench engine --model smollm2 --device cpu --dtype float32 --batch-sizes 8 \
         --prompt-len 64 --new-tokens 64                   # CPU: SmolLM2-135M
+    asyncrl bench engine --vllm ...                       # and vLLM on the same prompts (its own process)
     asyncrl bench learner                                 # GPU: Qwen2.5-0.5B shape, 16 × 320 tokens
 
 `engine`: the embedded engine against `transformers` `generate`. Both sides get the same random prompts,
@@ -72,6 +73,8 @@ class EngineBenchArgs:
     new_tokens: int = 512
     baseline: bool = True
     """Also time transformers' generate."""
+    vllm: bool = False
+    """Also time vLLM (`asyncrl.policies.vllm_engine`) on the same prompts, in a process of its own."""
     cuda_graphs: bool = True
     seed: int = 0
     out: str | None = None
@@ -126,6 +129,30 @@ def _time_hf_generate(model, prompts: list[list[int]], new_tokens: int, device: 
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / seconds
 
 
+def _vllm_side(args: EngineBenchArgs, prompts: list[list[int]], params) -> tuple[list, float]:
+    """vLLM's outputs and output tok/s for these prompts, timed like ours (after a warm-up run) in a process of
+    its own: vLLM changes process-wide torch settings."""
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_vllm_worker, (args, prompts, params))
+
+
+def _vllm_worker(args: EngineBenchArgs, prompts: list[list[int]], params) -> tuple[list, float]:
+    from asyncrl.policies import EngineConfig, load_model
+    from asyncrl.policies.vllm_engine import build_vllm_engine
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    engine = build_vllm_engine(model, EngineConfig(max_slots=len(prompts), max_len=args.prompt_len + args.new_tokens),
+                               agent="bench")
+    del model
+    engine.generate(prompts, params)
+    _sync(args.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(args.device)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
+    return outs, tokens / (time.perf_counter() - start)
+
+
 @torch.inference_mode()
 def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
     """Engine behaviour log-probs vs a training forward of the same tokens."""
@@ -166,6 +193,10 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
         if args.baseline:
             row["hf_tok_s"] = _time_hf_generate(model, prompts, args.new_tokens, args.device)
             row["ratio"] = ours / row["hf_tok_s"]
+        if args.vllm:
+            vllm_outs, row["vllm_tok_s"] = _vllm_side(args, prompts, params)
+            row["ratio_vs_vllm"] = ours / row["vllm_tok_s"]
+            row["vllm_mean_abs_dlogp"] = logprob_mismatch(model, vllm_outs)["mean_abs_dlogp"]
         results.append(row)
         print(json.dumps(row), flush=True)
     _write(args.out, results)

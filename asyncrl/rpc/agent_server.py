@@ -78,7 +78,8 @@ class AgentServer:
         phase(f"{name}: loading the model and building its engine on {self.device}")
         loading = time.monotonic()
         engine = build_engine(spec, agent_spec, slot, name)
-        phase(f"{name}: engine ready in {time.monotonic() - loading:.1f} s")
+        backend = getattr(engine, "backend", type(engine).__name__)
+        phase(f"{name}: {backend} engine ready in {time.monotonic() - loading:.1f} s")
         colocated = spec.async_.colocated and spec.async_.colocated_sleep
         self.agent = RolloutAgent(name, engine, spec.scorer_factory(), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
@@ -152,13 +153,17 @@ class AgentServer:
             torch.cuda.set_device(self.device)
         start = time.perf_counter()
         buffer_device = self.device if on_cuda else torch.device("cpu")
-        for bucket in layout:
-            flat = torch.empty(sum(numel(shape) for _, shape, _ in bucket), dtype=getattr(torch, bucket[0][2]),
-                               device=buffer_device)
-            self.channel.broadcast(flat)
-            self.agent.load_weights(unflatten(flat, bucket), None)
-            del flat
-        self.agent.load_weights([], version)
+        try:
+            for bucket in layout:
+                flat = torch.empty(sum(numel(shape) for _, shape, _ in bucket), dtype=getattr(torch, bucket[0][2]),
+                                   device=buffer_device)
+                self.channel.broadcast(flat)
+                self.agent.load_weights(unflatten(flat, bucket), None)
+                del flat
+            self.agent.load_weights([], version)
+        except BaseException:
+            self.channel.abort()  # rank 0's broadcast of the next bucket fails now, not after its timeout
+            raise
         self.agent.resume()
         return time.perf_counter() - start
 

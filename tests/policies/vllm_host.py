@@ -1,0 +1,70 @@
+"""A `VLLMEngine` in a child process, called method by method from a test.
+
+vLLM changes process-wide settings when it builds its worker (it replaces `torch.set_num_threads`, binds
+OpenMP threads), so the engine lives in a process of its own, as it does in an agent, and pytest's process is
+left as it was. Calls and their results (or exceptions) travel over a pipe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+from tests.timing import limit
+
+
+def _serve(conn, model_path: str, max_slots: int, max_len: int) -> None:
+    try:
+        from asyncrl.policies import EngineConfig, load_model
+        from asyncrl.policies.vllm_engine import build_vllm_engine
+        model = load_model(model_path)
+        engine = build_vllm_engine(model, EngineConfig(max_slots=max_slots, max_len=max_len), agent="test")
+        del model
+        conn.send(("ok", None))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        conn.send(("error", f"{err!r}\n{traceback.format_exc()}"))
+        return
+    while True:
+        method, args, kwargs = conn.recv()
+        if method == "close":
+            return
+        try:
+            target = getattr(engine, method)
+            result = target(*args, **kwargs) if callable(target) else target
+            conn.send(("ok", result))
+        except Exception as err:  # noqa: BLE001 - raised again in the test
+            conn.send(("raised", err))
+
+
+class EngineHost:
+    """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute)."""
+
+    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, model_path, max_slots, max_len), daemon=True)
+        self.process.start()
+        status, detail = self._receive(limit(600))
+        if status != "ok":
+            raise RuntimeError(f"the vLLM engine did not start: {detail}")
+
+    def _receive(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"no answer from the vLLM engine process within {timeout:.0f} s")
+        return self.conn.recv()
+
+    def call(self, method: str, *args, **kwargs):
+        self.conn.send((method, args, kwargs))
+        status, result = self._receive(limit(600))
+        if status == "raised":
+            raise result
+        return result
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close", (), {}))
+        except OSError:
+            pass
+        self.process.join(limit(30))
+        if self.process.is_alive():
+            self.process.kill()
