@@ -40,7 +40,7 @@ from torch import Tensor
 
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.model import CausalLM, use_fused_kernels
-from asyncrl.policies.protocol import check_request
+from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
 from asyncrl.types import Completion, GenerationOutput
 
@@ -185,15 +185,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
                  ) -> list[GenerationOutput]:
         """Run prompts to completion and return their outputs in order (blocking convenience)."""
-        if self._paused or self._asleep:
-            raise ValueError("generate: the engine is paused or asleep; call resume() / wake_up() first")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done: dict[str, GenerationOutput] = {}
-        while len(done) < len(ids):
-            for out in self.step():
-                done[out.request_id] = out
-        return [done[i] for i in ids]
+        return run_to_completion(self, prompts, params)
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()

@@ -14,7 +14,7 @@ from torch import Tensor
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.types import GenerationOutput
 
-__all__ = ["RolloutEngine", "check_request"]
+__all__ = ["RolloutEngine", "check_request", "run_to_completion"]
 
 
 @runtime_checkable
@@ -42,6 +42,9 @@ class RolloutEngine(Protocol):
     @property
     def is_paused(self) -> bool: ...
 
+    @property
+    def is_sleeping(self) -> bool: ...
+
     def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
@@ -67,3 +70,17 @@ def check_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: 
     if params.n > max_slots:
         raise ValueError(f"add_request: n={params.n} samples exceed the engine's max_slots={max_slots}; they "
                          "could never run together")
+
+
+def run_to_completion(engine: RolloutEngine, prompts: list[list[int]],
+                      params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
+    """Queue the prompts, step until all have finished, return their outputs in order (`generate`)."""
+    if engine.is_paused or engine.is_sleeping:
+        raise ValueError("generate: the engine is paused or asleep; call resume() / wake_up() first")
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    done: dict[str, GenerationOutput] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            done[out.request_id] = out
+    return [done[i] for i in ids]

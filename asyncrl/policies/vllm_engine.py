@@ -49,7 +49,7 @@ from asyncrl.config import VLLMConfig
 from asyncrl.policies.engine import EngineConfig
 from asyncrl.policies.loading import named_weights, save_pretrained
 from asyncrl.policies.model import CausalLM
-from asyncrl.policies.protocol import check_request
+from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.types import Completion, GenerationOutput
 
@@ -189,15 +189,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
                  ) -> list[GenerationOutput]:
         """Run prompts to completion and return their outputs in order (blocking convenience)."""
-        if self._paused or self._asleep:
-            raise ValueError("generate: the engine is paused or asleep; call resume() / wake_up() first")
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done: dict[str, GenerationOutput] = {}
-        while len(done) < len(ids):
-            for out in self.step():
-                done[out.request_id] = out
-        return [done[i] for i in ids]
+        return run_to_completion(self, prompts, params)
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[GenerationOutput]:
