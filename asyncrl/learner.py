@@ -14,6 +14,9 @@ A step, for a batch of groups (every number comes from `asyncrl.algos`):
      gradient clipping, a skipped update (counted) on a non-finite gradient, AdamW + schedule;
   6. the critic's update on the GAE returns, concurrently with the actor's when configured (split placement).
 
+Batches are `asyncrl.rollout_batch`, the response forwards `asyncrl.response_forward`, FSDP2
+`asyncrl.sharding`; their public names are re-exported here.
+
 Distributed: with `torch.distributed` initialised and the models sharded by `shard_model` (FSDP2), each
 rank takes every world-th group of a mini-batch, counts are all-reduced, and ranks run equal numbers of
 micro-batches (padding with zero-weight ones) so collectives line up.
@@ -21,12 +24,10 @@ micro-batches (padding with zero-weight ones) so collectives line up.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,11 @@ from torch import Tensor, nn
 from asyncrl import algos
 from asyncrl.algos._checks import value_checks
 from asyncrl.config import AlgorithmConfig, OffPolicyConfig, TrainerConfig
-from asyncrl.policies.model import CausalLM, token_entropy, token_logprobs, use_fused_kernels
+from asyncrl.policies.model import use_fused_kernels
 from asyncrl.policies.value import ValueModel
-from asyncrl.rewards import overlong_penalty
+from asyncrl.response_forward import chunked_logprobs, response_logprobs, response_values
+from asyncrl.rollout_batch import RolloutBatch, collate, filter_groups, micro_batches
+from asyncrl.sharding import full_weights, grad_norm_, shard_model
 from asyncrl.types import Group
 
 __all__ = [
@@ -45,175 +48,6 @@ __all__ = [
     "full_weights", "make_scheduler", "response_logprobs", "chunked_logprobs", "micro_batches", "policy_gradients",
     "grad_norm_", "memory_metrics",
 ]
-
-
-# ----------------------------------------------------------------------------------------- batch layout
-@dataclasses.dataclass
-class RolloutBatch:
-    """Groups as tensors. Row i is prompt + response, right-padded; response token j of row i sits at
-    `tokens[i, prompt_lens[i] + j]` and is predicted by position `prompt_lens[i] + j − 1`."""
-
-    tokens: Tensor  # [N, S] int64
-    prompt_lens: Tensor  # [N] int64
-    response_mask: Tensor  # [N, T] bool
-    logp_behaviour: Tensor  # [N, T] fp32
-    token_versions: Tensor  # [N, T] int64
-    rewards: Tensor  # [N] fp32, shaped
-    group_index: Tensor  # [N] int64: position of the row's group in the batch
-    prompt_ids: list[int]  # [G] prompt id of each group
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def response_lens(self) -> Tensor:
-        return self.response_mask.sum(-1)
-
-    def to(self, device: torch.device | str) -> "RolloutBatch":
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), Tensor)})
-
-
-def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | None = None,
-            overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0) -> RolloutBatch:
-    """Stack groups into a `RolloutBatch`; add DAPO's overlong penalty to the rewards if a buffer is set."""
-    if not groups:
-        raise ValueError("collate: no groups; the learner needs at least one group per step")
-    rows = [(g, c) for g in groups for c in g.completions]
-    for g, c in rows:
-        if not (len(c.token_ids) == len(c.logprobs) == len(c.versions)):
-            raise ValueError(f"collate: group {g.prompt_id} has a completion with {len(c.token_ids)} tokens, "
-                             f"{len(c.logprobs)} logprobs and {len(c.versions)} versions; they must match")
-    n, t = len(rows), max(max(len(c.token_ids) for _, c in rows), 1)
-    s = max(len(g.prompt_ids) + len(c.token_ids) for g, c in rows)
-    tokens = torch.full((n, s), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, t, dtype=torch.bool)
-    logp = torch.zeros(n, t)
-    versions = torch.zeros(n, t, dtype=torch.long)
-    for i, (g, c) in enumerate(rows):
-        p, r = len(g.prompt_ids), len(c.token_ids)
-        tokens[i, :p + r] = torch.tensor(g.prompt_ids + c.token_ids)
-        mask[i, :r] = True
-        logp[i, :r] = torch.tensor(c.logprobs)
-        versions[i, :r] = torch.tensor(c.versions)
-    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-    if overlong_buffer_len > 0:
-        if max_response_length is None:
-            raise ValueError("collate: overlong shaping needs max_response_length (the rollout's max_new_tokens)")
-        rewards = rewards + overlong_penalty(mask.sum(-1), max_response_length=max_response_length,
-                                             buffer_length=overlong_buffer_len, penalty_factor=overlong_penalty_factor)
-    group_index = torch.tensor([k for k, g in enumerate(groups) for _ in g.completions])
-    prompt_lens = torch.tensor([len(g.prompt_ids) for g, _ in rows])
-    return RolloutBatch(tokens, prompt_lens, mask, logp, versions, rewards, group_index, [g.prompt_id for g in groups])
-
-
-def filter_groups(groups: list[Group]) -> tuple[list[Group], list[Group]]:
-    """DAPO dynamic sampling (arXiv:2503.14476): keep groups whose rewards differ (or of size 1); the
-    all-equal ones carry zero advantage and zero gradient. Returns (kept, dropped)."""
-    kept, dropped = [], []
-    for g in groups:
-        (kept if len(g.rewards) == 1 or max(g.rewards) != min(g.rewards) else dropped).append(g)
-    return kept, dropped
-
-
-# ------------------------------------------------------------------------------------------- forward
-def _autocast(device: torch.device, enabled: bool):
-    if enabled and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _gather_response(hidden: Tensor, prompt_lens: Tensor, t: int) -> Tensor:
-    """Hidden states at the positions that predict the response tokens: [m, S, H] -> [m, T, H]."""
-    idx = (prompt_lens[:, None] - 1 + torch.arange(t, device=hidden.device)[None, :]).clamp(max=hidden.shape[1] - 1)
-    return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-
-
-def _head_logprobs(model: CausalLM, hidden: Tensor, targets: Tensor, temperature: float, entropy_grad: bool,
-                   calls: list | None = None) -> tuple[Tensor, Tensor]:
-    """LM head, log-prob of the targets and entropy for a chunk of tokens: [n, H], [n] -> [n], [n].
-
-    `calls` counts invocations under activation checkpointing: a metric-only entropy is computed on the
-    first (forward) call and skipped when the backward pass re-runs the function for its gradients."""
-    logits = model.logits(hidden)
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = token_logprobs(logits, targets)
-    if entropy_grad:
-        return logp, token_entropy(logits)
-    recompute = calls is not None and len(calls) > 0
-    if calls is not None:
-        calls.append(1)
-    with torch.no_grad():
-        return logp, torch.zeros_like(logp) if recompute else token_entropy(logits)
-
-
-def chunked_logprobs(model: CausalLM, hidden: Tensor, targets: Tensor, *, temperature: float = 1.0,
-                     chunk_tokens: int = 4096, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropies of `targets` [m, T] from `hidden` [m, T, H], `chunk_tokens` tokens at a time.
-
-    With gradients on, each chunk's LM head runs under activation checkpointing, so only one
-    [chunk, V] logits tensor exists at a time (a 152k vocabulary over 8k tokens would otherwise hold
-    several 5 GB fp32 tensors); the head is recomputed in the backward pass.
-    """
-    m, t, h = hidden.shape
-    flat_h, flat_t = hidden.reshape(m * t, h), targets.reshape(m * t)
-    outs_logp, outs_ent = [], []
-    for start in range(0, m * t, chunk_tokens):
-        hc, tc = flat_h[start:start + chunk_tokens], flat_t[start:start + chunk_tokens]
-        if torch.is_grad_enabled() and hc.requires_grad:
-            logp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, model, hc, tc, temperature, entropy_grad,
-                                                          [], use_reentrant=False)
-        else:
-            logp, ent = _head_logprobs(model, hc, tc, temperature, entropy_grad)
-        outs_logp.append(logp)
-        outs_ent.append(ent)
-    return torch.cat(outs_logp).view(m, t), torch.cat(outs_ent).view(m, t)
-
-
-def response_logprobs(model: CausalLM, batch: RolloutBatch, rows: Tensor, *, temperature: float = 1.0,
-                      entropy: bool = False, autocast: bool = False, entropy_grad: bool = False,
-                      width: int | None = None, chunk_tokens: int = 4096) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of the response tokens of `rows`: [m, T] each. Only response positions go
-    through the LM head, in checkpointed chunks of `chunk_tokens`, and each micro-batch is cut to its own
-    longest row.
-    The entropy carries a gradient only with `entropy_grad` (an entropy bonus); otherwise it is a metric."""
-    prompt_lens, mask = batch.prompt_lens[rows], batch.response_mask[rows]
-    t = batch.response_mask.shape[1]
-    if width is None:  # the longest row (pass it in from host-side lengths to avoid a device sync)
-        width = int((prompt_lens + mask.sum(-1)).max())
-    tokens = batch.tokens[rows, :width]
-    targets_idx = (prompt_lens[:, None] + torch.arange(t, device=tokens.device)[None, :]).clamp(max=width - 1)
-    targets = tokens.gather(1, targets_idx)
-    with _autocast(tokens.device, autocast):
-        hidden = _gather_response(model(tokens), prompt_lens, t)
-        logp, ent = chunked_logprobs(model, hidden, targets, temperature=temperature, entropy_grad=entropy_grad,
-                                     chunk_tokens=chunk_tokens)
-    return logp, ent if entropy else None
-
-
-def response_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor, *, autocast: bool = False) -> Tensor:
-    """Critic values V_t of the response positions of `rows`: [m, T]."""
-    prompt_lens, mask = batch.prompt_lens[rows], batch.response_mask[rows]
-    width = int((prompt_lens + mask.sum(-1)).max())
-    with _autocast(batch.tokens.device, autocast):
-        hidden = _gather_response(critic(batch.tokens[rows, :width]), prompt_lens, batch.response_mask.shape[1])
-        return critic.values(hidden)
-
-
-def micro_batches(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[list[int]]:
-    """Split rows into micro-batches: by token budget (length-sorted, rows × longest ≤ budget) or by count."""
-    if not cfg.use_dynamic_bsz:
-        return [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
-    order = sorted(rows, key=lambda r: -lengths[r])
-    out: list[list[int]] = []
-    for r in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= cfg.max_tokens_per_micro_batch:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
 
 
 # -------------------------------------------------------------------------------------------- state
@@ -431,35 +265,6 @@ def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[
 
 
 # --------------------------------------------------------------------------------------- the updates
-def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tensor:
-    """Global L2 norm of the gradients, and (max_norm > 0) scale them in place by min(1, max_norm / norm).
-
-        ‖g‖ = sqrt(Σ_ranks Σ_shards ‖g_shard‖²)   — one all-reduce of one scalar over `group`
-
-    FSDP2 gradients are DTensors sharded on dim 0: each rank squares its own shards and the sum is
-    all-reduced once: one collective, whatever the number of parameters, outside DTensor's dispatch.
-    Replicated tensors count once. Returns the norm (a 0-d tensor on the gradients' device).
-    """
-    locals_, scale = [], []
-    for p in params:
-        g = p.grad
-        if hasattr(g, "to_local"):
-            shards = sum(pl.is_shard() for pl in g.placements)
-            scale.append(1.0 if shards else 1.0 / dist.get_world_size(group))  # replicated: every rank has it
-            g = g.to_local()
-        else:
-            scale.append(1.0 / dist.get_world_size(group) if group is not None else 1.0)
-        locals_.append(g)
-    squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 * w for g, w in zip(locals_, scale)]).sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
-    return norm
-
-
 def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None) -> tuple[float, bool]:
     """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip)."""
     params = [p for p in model.parameters() if p.grad is not None]
@@ -680,35 +485,3 @@ def memory_metrics(device: torch.device, prefix: str = "perf") -> dict:
         return {}
     return {f"{prefix}/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
             f"{prefix}/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
-
-
-# -------------------------------------------------------------------------------------------- FSDP2
-def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -> nn.Module:
-    """Shard a CausalLM / ValueModel with FSDP2 (`fully_shard`): each decoder layer, then the root.
-
-    The root (embeddings, final norm, heads) stays gathered from its forward to the end of its backward, so
-    the heads (`logits`, `values`, called after forward()) use its full weights directly: one all-gather and
-    one reduce-scatter of the root per micro-batch, whatever the number of LM-head chunks. (Registering the
-    heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
-    count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
-    `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kwargs = {"mesh": mesh} if mesh is not None else {}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
-    return model
-
-
-def full_weights(model: nn.Module, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, full tensor) of every weight, gathering FSDP2 shards one parameter at a time (every rank
-    of the trainer group must iterate together). The tied lm_head is left out, as in `named_weights`."""
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, full.detach() if dtype is None else full.detach().to(dtype)

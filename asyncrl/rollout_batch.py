@@ -1,0 +1,98 @@
+"""The learner's view of a batch: groups stacked into padded `[N, T]` response tensors (`collate`), DAPO's
+filter of all-equal groups, and the split of rows into micro-batches by token budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from asyncrl.config import TrainerConfig
+from asyncrl.rewards import overlong_penalty
+from asyncrl.types import Group
+
+__all__ = ["RolloutBatch", "collate", "filter_groups", "micro_batches"]
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Groups as tensors. Row i is prompt + response, right-padded; response token j of row i sits at
+    `tokens[i, prompt_lens[i] + j]` and is predicted by position `prompt_lens[i] + j − 1`."""
+
+    tokens: Tensor  # [N, S] int64
+    prompt_lens: Tensor  # [N] int64
+    response_mask: Tensor  # [N, T] bool
+    logp_behaviour: Tensor  # [N, T] fp32
+    token_versions: Tensor  # [N, T] int64
+    rewards: Tensor  # [N] fp32, shaped
+    group_index: Tensor  # [N] int64: position of the row's group in the batch
+    prompt_ids: list[int]  # [G] prompt id of each group
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def response_lens(self) -> Tensor:
+        return self.response_mask.sum(-1)
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), Tensor)})
+
+
+def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | None = None,
+            overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0) -> RolloutBatch:
+    """Stack groups into a `RolloutBatch`; add DAPO's overlong penalty to the rewards if a buffer is set."""
+    if not groups:
+        raise ValueError("collate: no groups; the learner needs at least one group per step")
+    rows = [(g, c) for g in groups for c in g.completions]
+    for g, c in rows:
+        if not (len(c.token_ids) == len(c.logprobs) == len(c.versions)):
+            raise ValueError(f"collate: group {g.prompt_id} has a completion with {len(c.token_ids)} tokens, "
+                             f"{len(c.logprobs)} logprobs and {len(c.versions)} versions; they must match")
+    n, t = len(rows), max(max(len(c.token_ids) for _, c in rows), 1)
+    s = max(len(g.prompt_ids) + len(c.token_ids) for g, c in rows)
+    tokens = torch.full((n, s), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, t, dtype=torch.bool)
+    logp = torch.zeros(n, t)
+    versions = torch.zeros(n, t, dtype=torch.long)
+    for i, (g, c) in enumerate(rows):
+        p, r = len(g.prompt_ids), len(c.token_ids)
+        tokens[i, :p + r] = torch.tensor(g.prompt_ids + c.token_ids)
+        mask[i, :r] = True
+        logp[i, :r] = torch.tensor(c.logprobs)
+        versions[i, :r] = torch.tensor(c.versions)
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    if overlong_buffer_len > 0:
+        if max_response_length is None:
+            raise ValueError("collate: overlong shaping needs max_response_length (the rollout's max_new_tokens)")
+        rewards = rewards + overlong_penalty(mask.sum(-1), max_response_length=max_response_length,
+                                             buffer_length=overlong_buffer_len, penalty_factor=overlong_penalty_factor)
+    group_index = torch.tensor([k for k, g in enumerate(groups) for _ in g.completions])
+    prompt_lens = torch.tensor([len(g.prompt_ids) for g, _ in rows])
+    return RolloutBatch(tokens, prompt_lens, mask, logp, versions, rewards, group_index, [g.prompt_id for g in groups])
+
+
+def filter_groups(groups: list[Group]) -> tuple[list[Group], list[Group]]:
+    """DAPO dynamic sampling (arXiv:2503.14476): keep groups whose rewards differ (or of size 1); the
+    all-equal ones carry zero advantage and zero gradient. Returns (kept, dropped)."""
+    kept, dropped = [], []
+    for g in groups:
+        (kept if len(g.rewards) == 1 or max(g.rewards) != min(g.rewards) else dropped).append(g)
+    return kept, dropped
+
+
+def micro_batches(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[list[int]]:
+    """Split rows into micro-batches: by token budget (length-sorted, rows × longest ≤ budget) or by count."""
+    if not cfg.use_dynamic_bsz:
+        return [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    order = sorted(rows, key=lambda r: -lengths[r])
+    out: list[list[int]] = []
+    for r in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= cfg.max_tokens_per_micro_batch:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out

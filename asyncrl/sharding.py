@@ -1,0 +1,72 @@
+"""FSDP2 for the trainer group: sharding a model, the global gradient norm over sharded gradients, and
+gathering full weights for publication."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["shard_model", "grad_norm_", "full_weights"]
+
+
+def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tensor:
+    """Global L2 norm of the gradients, and (max_norm > 0) scale them in place by min(1, max_norm / norm).
+
+        ‖g‖ = sqrt(Σ_ranks Σ_shards ‖g_shard‖²)   — one all-reduce of one scalar over `group`
+
+    FSDP2 gradients are DTensors sharded on dim 0: each rank squares its own shards and the sum is
+    all-reduced once: one collective, whatever the number of parameters, outside DTensor's dispatch.
+    Replicated tensors count once. Returns the norm (a 0-d tensor on the gradients' device).
+    """
+    locals_, scale = [], []
+    for p in params:
+        g = p.grad
+        if hasattr(g, "to_local"):
+            shards = sum(pl.is_shard() for pl in g.placements)
+            scale.append(1.0 if shards else 1.0 / dist.get_world_size(group))  # replicated: every rank has it
+            g = g.to_local()
+        else:
+            scale.append(1.0 / dist.get_world_size(group) if group is not None else 1.0)
+        locals_.append(g)
+    squares = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 * w for g, w in zip(locals_, scale)]).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+    return norm
+
+
+def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -> nn.Module:
+    """Shard a CausalLM / ValueModel with FSDP2 (`fully_shard`): each decoder layer, then the root.
+
+    The root (embeddings, final norm, heads) stays gathered from its forward to the end of its backward, so
+    the heads (`logits`, `values`, called after forward()) use its full weights directly: one all-gather and
+    one reduce-scatter of the root per micro-batch, whatever the number of LM-head chunks. (Registering the
+    heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
+    count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
+    `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kwargs = {"mesh": mesh} if mesh is not None else {}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def full_weights(model: nn.Module, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) of every weight, gathering FSDP2 shards one parameter at a time (every rank
+    of the trainer group must iterate together). The tied lm_head is left out, as in `named_weights`."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, full.detach() if dtype is None else full.detach().to(dtype)
