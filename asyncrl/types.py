@@ -41,6 +41,13 @@ class GenerationOutput:
     completions: list[Completion]
     finished: bool
 
+    @classmethod
+    def snapshot(cls, request_id: str, prompt_ids: list[int], completions: list[Completion]) -> "GenerationOutput":
+        """An output holding copies of an engine's live completions (the engine goes on appending to its own)."""
+        copies = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs),
+                                      versions=list(c.versions)) for c in completions]
+        return cls(request_id, list(prompt_ids), copies, finished=all(c.finished for c in copies))
+
 
 @dataclasses.dataclass
 class Prompt:

@@ -99,11 +99,7 @@ class _Request:
     samples: list[_Sample] = dataclasses.field(default_factory=list)
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput(self.request_id, list(self.prompt_ids),
-                                [dataclasses.replace(s.completion, token_ids=list(s.completion.token_ids),
-                                                     logprobs=list(s.completion.logprobs),
-                                                     versions=list(s.completion.versions)) for s in self.samples],
-                                finished=all(s.completion.finished for s in self.samples))
+        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples])
 
 
 class Engine:

@@ -78,6 +78,8 @@ def kv_cache_bytes(model: CausalLM, max_slots: int, max_len: int) -> int:
 
 @dataclasses.dataclass(eq=False)
 class _Sample:
+    index: int
+    """Its place among the request's n samples."""
     completion: Completion = dataclasses.field(default_factory=lambda: Completion([], [], []))
     vllm_id: str | None = None
     """Its request in vLLM now (None: not in vLLM: held back, or finished)."""
@@ -95,11 +97,7 @@ class _Request:
     samples: list[_Sample]
 
     def output(self) -> GenerationOutput:
-        completions = [dataclasses.replace(s.completion, token_ids=list(s.completion.token_ids),
-                                           logprobs=list(s.completion.logprobs),
-                                           versions=list(s.completion.versions)) for s in self.samples]
-        return GenerationOutput(self.request_id, list(self.prompt_ids), completions,
-                                finished=all(c.finished for c in completions))
+        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples])
 
 
 class VLLMEngine:
@@ -141,7 +139,7 @@ class VLLMEngine:
             stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             request = _Request(request_id, list(prompt_ids), params,
                                max_new=min(params.max_new_tokens, self.max_len - len(prompt_ids)),
-                               stop_ids=sorted(stop), samples=[_Sample() for _ in range(params.n)])
+                               stop_ids=sorted(stop), samples=[_Sample(i) for i in range(params.n)])
             self._requests[request_id] = request
             for sample in request.samples:
                 if self._paused or self._draining or self._asleep:
@@ -152,7 +150,7 @@ class VLLMEngine:
 
     def _queue(self, request: _Request, sample: _Sample) -> None:
         """Hand a sample to vLLM: its prompt and the tokens it already has, with what is left of its budget."""
-        index = request.samples.index(sample)
+        index = sample.index
         done = len(sample.completion.token_ids)
         vllm_id = f"{request.request_id}/{index}/{sample.pieces}"
         sample.pieces += 1
@@ -333,9 +331,6 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
     """The engine factory of `--rollout.backend vllm`: vLLM loads `model` (the run's initial weights) from a
     Hugging Face directory written for it and removed once loaded. The KV cache is what the embedded engine
     would take, unless --rollout.vllm.kv-cache-gb or (GPU) --rollout.vllm.gpu-memory-utilization say otherwise."""
-    missing = vllm_missing()
-    if missing:
-        raise ValueError(f"--rollout.backend vllm: {missing}")
     shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
     kv = int(options.kv_cache_gb * 2 ** 30) if options.kv_cache_gb else None
     if kv is None and model.device.type != "cuda":
