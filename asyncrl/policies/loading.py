@@ -39,6 +39,10 @@ ARCH_PRESETS: dict[str, dict] = {
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
     "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -206,8 +210,9 @@ def resolve_model_dir(path: str | os.PathLike) -> pathlib.Path:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer of an HF directory or (through its converted cache) of a GGUF file."""
+    """The tokenizer of an HF directory, of a GGUF file (through its converted cache) or of `smollm2`."""
     import transformers
+    path = smollm2_gguf_path() if str(path) == "smollm2" else path
     return transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
 
 

