@@ -56,8 +56,9 @@ class _PolicyGradient:
     """Target KL of the adaptive controller for `kl_in_reward_coef` (None: fixed β)."""
     kl_horizon: int = 10_000
     """Horizon of the adaptive KL controller."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping: penalise responses inside the last this-many tokens of the budget (0: off)."""
+    overlong_buffer_len: int | None = 0
+    """DAPO overlong shaping: penalise responses inside the last this-many tokens of the budget (0: off;
+    None: a fifth of --rollout.max-new-tokens, the proportion of verl's DAPO recipe, 4096 of 20480)."""
     overlong_penalty_factor: float = 1.0
     """Penalty at the full budget."""
     filter_groups: bool = False
@@ -77,8 +78,17 @@ class _PolicyGradient:
             _fail(owner, "kl_loss_type", self.kl_loss_type, f"must be one of {sorted(algos.KL_ESTIMATORS)} "
                   "(optionally with a '+' suffix)")
         for field in ("entropy_coef", "kl_loss_coef", "kl_in_reward_coef", "overlong_buffer_len"):
-            if getattr(self, field) < 0:
+            if getattr(self, field) is not None and getattr(self, field) < 0:
                 _fail(owner, field, getattr(self, field), "must be >= 0")
+
+    def overlong_buffer(self, max_new_tokens: int | None) -> int:
+        """The overlong-shaping buffer in tokens for this token budget (0: no shaping)."""
+        if self.overlong_buffer_len is not None:
+            return self.overlong_buffer_len
+        if not max_new_tokens:
+            raise ValueError("overlong_buffer_len=None (a fifth of the token budget) needs the budget: set the "
+                             "trainer's max_response_length to the rollouts' max_new_tokens")
+        return max(1, max_new_tokens // 5)
 
     @property
     def needs_reference(self) -> bool:
@@ -132,7 +142,7 @@ class DAPO(GRPO):
 
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = 10.0
-    overlong_buffer_len: int = 512
+    overlong_buffer_len: int | None = None
     filter_groups: bool = True
 
 
@@ -180,12 +190,16 @@ class ReinforcePP(_PolicyGradient):
 
     group_baseline: bool = False
     """Subtract the group-mean reward (REINFORCE++-baseline) instead of using discounted returns."""
+    baseline_shift_mean: bool = False
+    """With group_baseline: also subtract the batch mean before dividing by the batch std (verl's whitening;
+    groups of one or of equal rewards then get −μ/σ instead of 0)."""
     gamma: float = 1.0
     """Discount of the per-token return."""
 
     def advantages(self, rewards, token_rewards, group_index, mask, values):
         if self.group_baseline:
-            return algos.reinforce_pp_baseline_advantage(rewards, group_index, mask)
+            return algos.reinforce_pp_baseline_advantage(rewards, group_index, mask,
+                                                         shift_mean=self.baseline_shift_mean)
         return algos.reinforce_pp_advantage(token_rewards, mask, gamma=self.gamma)
 
 

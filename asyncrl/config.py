@@ -456,6 +456,13 @@ class RunConfig:
         self.trainer.validate()
         self.async_training.validate()
         self.placement.validate()
+        buffer, budget = self.algorithm.overlong_buffer_len, self.trainer.max_response_length
+        budget_flag = "--trainer.max-response-length" if budget else "--rollout.max-new-tokens"
+        budget = budget or self.rollout.max_new_tokens
+        if buffer is not None and buffer > budget:
+            _fail("algorithm", "overlong_buffer_len", buffer,
+                  f"the penalty zone must fit inside {budget_flag} {budget}; give at most {budget}, or leave it "
+                  "unset for DAPO's default (a fifth of the token budget)")
         if self.trainer.temperature is not None and self.trainer.temperature != self.rollout.temperature:
             _fail("trainer", "temperature", self.trainer.temperature,
                   f"must equal --rollout.temperature {self.rollout.temperature} (log-probs of the sampled "

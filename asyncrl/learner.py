@@ -431,7 +431,8 @@ def _as_batch(state: LearnerState, groups: list[Group] | RolloutBatch) -> Rollou
     cfg, algo = state.config, state.algorithm
     batch = groups if isinstance(groups, RolloutBatch) else collate(
         groups, max_response_length=cfg.max_response_length,
-        overlong_buffer_len=algo.overlong_buffer_len, overlong_penalty_factor=algo.overlong_penalty_factor)
+        overlong_buffer_len=algo.overlong_buffer(cfg.max_response_length),
+        overlong_penalty_factor=algo.overlong_penalty_factor)
     return batch.to(state.device)
 
 

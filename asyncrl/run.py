@@ -51,8 +51,8 @@ def run_tokenizer(model_path: str):
     """The tokenizer of a model path, None for 'random:' models."""
     if model_path.startswith("random:"):
         return None
-    from asyncrl.policies.loading import load_tokenizer, smollm2_gguf_path
-    return load_tokenizer(smollm2_gguf_path() if model_path == "smollm2" else model_path)
+    from asyncrl.policies.loading import load_tokenizer
+    return load_tokenizer(model_path)
 
 
 def task_of(data: DataConfig):
@@ -161,6 +161,8 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
     trainer = cfg.trainer
     if trainer.temperature is None:  # the learner's log-probs are those of the distribution sampled from
         trainer = dataclasses.replace(trainer, temperature=cfg.rollout.temperature)
+    if trainer.max_response_length is None and cfg.algorithm.overlong_buffer_len != 0:  # shaping needs the budget
+        trainer = dataclasses.replace(trainer, max_response_length=cfg.rollout.max_new_tokens)
     return RunSpec(model=model, algorithm=cfg.algorithm, trainer=trainer, rollout=cfg.rollout,
                    async_=cfg.async_training,
                    source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length),

@@ -144,7 +144,7 @@ def test_dapo_train_step_scores_the_shaped_rewards():
     state = build_learner(policy, trainer_config(max_response_length=10), DAPO(overlong_buffer_len=4))
     _, metrics = train_step(state, groups)
     assert metrics["critic/score/mean"] == pytest.approx(float(shaped.mean()), abs=1e-6)
-    # DAPO's default 512-token buffer needs the rollout budget to know where the buffer starts
+    # DAPO's default buffer (a fifth of the rollout budget) needs that budget
     state = build_learner(tiny_policy(0), trainer_config(), DAPO())
     with pytest.raises(ValueError, match="max_response_length"):
         train_step(state, groups)

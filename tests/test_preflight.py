@@ -3,6 +3,7 @@ the fix, before any process is spawned and before the run directory is written."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -153,6 +154,26 @@ def test_the_trainer_takes_the_rollout_temperature():
     cfg = RunConfig()
     cfg.rollout.temperature = 0.6
     assert build_spec(cfg).trainer.temperature == 0.6
+
+
+def test_dapo_overlong_buffer_fits_the_token_budget():
+    """`asyncrl train cpu-demo algorithm:dapo` (8 new tokens) once passed every check and then failed in its first
+    train step on DAPO's fixed 512-token buffer; the default is now a fifth of the budget, and an explicit
+    buffer larger than the budget is refused up front, naming both flags."""
+    from asyncrl.algorithm_config import DAPO
+    from asyncrl.run import build_spec
+    _, preset = PRESETS["cpu-demo"]
+    cfg = dataclasses.replace(preset, algorithm=DAPO())
+    spec = build_spec(cfg)
+    assert spec.algorithm.overlong_buffer(spec.trainer.max_response_length) == 1  # 8 // 5
+    cfg = dataclasses.replace(preset, algorithm=DAPO(overlong_buffer_len=512))
+    with pytest.raises(ValueError, match=r"--algorithm\.overlong-buffer-len 512 is invalid: .*"
+                                         r"--trainer\.max-response-length 8"):
+        cfg.validate()
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_response_length=None)
+    with pytest.raises(ValueError, match=r"--rollout\.max-new-tokens 8"):
+        cfg.validate()
+    assert DAPO().overlong_buffer(3072) == 614 and DAPO(overlong_buffer_len=0).overlong_buffer(None) == 0
 
 
 def test_checks_as_functions(tmp_path):

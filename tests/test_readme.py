@@ -1,8 +1,8 @@
 """Every `asyncrl …` command in README.md runs, in the order the README shows them, in a fresh directory.
 
 `asyncrl train` commands are checked with `--dry-run` (every up-front check: config, devices, model, rewards,
-data), except two that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
-checkpoint is what the README's `asyncrl eval` reads) and the worked example of a task of your own. `eval`
+data), except three that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
+checkpoint is what the README's `asyncrl eval` reads), the worked example of a task of your own, and DAPO. `eval`
 runs with a smaller budget appended. Commands that need GPUs, a model you download, or a second running job
 are listed in NOT_RUN with the reason, and the test fails when the README's commands and these lists drift
 apart.
@@ -27,6 +27,9 @@ TRAINED_FOR_REAL = {
     "asyncrl train cpu-demo": ["--async-training.total-versions", "20"],
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
         ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
+    # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget)
+    "asyncrl train cpu-demo algorithm:dapo --algorithm.kl-loss-coef 0.001":
+        ["--async-training.total-versions", "2", "--run-dir", "runs/dapo"],
 }
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
 NOT_RUN = {
@@ -82,7 +85,7 @@ def test_every_readme_command_runs(workdir):
             continue
         args = shlex.split(command)[1:]
         if command in TRAINED_FOR_REAL:
-            args += TINY_TRAIN + TRAINED_FOR_REAL[command]
+            args[2:2] = TINY_TRAIN + TRAINED_FOR_REAL[command]  # before a subcommand such as algorithm:dapo
         elif args[0] == "train" and "--dry-run" not in args:
             args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
         args += SMALLER.get(args[0], [])
@@ -97,4 +100,5 @@ def test_every_readme_command_runs(workdir):
     assert (workdir / "runs" / "cpu-demo" / "checkpoints" / "step_00000020").is_dir()
     assert (workdir / "runs" / "cpu-demo" / "report.md").is_file()
     assert (workdir / "runs" / "word_length" / "summary.json").is_file()
+    assert (workdir / "runs" / "dapo" / "summary.json").is_file()
     assert len(ran) == len(readme_commands()) - len(NOT_RUN)

@@ -26,7 +26,7 @@ from asyncrl.algos._checks import (
     check_finite, check_mask, check_nonempty, check_positive, check_seq_tensor, check_token_tensor,
     check_unit_interval,
 )
-from asyncrl.algos.masked import check_whitenable, masked_whiten
+from asyncrl.algos.masked import check_whitenable, masked_var, masked_whiten
 
 __all__ = [
     "AdvantageResult", "gae_advantage", "grpo_advantage", "dr_grpo_advantage", "rloo_advantage",
@@ -138,11 +138,15 @@ def rloo_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor) 
 
 
 def reinforce_pp_baseline_advantage(rewards: Tensor, group_index: Tensor, response_mask: Tensor,
-                                    eps: float = 1e-8) -> AdvantageResult:
+                                    eps: float = 1e-8, *, shift_mean: bool = False) -> AdvantageResult:
     """REINFORCE++ with a group-mean baseline (arXiv:2501.03262).
 
-    A_i = r_i − mean_g, broadcast over valid tokens, then whitened over all valid tokens of the batch:
-    (A − μ)/sqrt(σ² + eps). Needs at least two valid tokens in the batch.
+      A_i = (r_i − mean_g) / sqrt(σ² + eps), broadcast over valid tokens,
+    where σ² is the variance of the centred values over all valid tokens of the batch. A group of one, or a
+    group whose rewards are all equal, gets exactly 0: no comparison, no signal (as GRPO and RLOO here).
+    `shift_mean=True` also subtracts the batch token-mean μ before dividing (verl's `masked_whiten`), which
+    moves those groups to −μ/σ: then a degenerate group is pushed down or up by the other groups' lengths
+    and rewards. Needs at least two valid tokens in the batch.
     """
     fn = "reinforce_pp_baseline_advantage"
     mask = _check_outcome(fn, rewards, group_index, response_mask)
@@ -150,7 +154,11 @@ def reinforce_pp_baseline_advantage(rewards: Tensor, group_index: Tensor, respon
     centred = torch.where(stats.constant, torch.zeros_like(rewards), rewards - stats.mean)
     tiled = centred[:, None].expand(mask.shape)
     check_whitenable(fn, "response_mask", mask)
-    adv = masked_whiten(tiled, mask, eps=eps)
+    if shift_mean:
+        adv = masked_whiten(tiled, mask, eps=eps)
+    else:
+        scaled = tiled * torch.rsqrt(masked_var(tiled, mask) + eps)
+        adv = torch.where(mask, scaled, torch.zeros((), dtype=scaled.dtype, device=scaled.device))
     return AdvantageResult(advantages=adv, returns=adv)
 
 

@@ -55,8 +55,13 @@ def _log_ratio(fn: str, logp_proximal: Tensor, logp_behaviour: Tensor, response_
     check_finite(fn, "logp_proximal", logp_proximal, mask)
     check_finite(fn, "logp_behaviour", logp_behaviour, mask)
     zero = torch.zeros((), dtype=logp_proximal.dtype, device=logp_proximal.device)
-    log_ratio = torch.where(mask, logp_proximal.detach() - logp_behaviour.detach(), zero).clamp(-_CLAMP, _CLAMP)
-    return log_ratio, mask
+    log_ratio = torch.where(mask, logp_proximal.detach() - logp_behaviour.detach(), zero)
+    return log_ratio, mask  # not clamped: a sequence's sum must see every token's true log-ratio
+
+
+def _ratio(log_ratio: Tensor) -> Tensor:
+    """exp of a log-ratio clamped to ±20 (e^20 ≈ 4.9e8: finite in fp32)."""
+    return torch.exp(log_ratio.clamp(-_CLAMP, _CLAMP))
 
 
 def _weights_result(raw: Tensor, weights: Tensor, threshold: float, log_ratio: Tensor, mask: Tensor) -> ISWeightsResult:
@@ -88,7 +93,7 @@ def token_tis_weights(logp_proximal: Tensor, logp_behaviour: Tensor, response_ma
     fn = "token_tis_weights"
     _check_threshold(fn, threshold)
     log_ratio, mask = _log_ratio(fn, logp_proximal, logp_behaviour, response_mask)
-    raw = torch.exp(log_ratio)
+    raw = _ratio(log_ratio)
     weights = torch.where(mask, raw.clamp(max=threshold), torch.zeros_like(raw))
     if batch_normalize:
         mean = masked_mean(weights, mask)
@@ -101,12 +106,13 @@ def sequence_tis_weights(logp_proximal: Tensor, logp_behaviour: Tensor, response
     """Sequence-level truncated importance sampling (Seq-TIS).
 
       w_i = min(exp(clamp(Σ_t m·λ_t, ±20)), C), the same weight on every valid token of row i.
+    The sum is taken before the clamp (as verl): tokens at −40 and +25 give e^−15, not 1 or C.
     `batch_normalize` divides by the mean weight over non-empty rows.
     """
     fn = "sequence_tis_weights"
     _check_threshold(fn, threshold)
     log_ratio, mask = _log_ratio(fn, logp_proximal, logp_behaviour, response_mask)
-    seq_raw = torch.exp(log_ratio.sum(dim=-1).clamp(-_CLAMP, _CLAMP))  # [B]
+    seq_raw = _ratio(log_ratio.sum(dim=-1))  # [B]
     seq_w = seq_raw.clamp(max=threshold)
     if batch_normalize:
         nonempty = mask.any(dim=-1)
@@ -124,7 +130,8 @@ def _token_stat(log_ratio: Tensor, stat: str) -> Tensor:
     if stat == "k2":
         return 0.5 * log_ratio.square()
     if stat == "k3":
-        return torch.expm1(log_ratio) - log_ratio  # ρ − 1 − λ without cancellation near λ = 0
+        clamped = log_ratio.clamp(-_CLAMP, _CLAMP)  # keeps e^λ finite
+        return torch.expm1(clamped) - clamped  # ρ − 1 − λ without cancellation near λ = 0
     return log_ratio
 
 
@@ -152,7 +159,8 @@ def _ratio_bounds(fn: str, stat: str, lower: float | None, upper: float | None) 
 
 def _reject(value: Tensor, stat: str, lower: float, upper: float, mask: Tensor) -> RejectionResult:
     if stat == "k1":  # value is a log-ratio; bounds are on the ratio ρ = e^value
-        keep = (torch.exp(value) >= lower) & (torch.exp(value) <= upper)
+        ratio = torch.exp(value.to(torch.float64))  # e^±100 is 0 / inf in float64 too: compared correctly
+        keep = (ratio >= lower) & (ratio <= upper)
     else:
         keep = value <= upper
     new_mask = mask & keep
@@ -217,7 +225,7 @@ def decoupled_ppo_weights(logp_proximal: Tensor, logp_behaviour: Tensor, respons
     elif drop_above_cap:
         raise ValueError(f"{fn}: drop_above_cap=True needs a cap")
     log_ratio, mask = _log_ratio(fn, logp_proximal, logp_behaviour, response_mask)
-    raw = torch.exp(log_ratio)
+    raw = _ratio(log_ratio)
     bound = float("inf") if cap is None else cap
     if drop_above_cap:
         weights = torch.where(raw > bound, torch.zeros_like(raw), raw)

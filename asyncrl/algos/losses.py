@@ -275,7 +275,7 @@ def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, response_mas
         per_token, clipped = err_unclipped, torch.zeros_like(mask)
     else:
         v_old = _valid(values_old.detach(), mask)
-        v_clip = v_old + (v - v_old).clamp(-clip_range, clip_range)
+        v_clip = v.clamp(min=v_old - clip_range, max=v_old + clip_range)  # exactly V where not clipped
         err_clipped = (v_clip - target) ** 2
         per_token, clipped = torch.maximum(err_unclipped, err_clipped), err_clipped > err_unclipped
     loss = 0.5 * agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,

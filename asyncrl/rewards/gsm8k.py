@@ -5,8 +5,10 @@ Ground truth is the text after "#### " in the dataset's answer, commas removed. 
   not count, as in verl);
 * flexible: the last number anywhere in the response, with "," "$" and a trailing "." removed.
 Only the last 300 characters are searched, as in verl, so long derivations cost nothing.
-Deviation from verl: verl's flexible extractor keeps commas and trailing dots ("1,200" ≠ "1200");
-ours normalises them, which is what users of a "flexible" match expect.
+Deviations from verl's flexible extractor: verl keeps commas and trailing dots ("1,200" ≠ "1200"); ours
+normalises them, which is what users of a "flexible" match expect. And verl takes the last match even when it
+is only punctuation ("." or "," after the last number, e.g. "... is 42. Done." gives "."), which never equals
+a ground truth; ours skips such matches and takes the last real number (42).
 """
 
 from __future__ import annotations

@@ -41,11 +41,11 @@ def broadcast(seq, mask):
     return torch.where(mask, seq[:, None], torch.zeros((), dtype=F64))
 
 
-def whiten_list(vals, eps=WHITEN_EPS):
+def whiten_list(vals, eps=WHITEN_EPS, shift_mean=True):
     n = len(vals)
     mu = sum(vals) / n
     var = sum((v - mu) ** 2 for v in vals) / (n - 1)
-    return [(v - mu) / math.sqrt(var + eps) for v in vals]
+    return [(v - (mu if shift_mean else 0.0)) / math.sqrt(var + eps) for v in vals]
 
 
 # ================================================================ (a) golden values — outcome methods
@@ -118,12 +118,19 @@ def test_reinforce_pp_baseline_golden():
     # Σx² = 2/9 + 16/9 + 75/9 = 93/9; Σ(x − μ)² = 93/9 − 8·(3/8)² = 10.33333 − 1.125 = 9.208333 = 221/24
     # unbiased var = (221/24)/7 = 221/168 = 1.3154762, std 1.1469421
     mask = lengths_mask([2, 1, 3, 2], 3)
-    out = reinforce_pp_baseline_advantage(torch.tensor([1.0, 0.0, 3.0, 5.0], dtype=F64), torch.tensor([0, 0, 0, 1]), mask)
+    rewards, groups = torch.tensor([1.0, 0.0, 3.0, 5.0], dtype=F64), torch.tensor([0, 0, 0, 1])
+    out = reinforce_pp_baseline_advantage(rewards, groups, mask)
     sd = math.sqrt(221 / 168 + 1e-8)
-    seq = [(-1 / 3 - 3 / 8) / sd, (-4 / 3 - 3 / 8) / sd, (5 / 3 - 3 / 8) / sd, (0 - 3 / 8) / sd]
-    assert_near(out.advantages, broadcast(seq, mask))
-    assert_near(out.advantages[0, 0], -0.6175842, atol=1e-6)  # −0.7083333/1.1469421
+    # default: divided by the batch std, not re-centred: the singleton group stays exactly 0
+    assert_near(out.advantages, broadcast([(-1 / 3) / sd, (-4 / 3) / sd, (5 / 3) / sd, 0.0], mask))
+    assert torch.equal(out.advantages[3], torch.zeros(3, dtype=F64))
+    assert_near(out.advantages[0, 0], -0.2906279, atol=1e-6)  # −0.3333333/1.1469421
     assert torch.equal(out.returns, out.advantages)
+    # shift_mean=True: verl's masked_whiten, which moves the singleton to −μ/σ
+    verl = reinforce_pp_baseline_advantage(rewards, groups, mask, shift_mean=True)
+    seq = [(-1 / 3 - 3 / 8) / sd, (-4 / 3 - 3 / 8) / sd, (5 / 3 - 3 / 8) / sd, (0 - 3 / 8) / sd]
+    assert_near(verl.advantages, broadcast(seq, mask))
+    assert_near(verl.advantages[0, 0], -0.6175842, atol=1e-6)  # −0.7083333/1.1469421
 
 
 # ================================================================ (a) golden values — token methods
@@ -226,9 +233,9 @@ def returns_reference(r, m, gamma):
     return g
 
 
-def whiten_reference(x, m):
+def whiten_reference(x, m, shift_mean=True):
     cells = [(i, j) for i in range(len(m)) for j in range(len(m[0])) if m[i][j]]
-    w = whiten_list([x[i][j] for i, j in cells])
+    w = whiten_list([x[i][j] for i, j in cells], shift_mean=shift_mean)
     out = [[0.0] * len(m[0]) for _ in m]
     for (i, j), val in zip(cells, w):
         out[i][j] = val
@@ -454,6 +461,9 @@ def test_equal_rewards_in_a_group_give_exactly_zero(batch, c):
     for fn in GROUPED:
         adv = fn(rewards, groups, mask).advantages
         assert (adv[constant_rows] == 0).all()  # exactly 0, not eps-small
+    if int(mask.sum()) >= 2:  # REINFORCE++-baseline too (README: no comparison, no signal)
+        adv = reinforce_pp_baseline_advantage(rewards, groups, mask).advantages
+        assert (adv[constant_rows] == 0).all()
     # all rows in one constant group: everything is exactly 0 (GRPO would otherwise divide 0 by eps)
     same = torch.full_like(rewards, c)
     for fn in OUTCOME:
@@ -499,12 +509,15 @@ def test_grpo_group_std_of_advantages(batch):
 
 
 @given(outcome_batch(min_b=2))
-def test_reinforce_pp_baseline_is_whitened_dr_grpo(batch):
+def test_reinforce_pp_baseline_is_scaled_dr_grpo(batch):
     rewards, groups, mask = batch
     assume(int(mask.sum()) >= 2)
     dr = broadcast(seq_adv(dr_grpo_advantage, rewards, groups), mask)
-    expected = whiten_reference(dr.tolist(), mask.tolist())
-    assert_near(reinforce_pp_baseline_advantage(rewards, groups, mask).advantages, expected, atol=1e-9)
+    scaled = whiten_reference(dr.tolist(), mask.tolist(), shift_mean=False)
+    assert_near(reinforce_pp_baseline_advantage(rewards, groups, mask).advantages, scaled, atol=1e-9)
+    whitened = whiten_reference(dr.tolist(), mask.tolist())
+    assert_near(reinforce_pp_baseline_advantage(rewards, groups, mask, shift_mean=True).advantages, whitened,
+                atol=1e-9)
 
 
 def test_singleton_groups_are_zero_for_every_outcome_method():

@@ -85,6 +85,22 @@ def test_sequence_tis_golden():
     assert_near(norm.weights, _t([[12 / 7, 12 / 7, 0.0], [3 / 7, 0.0, 0.0], [6 / 7, 6 / 7, 6 / 7], [0.0, 0.0, 0.0]]))
 
 
+def test_sequence_tis_sums_before_clamping():
+    # tokens at −40 and +25: the true sequence ratio is e^−15 ≈ 3.1e−7; clamping each token to ±20 first would
+    # give e^0 = 1. Likewise +15 and +15 is e^30, clamped after the sum to e^20, then truncated to C.
+    prox, beh = _t([[-41.0, -1.0], [-1.0, -1.0]]), _t([[-1.0, -26.0], [-16.0, -16.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    out = sequence_tis_weights(prox, beh, mask, threshold=2.0)
+    assert_near(out.weights[0], _t([math.exp(-15.0)] * 2), rtol=1e-12, atol=0)
+    assert_near(out.weights[1], _t([2.0, 2.0]))
+    assert_near(out.mismatch_kl, (15.0 - 30.0) / 4)  # the true per-token log-ratios, unclamped
+    # the rejection statistic sums the true log-ratios too: row 0's e^−15 lies outside [1/2, 2]
+    rejected = sequence_rejection_mask(prox, beh, mask, stat="k1", reduce="sum", upper=2.0)
+    assert rejected.mask.tolist() == [[False, False], [False, False]]
+    kept = sequence_rejection_mask(prox, beh, mask, stat="k1", reduce="sum", lower=1e-7, upper=1e14)
+    assert kept.mask.tolist() == [[True, True], [True, True]]
+
+
 def test_token_rejection_k1_golden():
     # single upper U = 2 means ρ ∈ [1/2, 2]: ρ = [1, 1.5, 0.55, 2.5, 0.4] → keep [T, T, T, F, F]; masked stays F
     # (0.4 < 1/2 is rejected: a single U bounds both sides)

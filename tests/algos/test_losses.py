@@ -232,6 +232,25 @@ def test_value_loss_golden_clipped():
     assert_near(values.grad, _t([[-0.5 / 5, 0.0, -1.0 / 5, 0.0, 2.0 / 5, 0.0]]))
 
 
+@settings(max_examples=40)
+@given(st.sampled_from([torch.float32, torch.float64]), st.integers(0, 2**31 - 1))
+def test_value_clipfrac_counts_only_clipped_tokens(dtype, seed):
+    # every |V − V_old| < 0.98 is strictly inside the clip range 1: nothing is clipped, whatever the rounding
+    # (rebuilding V as V_old + (V − V_old), which is not always V, once counted 2–4 % of such tokens as clipped)
+    gen = torch.Generator().manual_seed(seed)
+    values_old = (torch.rand(8, 64, generator=gen, dtype=torch.float64) * 0.98 - 0.49).to(dtype)
+    values = (torch.rand(8, 64, generator=gen, dtype=torch.float64) * 0.98 - 0.49).to(dtype)
+    returns = (torch.randn(8, 64, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    mask = torch.ones(8, 64, dtype=torch.bool)
+    out = value_loss(values, values_old, returns, mask, clip_range=1.0)
+    assert out.clipfrac.item() == 0.0
+    assert out.loss.item() == value_loss(values, values_old, returns, mask, clip_range=None).loss.item()
+    # and a token that moved 2 towards a target 10 away is clipped (its clipped error is larger): 1 of 512
+    far, target = values.clone(), returns.clone()
+    far[0, 0], target[0, 0] = values_old[0, 0] + 2.0, values_old[0, 0] + 10.0
+    assert value_loss(far, values_old, target, mask, clip_range=1.0).clipfrac.item() == 1 / 512
+
+
 def test_value_loss_golden_unclipped():
     values, values_old, returns, mask = _value_golden_inputs()
     out = value_loss(values, values_old, returns, mask, clip_range=None)
