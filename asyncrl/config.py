@@ -189,9 +189,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the learner divides logits by the same value)."""
     top_p: float = 1.0
-    """Nucleus sampling (keep 1.0 for RL: the learner does not truncate)."""
+    """Nucleus sampling; training refuses < 1 (the learner's log-probs do not truncate)."""
     top_k: int = -1
-    """Top-k sampling (-1: off)."""
+    """Top-k sampling (-1: off); training refuses other values (the learner's log-probs do not truncate)."""
     max_new_tokens: int = 512
     """Response budget per sample."""
     max_prompt_length: int = 512
@@ -456,6 +456,12 @@ class RunConfig:
         self.trainer.validate()
         self.async_training.validate()
         self.placement.validate()
+        for field, off in (("top_p", 1.0), ("top_k", -1)):
+            if getattr(self.rollout, field) != off:  # the sampled distribution must be the one the learner scores
+                _fail("rollout", field, getattr(self.rollout, field),
+                      f"training samples from the full distribution: the learner's log-probs (softmax of logits / "
+                      f"temperature) do not truncate, so the ratios against truncated behaviour log-probs would be "
+                      f"biased; leave {flag('rollout', field)} at {off:g} (use temperature to sharpen)")
         buffer, budget = self.algorithm.overlong_buffer_len, self.trainer.max_response_length
         budget_flag = "--trainer.max-response-length" if budget else "--rollout.max-new-tokens"
         budget = budget or self.rollout.max_new_tokens

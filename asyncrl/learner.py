@@ -173,9 +173,11 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, val
 
 
 def _token_rewards(batch: RolloutBatch) -> Tensor:
-    """The outcome reward placed on each row's last response token: [N, T]."""
+    """The outcome reward placed on each row's last response token in the mask: [N, T]."""
     out = torch.zeros_like(batch.logp_behaviour)
-    last = (batch.response_lens - 1).clamp(min=0)
+    mask = batch.response_mask
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = (mask * positions).argmax(-1)  # the last token in the mask (the last generated one unless left out)
     out[torch.arange(batch.num_rows, device=out.device), last] = batch.rewards.to(out.dtype)
     return torch.where(batch.response_mask, out, torch.zeros_like(out))
 
@@ -476,6 +478,7 @@ def _batch_metrics(prep: _Prepared, seconds: float, state: LearnerState) -> dict
         "training/global_step": state.step,
         "training/num_groups": len(batch.prompt_ids),
         "perf/total_num_tokens": int((batch.prompt_lens + batch.response_lens).sum()),
+        "rollout/nonfinite_logprob_tokens": batch.nonfinite_logprobs,
         **memory_metrics(state.device),
     }
 

@@ -28,14 +28,12 @@ class RolloutBatch:
     rewards: Tensor  # [N] fp32, shaped
     group_index: Tensor  # [N] int64: position of the row's group in the batch
     prompt_ids: list[int]  # [G] prompt id of each group
+    response_lens: Tensor  # [N] int64: tokens generated (the mask may leave some of them out)
+    nonfinite_logprobs: int = 0  # generated tokens left out of the mask: their behaviour log-prob was NaN or ±inf
 
     @property
     def num_rows(self) -> int:
         return self.tokens.shape[0]
-
-    @property
-    def response_lens(self) -> Tensor:
-        return self.response_mask.sum(-1)
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -44,7 +42,8 @@ class RolloutBatch:
 
 def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | None = None,
             overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0) -> RolloutBatch:
-    """Stack groups into a `RolloutBatch`; add DAPO's overlong penalty to the rewards if a buffer is set."""
+    """Stack groups into a `RolloutBatch`; add DAPO's overlong penalty to the rewards if a buffer is set. Tokens
+    whose behaviour log-prob is not finite are left out of the response mask and counted."""
     if not groups:
         raise ValueError("collate: no groups; the learner needs at least one group per step")
     rows = [(g, c) for g in groups for c in g.completions]
@@ -72,7 +71,12 @@ def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | 
                                              buffer_length=overlong_buffer_len, penalty_factor=overlong_penalty_factor)
     group_index = torch.tensor([k for k, g in enumerate(groups) for _ in g.completions])
     prompt_lens = torch.tensor([len(g.prompt_ids) for g, _ in rows])
-    return RolloutBatch(tokens, prompt_lens, mask, logp, versions, rewards, group_index, [g.prompt_id for g in groups])
+    lengths = mask.sum(-1)
+    bad = mask & ~torch.isfinite(logp)  # an engine or transport fault: never trained on, counted in the metrics
+    if bad.any():
+        mask, logp = mask & ~bad, torch.where(bad, torch.zeros_like(logp), logp)
+    return RolloutBatch(tokens, prompt_lens, mask, logp, versions, rewards, group_index, [g.prompt_id for g in groups],
+                        response_lens=lengths, nonfinite_logprobs=int(bad.sum()))
 
 
 def filter_groups(groups: list[Group]) -> tuple[list[Group], list[Group]]:

@@ -596,6 +596,41 @@ def test_token_is_weights_scale_the_gradient(threshold, scale):
     assert metrics["rollout_corr/is_truncated_fraction"] == (1.0 if threshold < math.exp(0.1) else 0.0)
 
 
+def test_non_finite_behaviour_logprobs_are_masked_and_counted():
+    """A NaN or ±inf behaviour log-prob (an engine or transport fault) is never trained on: collate leaves the
+    token out of the mask and counts it, the step stays finite, and the outcome reward still reaches the row."""
+    policy = tiny_policy(0).double()
+    groups = on_policy(policy, synthetic_groups(2, 4, seed=3, response_lens=(4, 8)))
+    bad = copy.deepcopy(groups)
+    bad[0].completions[1].logprobs[2] = float("nan")
+    bad[1].completions[0].logprobs[-1] = float("-inf")  # the last token: the row's reward moves to the one before
+    batch = collate(bad)
+    assert batch.nonfinite_logprobs == 2 and bool(torch.isfinite(batch.logp_behaviour).all())
+    assert not batch.response_mask[1, 2] and batch.response_lens.tolist() == collate(groups).response_lens.tolist()
+    for off in (OffPolicyConfig(), OffPolicyConfig(use_rollout_log_probs=False, is_level="token")):
+        state = build_learner(copy.deepcopy(policy), trainer_config(off_policy=off), GRPO())
+        _, metrics = train_step(state, bad)
+        assert metrics["rollout/nonfinite_logprob_tokens"] == 2 and state.skipped_updates == 0
+        assert all(bool(torch.isfinite(p).all()) for p in state.policy.parameters())
+    grads = _grads(GRPO(), bad, policy=copy.deepcopy(policy))
+    assert all(bool(torch.isfinite(g).all()) for g in grads.values())
+    from asyncrl.learner import _token_rewards
+    last = len(bad[1].completions[0].logprobs) - 1
+    assert _token_rewards(batch)[4, last - 1] == batch.rewards[4] and _token_rewards(batch)[4, last] == 0
+
+
+def test_the_ratio_uses_the_behaviour_logprobs_it_is_given():
+    """use_rollout_log_probs: π_old is the behaviour log-prob as recorded, never silently the current policy's.
+    Behaviour log-probs 0.05 below the policy's make every ratio e^0.05 (inside the clip range), so the PPO
+    gradient is e^0.05 times the on-policy one."""
+    policy = tiny_policy(0).double()
+    groups = synthetic_groups(4, 4, seed=9, prompt_lens=(1, 8), response_lens=(1, 10))
+    same = _grads(GRPO(), on_policy(policy, groups), policy=copy.deepcopy(policy))
+    shifted = _grads(GRPO(), on_policy(policy, groups, shift=0.05), policy=copy.deepcopy(policy))
+    assert max_rel_diff({k: math.exp(0.05) * v for k, v in same.items()}, shifted) <= 1e-6
+    assert max_rel_diff(same, shifted) > 0.04
+
+
 # ================================================================================ 9. config validation
 _BAD = [
     (lambda: GRPO(clip_ratio_low=1.0), "--algorithm.clip-ratio-low"),

@@ -51,6 +51,10 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--rollout.top-p", "1.5"], ["--rollout.top-p 1.5 is invalid: must lie in (0, 1]"]),
     (["--rollout.top-p", "0"], ["--rollout.top-p 0.0 is invalid"]),
     (["--rollout.top-k", "0"], ["--rollout.top-k 0 is invalid: must be -1 (off) or >= 1"]),
+    # the learner's log-probs do not truncate: training from a truncated distribution would bias every ratio
+    (["--rollout.top-p", "0.9"], ["--rollout.top-p 0.9 is invalid: training samples from the full distribution",
+                                  "leave --rollout.top-p at 1"]),
+    (["--rollout.top-k", "50"], ["--rollout.top-k 50 is invalid: training samples from the full distribution"]),
     (["--placement.agent-devices", "cuda:0"],
      ["--placement.agent-devices cuda:0: cuda:0 requested but CUDA is not available on this machine; use cpu"]),
     (["--placement.trainer-devices", "cuda"], ["--placement.trainer-devices cuda: cuda requested but CUDA"]),

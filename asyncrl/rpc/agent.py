@@ -186,11 +186,12 @@ class RolloutAgent:
             time.sleep(0.002)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None) -> None:
-        """Copy (a bucket of) weights into the paused engine; `version` on the last bucket."""
+        """Copy (a bucket of) weights into the paused engine; `version` on the last bucket. A last bucket whose
+        version is older than the agent's is refused before it is copied (an agent's versions only go forward)."""
+        if version is not None and version < self.versions_seen[-1]:
+            raise RuntimeError(f"agent {self.name}: version went backwards {self.versions_seen[-1]} -> {version}")
         self.engine.update_weights(named_tensors, version, kv=self.rollout.kv_on_update)
         if version is not None:
-            if version < self.versions_seen[-1]:
-                raise RuntimeError(f"agent {self.name}: version went backwards {self.versions_seen[-1]} -> {version}")
             self.versions_seen.append(version)
 
     def resume(self) -> None:

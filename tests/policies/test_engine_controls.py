@@ -156,6 +156,36 @@ def _keep_reference(old, new, prompt, tokens, m):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_pause_keep_update_resume_loses_no_token_and_keeps_the_budget(kv):
+    """The agent's update sequence, repeated: pause("keep") → update_weights → resume, three times at different
+    points. No token is lost or repeated: every sample ends at exactly its budget, its versions run 0, 1, 2, 3
+    in order, and (kv="recompute") each stretch of tokens has the log-probs of the weights it is stamped with."""
+    models = [tiny_model(seed=s) for s in (5, 6, 7, 8)]
+    prompts = make_prompts([6, 17], seed=6)
+    params = [_params(17, 24, n=2), _params(18, 24)]
+    engine = Engine(tiny_model(seed=5), small_config())
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for version, steps in ((1, 4), (2, 7), (3, 5)):
+        for _ in range(steps):
+            engine.step()
+        assert engine.pause("keep") == []
+        engine.update_weights(named_weights(models[version]), version=version, kv=kv)
+        engine.resume()
+    done = drain(engine)
+    for rid, prompt in zip(ids, prompts):
+        for c in done[rid].completions:
+            assert len(c.token_ids) == 24 and c.finish_reason == "length"
+            assert c.versions == sorted(c.versions) and set(c.versions) == {0, 1, 2, 3}
+            lp = torch.tensor(c.logprobs)
+            for version in ({0, 1, 2, 3} if kv == "recompute" else {0}):
+                at = [j for j, v in enumerate(c.versions) if v == version]
+                upto = at[-1] + 1
+                expected = forward_logprobs(models[version], prompt, c.token_ids[:upto])[at]
+                torch.testing.assert_close(lp[at], expected, rtol=0,
+                                           atol=logprob_tol(models[version], prompt, c.token_ids[:upto]))
+
+
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_update_weights_mid_generation(kv):
     old, new = tiny_model(seed=5), tiny_model(seed=6)
