@@ -63,6 +63,10 @@ class _PolicyGradient:
     """Penalty at the full budget."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no gradient)."""
+    max_num_gen_batches: int = 10
+    """With filter_groups: fail the run when one learner step has dropped this many batches' worth of groups
+    (× the groups a step takes) without filling its batch: every answer scoring alike is a reward or data
+    problem, not something to wait out (verl's knob; 0: no limit)."""
 
     def validate(self) -> None:
         owner = type(self).__name__
@@ -77,7 +81,8 @@ class _PolicyGradient:
         if self.kl_loss_type.rstrip("+") not in algos.KL_ESTIMATORS:
             _fail(owner, "kl_loss_type", self.kl_loss_type, f"must be one of {sorted(algos.KL_ESTIMATORS)} "
                   "(optionally with a '+' suffix)")
-        for field in ("entropy_coef", "kl_loss_coef", "kl_in_reward_coef", "overlong_buffer_len"):
+        for field in ("entropy_coef", "kl_loss_coef", "kl_in_reward_coef", "overlong_buffer_len",
+                      "max_num_gen_batches"):
             if getattr(self, field) is not None and getattr(self, field) < 0:
                 _fail(owner, field, getattr(self, field), "must be >= 0")
 

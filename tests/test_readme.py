@@ -23,13 +23,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_TRAIN = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
               "--rollout.max-new-tokens", "2"]
+TINY_TOY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
 TRAINED_FOR_REAL = {
-    "asyncrl train cpu-demo": ["--async-training.total-versions", "20"],
+    "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "20"],
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
-        ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
-    # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget)
+        TINY_TRAIN + ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
+    # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget);
+    # on the toy task, since a random model scores 0 on every sum and DAPO's dynamic sampling would drop every group
     "asyncrl train cpu-demo algorithm:dapo --algorithm.kl-loss-coef 0.001":
-        ["--async-training.total-versions", "2", "--run-dir", "runs/dapo"],
+        TINY_TOY + ["--async-training.total-versions", "2", "--run-dir", "runs/dapo"],
 }
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
 NOT_RUN = {
@@ -85,7 +87,7 @@ def test_every_readme_command_runs(workdir):
             continue
         args = shlex.split(command)[1:]
         if command in TRAINED_FOR_REAL:
-            args[2:2] = TINY_TRAIN + TRAINED_FOR_REAL[command]  # before a subcommand such as algorithm:dapo
+            args[2:2] = TRAINED_FOR_REAL[command]  # before a subcommand such as algorithm:dapo
         elif args[0] == "train" and "--dry-run" not in args:
             args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
         args += SMALLER.get(args[0], [])

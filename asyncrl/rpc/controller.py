@@ -120,7 +120,7 @@ class Controller:
     def _take(self, n: int) -> tuple[list[Group], float] | None:
         """n groups (after dynamic sampling) and the seconds spent waiting for them; None when the window must
         end now (no live agent, one waiting for its first weights)."""
-        start, out = time.monotonic(), []
+        start, out, dropped_total = time.monotonic(), [], 0
         deadline = start + self.config.take_timeout_s
         while len(out) < n:
             self._check()
@@ -138,10 +138,19 @@ class Controller:
                     self.queue.put_back(out)
                     raise
                 continue
-            if self.state.algorithm.filter_groups:
+            algo = self.state.algorithm
+            if algo.filter_groups:
                 groups, dropped = filter_groups(groups)
                 for g in dropped:
                     self.queue.drop(g, "filtered")
+                dropped_total += len(dropped)
+                if algo.max_num_gen_batches and dropped_total >= algo.max_num_gen_batches * n:
+                    self.queue.put_back(out + groups)
+                    raise RuntimeError(
+                        f"dynamic sampling (--algorithm.filter-groups) dropped {dropped_total} groups whose samples all "
+                        f"scored alike while filling one step of {n} groups ({len(out) + len(groups)} kept): check "
+                        "the reward function and the data's difficulty, or raise --algorithm.max-num-gen-batches "
+                        f"{algo.max_num_gen_batches} (0: no limit)")
             out += groups
         return out, time.monotonic() - start
 

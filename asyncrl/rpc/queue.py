@@ -209,8 +209,12 @@ class SampleQueue:
                 self.ledger.trained(g.prompt_id)
 
     def drop(self, group: Group, reason: str) -> None:
-        with self.lock:
+        with self.changed:
             self.ledger.drop(group.prompt_id, reason)
+            if reason == "filtered":  # never trained: its charge goes back to the window, or dynamic sampling
+                # (which may drop most groups) would exhaust the budget and starve the trainer until the timeout
+                self.budget = self.budget._replace(staleness_samples=max(self.budget.staleness_samples - 1, 0))
+                self.changed.notify_all()
 
     def oldest_version(self) -> int | None:
         """Oldest version among queued groups and in-flight prompts (None when there are none)."""

@@ -42,8 +42,8 @@ def source() -> GeneratedSource:
     return GeneratedSource(make_prompt)
 
 
-def scorer() -> Scorer:
-    return Scorer({"toy": even_fraction})
+def scorer(reward=even_fraction) -> Scorer:
+    return Scorer({"toy": reward})
 
 
 def tiny_model():
@@ -60,7 +60,7 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
               max_new_tokens: int = 8, kv_on_update: str = "keep", mini_batch_size: int = 2, n: int = 4,
               max_slots: int = 16, concurrent_prompts: int | None = None, lr: float = 3e-3, seed: int = 0,
               run_dir: str | None = None, checkpoint_every: int = 0, state=None,
-              resume_extra: dict | None = None) -> LocalRun:
+              resume_extra: dict | None = None, reward=even_fraction) -> LocalRun:
     """A LocalRun of the toy task: `engines` engines on CPU, each agent keeping `concurrent_prompts` prompts
     in flight (default max_slots // n)."""
     state = state if state is not None else build_state(mini_batch_size, lr)
@@ -71,7 +71,7 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
     engine_list = [SlowEngine(e, d) if d else e for e, d in zip(engine_list, delays)]
     rollout = RolloutConfig(n=n, max_new_tokens=max_new_tokens, max_slots=max_slots, max_prompt_length=8,
                             max_concurrent_prompts=concurrent_prompts, kv_on_update=kv_on_update)
-    return LocalRun(state, engine_list, source(), scorer(), rollout, config, seed=seed, run_dir=run_dir,
+    return LocalRun(state, engine_list, source(), scorer(reward), rollout, config, seed=seed, run_dir=run_dir,
                     checkpoint_every=checkpoint_every, resume_extra=resume_extra)
 
 

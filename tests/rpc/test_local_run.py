@@ -267,6 +267,23 @@ def _record_deaths(run):
     return deaths
 
 
+def test_dynamic_sampling_that_finds_no_signal_fails_the_run_instead_of_spinning():
+    """DAPO's dynamic sampling with every sample scoring alike (a broken reward, or data far too hard) would drop
+    every group forever; after --algorithm.max-num-gen-batches batches' worth the run fails and says why."""
+    from asyncrl.algorithm_config import DAPO
+    from asyncrl.config import OptimConfig, TrainerConfig
+    from asyncrl.learner import build_learner
+    from tests.rpc.helpers import tiny_model
+    state = build_learner(tiny_model(), TrainerConfig(mini_batch_size=MINI, optim=OptimConfig(lr=1e-3)),
+                          DAPO(max_num_gen_batches=3))
+    run = local_run(AsyncConfig(total_versions=2, take_timeout_s=limit(60), sync_timeout_s=limit(60)), state=state,
+                    reward=lambda text, ground_truth: 0.0)
+    with pytest.raises(RuntimeError, match=r"dynamic sampling \(--algorithm.filter-groups\) dropped 6 groups .*"
+                                           r"--algorithm.max-num-gen-batches 3"):
+        run.run()
+    assert run.state.version == 0 and run.queue.ledger.counts["dropped/filtered"] >= 6
+
+
 def test_hung_agent_is_declared_dead_while_the_others_keep_the_trainer_fed():
     timeout = agent_timeout()  # agents heartbeat every second: well above that, so a busy machine gives no false alarm
     # agent0 alone keeps the trainer fed, slowly enough for the run to outlast the timeout

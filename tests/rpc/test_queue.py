@@ -95,6 +95,21 @@ def test_new_version_carry_over_is_in_flight_plus_pending_plus_queued():
     assert q.budget.staleness_samples == 10
 
 
+def test_a_filtered_group_gives_its_charge_back_to_the_window():
+    """DAPO's dynamic sampling drops groups whose rewards are all equal; they are never trained, so each gives its
+    admission back. Charging them would exhaust the window and starve the trainer until the take timeout."""
+    q = make_queue(4)
+    tasks = q.request("a0", 10)
+    assert len(tasks) == 4 and not q.budget.can_admit
+    for t in tasks:
+        q.submit("a0", group_of(t))
+    for g in q.take(3, timeout=1):
+        q.drop(g, "filtered")
+    assert q.budget.staleness_samples == 1 and len(q.request("a0", 10)) == 3
+    q.drop(q.take(1, timeout=1)[0], "stale")  # other drops keep their charge (they ran under this window)
+    assert q.budget.staleness_samples == 4 and q.ledger.counts["dropped/filtered"] == 3
+
+
 def test_closed_queue_admits_nothing_new_but_hands_back_readmitted_prompts():
     q = make_queue(4)
     tasks = q.request("a0", 2)
