@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from asyncrl.rpc.param_server import late_after
 from tests.rpc.jobs import TOY, Job, alive, wait_until
 from tests.timing import agent_timeout, detection_margin, limit
 
@@ -68,8 +69,13 @@ def test_a_hung_agent_is_named_and_fenced_the_trainer_steps_on_then_sigterm_chec
     # published to agent0. Whether a publication falls inside the hang depends on the trainer: it may wait for
     # samples the whole time instead (the hung agent holds its share of the version's admissions until its
     # death re-admits them). Two versions logged during the hang mean one publication began after the stop ...
+    # A sync that blocks on the stopped agent is left behind after five heartbeats ("agent agent1 is late"); the
+    # small toy model's weights may instead fit into the socket buffers, and the sync ends at once. Either way
+    # no publication during the hang waited for the agent longer than that.
     if at_death - at_stop >= 2:
-        assert "agent agent1 is late" in job.text()
+        during = job.metrics()[at_stop:at_death]
+        assert ("agent agent1 is late" in job.text()
+                or all(m["timing_s/param_sync"] <= late_after(timeout) + detection_margin() for m in during)), during
     # ... and after
     job.wait_versions(at_death + 10)
 
