@@ -32,11 +32,14 @@ import dataclasses
 import json
 import tempfile
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from asyncrl.bench_async import AsyncBenchArgs, bench_async
+
+if TYPE_CHECKING:
+    from asyncrl.policies import SamplingParams
 
 __all__ = ["EngineBenchArgs", "LearnerBenchArgs", "bench_engine", "bench_learner", "bench_main",
            "peak_bandwidth", "step_bytes", "logprob_mismatch", "groups_for"]
@@ -133,7 +136,7 @@ class Workload:
     """The prompts and sampling of one measurement, the same for every backend."""
 
     prompts: list[list[int]]
-    params: object  # asyncrl.policies.SamplingParams
+    params: "SamplingParams"
     eos_token_ids: tuple[int, ...]
 
     @property
@@ -221,9 +224,8 @@ def _in_own_process(function, *args):
 
 def _vllm_worker(args: EngineBenchArgs, work: Workload) -> tuple[list, float]:
     """vLLM behind our adapter: outputs and output tok/s, timed like ours (after a warm-up run)."""
-    from asyncrl.policies import load_model
     from asyncrl.policies.vllm_engine import build_vllm_engine
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    model = _load(args)
     engine = build_vllm_engine(model, _engine_config(args, work), agent="bench")
     del model
     outs, tok_s, _ = _time_engine(engine, work, args.device)
@@ -232,13 +234,17 @@ def _vllm_worker(args: EngineBenchArgs, work: Workload) -> tuple[list, float]:
 
 def _vllm_llm_worker(args: EngineBenchArgs, work: Workload) -> tuple[float, float]:
     """vLLM's own `LLM.generate`: (output tok/s, mean sample length) of the run after the warm-up."""
-    from asyncrl.policies import load_model
     from asyncrl.policies.vllm_engine import vllm_offline_generate
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    model = _load(args)
     config = _engine_config(args, work)
     tokens, seconds = vllm_offline_generate(model, work.prompts, work.params, max_len=config.max_len,
                                             eos_token_ids=work.eos_token_ids)[-1]
     return tokens / seconds, tokens / work.sequences
+
+
+def _load(args: EngineBenchArgs):
+    from asyncrl.policies import load_model
+    return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
 
 
 def _engine_config(args: EngineBenchArgs, work: Workload):
@@ -263,20 +269,21 @@ def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
     return {"mean_abs_dlogp": sum(diffs) / len(diffs), "kl_engine_train": sum(kls) / len(kls)}
 
 
+_RATIOS = {"ratio": "hf_tok_s", "ratio_vs_vllm": "vllm_tok_s", "ratio_vs_vllm_llm": "vllm_llm_tok_s"}
+
+
 def _ratios(row: dict) -> None:
-    if "ours_tok_s" in row and "hf_tok_s" in row:
-        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
-    if "ours_tok_s" in row and "vllm_tok_s" in row:
-        row["ratio_vs_vllm"] = row["ours_tok_s"] / row["vllm_tok_s"]
-    if "ours_tok_s" in row and "vllm_llm_tok_s" in row:
-        row["ratio_vs_vllm_llm"] = row["ours_tok_s"] / row["vllm_llm_tok_s"]
+    """Our tok/s over each other backend's that was timed."""
+    for name, other in _RATIOS.items():
+        if "ours_tok_s" in row and other in row:
+            row[name] = row["ours_tok_s"] / row[other]
 
 
 def bench_engine(args: EngineBenchArgs) -> list[dict]:
     """Run the engine benchmark; print one JSON row per batch size and return the rows."""
-    from asyncrl.policies import Engine, load_model
+    from asyncrl.policies import Engine
     args.validate()
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    model = _load(args)
     results, bandwidth = [], peak_bandwidth()
     for batch, work in zip(args.batch_sizes, _workloads(args, model)):
         row = {"device": _device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,

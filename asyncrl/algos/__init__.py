@@ -23,7 +23,7 @@ from asyncrl.algos.losses import (
 from asyncrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, seq_lengths
 from asyncrl.algos.staleness import (
     VerlBudget, VersionLag, areal_capacity, staleness_mask, verl_admit, verl_max_required_samples,
-    verl_on_new_version, version_lag,
+    verl_on_new_version, verl_release, version_lag,
 )
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "token_rejection_mask", "sequence_rejection_mask", "decoupled_ppo_weights", "vtrace",
     # staleness
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
-    "verl_on_new_version", "areal_capacity",
+    "verl_release", "verl_on_new_version", "areal_capacity",
     # masked reductions
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "seq_lengths",
 ]

@@ -26,7 +26,7 @@ from asyncrl.algos._checks import check_choice, check_mask, check_token_tensor
 
 __all__ = [
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
-    "verl_on_new_version", "areal_capacity",
+    "verl_release", "verl_on_new_version", "areal_capacity",
 ]
 
 
@@ -124,6 +124,15 @@ def verl_admit(budget: VerlBudget, n: int = 1) -> VerlBudget:
                          f"{budget.staleness_samples + n} > max_required_samples {budget.max_required_samples}; "
                          "check `can_admit` / `remaining` first")
     return budget._replace(staleness_samples=budget.staleness_samples + n)
+
+
+def verl_release(budget: VerlBudget, n: int = 1) -> VerlBudget:
+    """Give `n` prompts' charge back to the window: prompts that will never be trained (DAPO's dynamic sampling
+    drops them), so the window bounds the staleness of what is trained without starving the trainer. Ours;
+    verl's fully-async trainer has no such refund."""
+    if n < 0:
+        raise ValueError(f"verl_release: n must be >= 0, got {n}")
+    return budget._replace(staleness_samples=max(budget.staleness_samples - n, 0))
 
 
 def verl_on_new_version(budget: VerlBudget, in_flight: int, queued: int) -> VerlBudget:

@@ -148,8 +148,7 @@ class Engine:
             if rid in self._requests:
                 raise ValueError(f"add_request: request_id {rid!r} is already in use")
             max_new = min(params.max_new_tokens, self.config.max_len - len(prompt_ids))
-            stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-            request = _Request(rid, list(prompt_ids), params, max_new, stop)
+            request = _Request(rid, list(prompt_ids), params, max_new, params.stop_ids(self.eos_token_ids))
             request.samples = [_Sample(request, i, self._uniforms(params, i, max_new)) for i in range(params.n)]
             self._requests[rid] = request
             self._waiting.append(request)

@@ -42,6 +42,10 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens regardless of the rest of the batch."""
 
+    def stop_ids(self, eos_token_ids) -> frozenset[int]:
+        """The tokens that finish a sample: `stop_token_ids`, and the model's EOS unless `ignore_eos`."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first bad field."""
         checks = [

@@ -138,10 +138,10 @@ class VLLMEngine:
                 request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
             if request_id in self._requests:
                 raise ValueError(f"add_request: request_id {request_id!r} is already in use")
-            stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             request = _Request(request_id, list(prompt_ids), params,
                                max_new=min(params.max_new_tokens, self.max_len - len(prompt_ids)),
-                               stop_ids=sorted(stop), samples=[_Sample(i) for i in range(params.n)])
+                               stop_ids=sorted(params.stop_ids(self.eos_token_ids)),
+                               samples=[_Sample(i) for i in range(params.n)])
             self._requests[request_id] = request
             for sample in request.samples:
                 if self._paused or self._draining or self._asleep:
@@ -337,9 +337,7 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
     Hugging Face directory written for it and removed once loaded. The KV cache is what the embedded engine
     would take, unless --rollout.vllm.kv-cache-gb or (GPU) --rollout.vllm.gpu-memory-utilization say otherwise."""
     shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
-    kv = int(options.kv_cache_gb * 2 ** 30) if options.kv_cache_gb else None
-    if kv is None and model.device.type != "cuda":
-        kv = kv_cache_bytes(model, config.max_slots, config.max_len)
+    kv = _kv_bytes(model, config.max_slots, config.max_len, options)
     with tempfile.TemporaryDirectory(prefix=f"asyncrl-vllm-{agent}-") as directory:
         save_pretrained(model, directory)
         return VLLMEngine(directory, weight_shapes=shapes, vocab_size=model.config.vocab_size,
@@ -355,13 +353,12 @@ def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: Sam
     engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and behaviour
     log-probs, no per-step control. Returns (tokens generated, seconds) of each of `repeats` runs (the first
     one warms up). Call it in a process that may start children (vLLM starts its engine core)."""
-    device = str(model.device)
-    kv = kv_cache_bytes(model, len(prompts) * params.n, max_len) if model.device.type != "cuda" else None
+    device, slots = str(model.device), len(prompts) * params.n
     with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-offline-") as directory:
         save_pretrained(model, directory)
-        llm = _vllm_llm(directory, options, max_slots=len(prompts) * params.n, max_len=max_len, dtype=model.dtype,
-                        device=device, kv_bytes=kv, seed=0)
-    stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids)))
+        llm = _vllm_llm(directory, options, max_slots=slots, max_len=max_len, dtype=model.dtype, device=device,
+                        kv_bytes=_kv_bytes(model, slots, max_len, options), seed=0)
+    stop = sorted(params.stop_ids(eos_token_ids))
     runs = []
     for _ in range(repeats):
         if device.startswith("cuda"):
@@ -370,6 +367,14 @@ def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: Sam
         outs = _vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
         runs.append((sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start))
     return runs
+
+
+def _kv_bytes(model: CausalLM, slots: int, max_len: int, options: VLLMConfig) -> int | None:
+    """--rollout.vllm.kv-cache-gb if given; else on CPU what `slots` full-length sequences need; else (GPU) None:
+    what --rollout.vllm.gpu-memory-utilization leaves."""
+    if options.kv_cache_gb:
+        return int(options.kv_cache_gb * 2 ** 30)
+    return None if model.device.type == "cuda" else kv_cache_bytes(model, slots, max_len)
 
 
 # ------------------------------------------------------------------------ the calls that depend on vLLM's version
@@ -408,22 +413,26 @@ def _vllm_llm(model_dir: str, options: VLLMConfig, **kwargs):
     return LLM(**_engine_args(model_dir, options, **kwargs))
 
 
-def _vllm_generate(llm, prompts: list[list[int]], params: SamplingParams, *, max_tokens: int, stop_ids: list[int]):
+def _vllm_sampling(params: SamplingParams, *, n: int, max_tokens: int, stop_ids: list[int], seed: int | None,
+                   **extra):
+    """Our sampling as vLLM's: the stop set is ours (EOS included unless ignore_eos), one log-prob per token
+    (the sampled one), no detokenisation."""
     from vllm import SamplingParams as VSamplingParams
-    vparams = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=params.seed,
-                              stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False)
+    return VSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                           top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=seed,
+                           stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False, **extra)
+
+
+def _vllm_generate(llm, prompts: list[list[int]], params: SamplingParams, *, max_tokens: int, stop_ids: list[int]):
+    vparams = _vllm_sampling(params, n=params.n, max_tokens=max_tokens, stop_ids=stop_ids, seed=params.seed)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], vparams, use_tqdm=False)
 
 
 def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
               stop_ids: list[int], seed: int | None, salt: str) -> None:
-    from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
-    vparams = VSamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=seed,
-                              stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
+    vparams = _vllm_sampling(params, n=1, max_tokens=max_tokens, stop_ids=stop_ids, seed=seed,
+                             output_kind=RequestOutputKind.DELTA)
     engine.add_request(vllm_id, {"prompt_token_ids": prompt_ids, "cache_salt": salt}, vparams)
 
 

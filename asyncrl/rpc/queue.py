@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Literal
 
-from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version
+from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version, verl_release
 from asyncrl.data.sources import PromptSource
 from asyncrl.types import Completion, Group, Prompt
 
@@ -213,7 +213,7 @@ class SampleQueue:
             self.ledger.drop(group.prompt_id, reason)
             if reason == "filtered":  # never trained: its charge goes back to the window, or dynamic sampling
                 # (which may drop most groups) would exhaust the budget and starve the trainer until the timeout
-                self.budget = self.budget._replace(staleness_samples=max(self.budget.staleness_samples - 1, 0))
+                self.budget = verl_release(self.budget)
                 self.changed.notify_all()
 
     def oldest_version(self) -> int | None:
