@@ -463,7 +463,10 @@ class _DecodeGraphs:
             run()  # warm-up: allocations and compilation outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread-local capture: in a colocated process the trainer's thread keeps using the GPU (a checkpoint's
+        # device-to-host copies, allocations) while this thread captures; the default global mode turns those
+        # calls into "operation not permitted when stream is capturing" and invalidates the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = run()
         self.pool = graph.pool()
         return graph, out

@@ -90,3 +90,38 @@ def test_sleep_wake_recaptures_graphs():
         done.update({o.request_id: o for o in engine.step()})
     for rid, ref in zip(ids, reference):
         assert done[rid].completions[0].token_ids == ref.completions[0].token_ids
+
+
+def test_capture_while_another_thread_copies_to_host_and_allocates():
+    """Colocated runs decode on one thread while the trainer's thread works on the same GPU (a checkpoint
+    gathers weights to host memory): a graph captured meanwhile must neither fail nor break the other thread."""
+    import threading
+
+    model = random_model(CONFIG, seed=4, device="cuda")
+    engine = Engine(model, EngineConfig(max_slots=64, max_len=96, attend_bucket=16))
+    weights = [torch.randn(256, 256, device="cuda") for _ in range(32)]
+    stop, errors, copies = threading.Event(), [], [0]
+
+    def trainer_like():
+        try:
+            while not stop.is_set():
+                for w in weights:
+                    _ = w.cpu()                                  # device-to-host copy, synchronising
+                    _ = torch.empty(1 << 20, device="cuda")      # an allocation
+                copies[0] += 1
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=trainer_like)
+    thread.start()
+    try:
+        for n in (1, 3, 7, 13, 29, 50, 64):  # every new batch size (and attend bucket) captures new graphs
+            outs = engine.generate(_prompts(n, seed=n), SamplingParams(temperature=1.0, max_new_tokens=40,
+                                                                       ignore_eos=True, seed=n))
+            assert all(len(o.completions[0].token_ids) == 40 for o in outs)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, f"the other thread failed during capture: {errors[0]!r}"
+    assert copies[0] > 0
+    assert len(engine._graphs.graphs) >= 7, "the decode steps above did not run as captured graphs"
