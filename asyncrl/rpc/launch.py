@@ -39,7 +39,7 @@ from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
-__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port"]
+__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -48,6 +48,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserve_port(host: str = "") -> socket.socket:
+    """A port for a server that a child process will start (on every address by default), held until the
+    returned socket is closed.
+
+    The socket is bound with SO_REUSEADDR and never listens: the server (torch's TCPStore, which sets
+    SO_REUSEADDR too) can still bind the port, while no other process on the host is handed it meanwhile. A
+    port picked with `free_port` is free only at the moment of the pick: two runs started together on one host
+    were both given the same one, and one failed with EADDRINUSE while its clients broke the other's store."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
 
 
 def _setup_logging(role: str) -> None:

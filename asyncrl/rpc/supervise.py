@@ -29,7 +29,7 @@ import socket
 import time
 
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.launch import run_agent_process, free_port, run_trainer
+from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
 from asyncrl.rpc.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
@@ -87,8 +87,12 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
         self.host = spec.master_addr
-        self.store_port = spec.join_port or free_port()
-        self.rpc_port = free_port()
+        # held until the run ends, so that no other run on this host is given them (a --placement.join-port
+        # the user chose is theirs to keep free)
+        self.reserved = [reserve_port("") for _ in range(1 if spec.join_port else 2)]
+        ports = [s.getsockname()[1] for s in self.reserved]
+        self.store_port = spec.join_port or ports.pop()
+        self.rpc_port = ports.pop()
         self.children: list[_Child] = []
         self.restarts_left = spec.restart_agents
         self.pending_restarts: list[tuple[float, int, int]] = []  # (when, slot, restarts so far)
@@ -284,6 +288,8 @@ class Supervisor:
             c.process.join(max(0.1, deadline - time.monotonic()))
         self._kill_all()
         self._write_processes()
+        for s in self.reserved:
+            s.close()
 
     def _kill_all(self) -> None:
         for c in self.children:
