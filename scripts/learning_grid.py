@@ -1,0 +1,315 @@
+"""Does asynchrony cost accuracy, and does the off-policy correction matter? The learning-quality grid.
+
+    python -m scripts.learning_grid --model smollm2 --devices cuda:0 cuda:0 --parallel 6 --out runs/grid  # repo root
+    python -m scripts.learning_grid --model smollm2 --devices cpu cpu --steps 48 --seeds 0 --out runs/grid-cpu
+
+Every cell trains the same model on the same task for the same number of learner steps (so the same number of
+samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mode and the correction differ:
+
+    sync            colocated: one process generates a batch, then trains on it (staleness 0, trigger 1)
+    stale-partial   fully async, 1 trainer + 1 rollout process: staleness 0.5, trigger 4, partial rollout,
+                    the default correction (behaviour log-probs as π_old)
+    lag-naive       a forced lag: staleness --lag, trigger 1, no partial rollout, so the rollout runs up to
+                    --lag versions ahead of the trainer; behaviour log-probs as π_old, no importance weights
+    lag-corrected   the same lag, corrected: decoupled PPO (proximal log-probs recomputed with the learner's
+                    weights before the update, the clip around them) with token-level truncated importance
+                    weights π_prox/μ (C = 2)
+    lag-rejected    lag-corrected, and tokens whose π_prox/μ lies outside [1/2, 2] get no loss (token rejection)
+
+A run ends with a checkpoint, which is evaluated on prompts of another task seed (`--eval-seed`) at the
+training temperature. Per cell: the final evaluation accuracy and the training reward over the last quarter
+of the steps, mean ± std over seeds, and the version lag that was actually trained on. Writes one directory
+per run (its metrics.jsonl and result.json), then results.json, learning_grid.md and learning_grid.png to
+--out. A run whose result.json exists is not run again: an interrupted grid resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from asyncrl.config import (
+    GRPO, AsyncConfig, DataConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig, RolloutConfig,
+    RunConfig, TrainerConfig,
+)
+
+__all__ = ["GridArgs", "CELLS", "CORRECTIONS", "cell_config", "run_one", "aggregate", "table", "run_grid"]
+
+CELLS: dict[str, dict] = {
+    "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="none"),
+    "stale-partial": dict(staleness=0.5, trigger=4, partial=True, colocated=False, correction="none"),
+    "lag-naive": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none"),
+    "lag-corrected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis"),
+    "lag-rejected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis+rs"),
+}
+"""Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS."""
+
+CORRECTIONS: dict[str, OffPolicyConfig] = {
+    "none": OffPolicyConfig(),
+    "tis": OffPolicyConfig(use_rollout_log_probs=False, is_level="token", is_threshold=2.0),
+    "tis+rs": OffPolicyConfig(use_rollout_log_probs=False, is_level="token", is_threshold=2.0, rs_stat="k1",
+                              rs_level="token", rs_upper=2.0),
+}
+"""The off-policy settings of the cells: behaviour log-probs as π_old; decoupled PPO with token TIS (C = 2);
+the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style masking)."""
+
+
+@dataclasses.dataclass
+class GridArgs:
+    model: str = "smollm2"
+    tokenizer: str | None = None
+    """Tokenizer for a 'random:' model (smoke runs)."""
+    devices: tuple[str, str] = ("cpu", "cpu")
+    """Trainer device, rollout device (sync puts both roles on the first)."""
+    cells: tuple[str, ...] = tuple(CELLS)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    digits: int = 2
+    """The built-in arithmetic task: two-digit sums by default."""
+    system_prompt: str = "Reply with the result only."
+    n: int = 8
+    mini_batch_size: int = 16
+    """Prompts per learner step."""
+    steps: int = 96
+    """Learner steps of every run (a multiple of every cell's trigger)."""
+    lag: float = 6.0
+    """--async-training.staleness-threshold of the lag cells: how many versions the rollout may run ahead."""
+    lr: float = 1e-5
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+    max_prompt_length: int = 96
+    slots: int = 128
+    """Engine slots of the rollout process."""
+    max_tokens_per_micro_batch: int = 16384
+    """Learner micro-batch token budget (memory only: the loss and gradient do not depend on it)."""
+    eval_prompts: int = 128
+    eval_n: int = 4
+    eval_seed: int = 1000
+    """Task seed of the evaluation prompts (training uses the run's seed)."""
+    parallel: int = 1
+    """Runs at once (each is its own set of processes)."""
+    threads_per_process: int = 1
+    sync_timeout_s: float = 600.0
+    keep_checkpoints: bool = False
+    """Keep each run's final checkpoint after its evaluation (SmolLM2-135M with its optimizer: ~1.6 GB each)."""
+    out: str = "runs/learning-grid"
+
+
+def _run_dir(args: GridArgs, cell: str, seed: int) -> pathlib.Path:
+    return pathlib.Path(args.out) / cell / f"seed{seed}"
+
+
+def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
+    """The RunConfig of one (cell, seed): shared hyperparameters, the cell's mode and correction."""
+    if cell not in CELLS:
+        raise ValueError(f"--cells {cell}: unknown cell; choose from {', '.join(CELLS)}")
+    k = CELLS[cell]
+    if args.steps % k["trigger"]:
+        raise ValueError(f"--steps {args.steps}: must be a multiple of {cell}'s trigger ({k['trigger']}) so that "
+                         "every cell trains the same number of samples")
+    trainer, rollout = args.devices
+    off_policy = dataclasses.replace(CORRECTIONS[k["correction"]])
+    staleness = args.lag if k["staleness"] is None else k["staleness"]
+    return RunConfig(
+        model=ModelConfig(path=args.model, tokenizer=args.tokenizer, seed=seed),
+        data=DataConfig(task="arithmetic", digits=args.digits, operators="+", system_prompt=args.system_prompt,
+                        seed=seed),
+        algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
+        rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              max_prompt_length=args.max_prompt_length, max_slots=args.slots),
+        trainer=TrainerConfig(mini_batch_size=args.mini_batch_size, temperature=args.temperature,
+                              max_response_length=args.max_new_tokens, off_policy=off_policy,
+                              max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                              optim=OptimConfig(lr=args.lr)),
+        async_training=AsyncConfig(staleness_threshold=staleness, trigger_parameter_sync_step=k["trigger"],
+                                   partial_rollout=k["partial"], colocated=k["colocated"],
+                                   total_versions=args.steps // k["trigger"], sync_timeout_s=args.sync_timeout_s),
+        placement=PlacementConfig(launcher="rpc", trainer_devices=(trainer,),
+                                  agent_devices=(trainer if k["colocated"] else rollout,),
+                                  threads_per_process=args.threads_per_process),
+        run_dir=str(_run_dir(args, cell, seed)), wandb="off", seed=seed,
+        checkpoint_every=args.steps // k["trigger"],  # one checkpoint: the end of the run, evaluated below
+    )
+
+
+def _eval(args: GridArgs, model: str, device: str) -> dict:
+    from asyncrl.evaluate import evaluate
+    data = DataConfig(task="arithmetic", digits=args.digits, operators="+", system_prompt=args.system_prompt,
+                      seed=args.eval_seed)
+    return evaluate(model, data, num_prompts=args.eval_prompts, n=args.eval_n, temperature=args.temperature,
+                    max_new_tokens=args.max_new_tokens, max_slots=min(256, args.eval_prompts * args.eval_n),
+                    device=device, tokenizer=args.tokenizer, seed=args.eval_seed, max_prompt_length=args.max_prompt_length)
+
+
+def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    keys = {"reward": "critic/score/mean", "lag_mean": "training/version_lag/mean",
+            "lag_max": "training/version_lag/max", "mismatch_kl": "rollout_corr/mismatch_kl",
+            "clipfrac": "actor/pg_clipfrac", "response_length": "response_length/mean"}
+    return [{"step": r["training/global_step"], "samples": r["training/global_step"] * samples_per_step,
+             **{name: r.get(key) for name, key in keys.items()}} for r in rows]
+
+
+def run_one(args: GridArgs, cell: str, seed: int) -> dict:
+    """Train one (cell, seed), evaluate its final checkpoint; write and return its result.json."""
+    from asyncrl.run import train
+    cfg = cell_config(args, cell, seed)
+    cfg.validate()
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)  # no result.json: whatever is there is an unfinished attempt
+    start = time.time()
+    summary = train(cfg)
+    if summary.interrupted or summary.checkpoint is None:
+        raise RuntimeError(f"{cell} seed {seed}: the run stopped early ({summary.interrupted}) at step "
+                           f"{summary.steps}; see {cfg.run_dir}")
+    train_s = time.time() - start
+    curve = _curve(pathlib.Path(cfg.run_dir), args.mini_batch_size * args.n)
+    tail = [c for c in curve if c["step"] > 0.75 * args.steps and c["reward"] is not None]
+    lags = [c["lag_mean"] for c in curve if c["lag_mean"] is not None]
+    result = {"cell": cell, "seed": seed, "steps": summary.steps, "train_s": train_s,
+              "samples": summary.steps * args.mini_batch_size * args.n,
+              "train_reward_last_quarter": statistics.fmean(c["reward"] for c in tail),
+              "lag_mean": statistics.fmean(lags) if lags else 0.0,
+              "lag_max": max((c["lag_max"] or 0 for c in curve), default=0),
+              "eval": _eval(args, summary.checkpoint, args.devices[1]), "curve": curve}
+    (pathlib.Path(cfg.run_dir) / "result.json").write_text(json.dumps(result, indent=1))
+    if not args.keep_checkpoints:
+        shutil.rmtree(pathlib.Path(cfg.run_dir) / "checkpoints", ignore_errors=True)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ the grid
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """Per cell (in CELLS order): seeds, eval accuracy and last-quarter training reward as (mean, std), lag."""
+    rows = []
+    for cell in CELLS:
+        mine = [r for r in results if r["cell"] == cell]
+        if not mine:
+            continue
+        rows.append({"cell": cell, "seeds": sorted(r["seed"] for r in mine),
+                     "samples": mine[0]["samples"],
+                     "eval_accuracy": _mean_std([r["eval"]["accuracy"] for r in mine]),
+                     "train_reward": _mean_std([r["train_reward_last_quarter"] for r in mine]),
+                     "lag_mean": statistics.fmean(r["lag_mean"] for r in mine),
+                     "lag_max": max(r["lag_max"] for r in mine),
+                     "train_s": statistics.fmean(r["train_s"] for r in mine),
+                     "per_seed": [round(r["eval"]["accuracy"], 3) for r in sorted(mine, key=lambda r: r["seed"])]})
+    return rows
+
+
+def table(rows: list[dict], initial: dict | None) -> str:
+    lines = ["| cell | seeds | trained samples | eval accuracy (mean ± std) | per seed | train reward, last quarter "
+             "| version lag mean / max | train s |", "|" + "---|" * 8]
+    if initial is not None:
+        lines.append(f"| initial model | – | 0 | {initial['accuracy']:.3f} | – | – | – | – |")
+    for r in rows:
+        (acc, acc_sd), (rew, rew_sd) = r["eval_accuracy"], r["train_reward"]
+        lines.append(f"| {r['cell']} | {len(r['seeds'])} | {r['samples']:,} | {acc:.3f} ± {acc_sd:.3f} | "
+                     f"{' / '.join(f'{a:.3f}' for a in r['per_seed'])} | {rew:.3f} ± {rew_sd:.3f} | "
+                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {r['train_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict], rows: list[dict], initial: dict | None, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[grid] no matplotlib here: {path.name} not drawn (run the same command where it is installed: "
+              "the finished runs are not run again)", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, cell in enumerate(r["cell"] for r in rows):
+        color = f"C{i}"
+        for j, run in enumerate(r for r in results if r["cell"] == cell):
+            points = [(c["samples"], c["reward"]) for c in run["curve"] if c["reward"] is not None]
+            left.plot(*zip(*points), color=color, alpha=0.7, lw=1, label=cell if j == 0 else None)
+    left.set(xlabel="trained samples", ylabel="training reward (critic/score/mean)",
+             title="training reward, one line per seed")
+    left.legend(fontsize=8)
+    names = [r["cell"] for r in rows]
+    right.bar(names, [r["eval_accuracy"][0] for r in rows], yerr=[r["eval_accuracy"][1] for r in rows],
+              color=[f"C{i}" for i in range(len(rows))], capsize=4)
+    if initial is not None:
+        right.axhline(initial["accuracy"], color="gray", ls="--", label="initial model")
+        right.legend(fontsize=8)
+    right.set(ylabel="held-out accuracy (mean ± std over seeds)", title="after equal trained samples")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _child(args_file: str, key: str) -> None:
+    args = GridArgs(**{k: tuple(v) if isinstance(v, list) else v
+                       for k, v in json.loads(pathlib.Path(args_file).read_text()).items()})
+    if key == "initial":
+        result = _eval(args, args.model, args.devices[1])
+        (pathlib.Path(args.out) / "initial.json").write_text(json.dumps(result, indent=1))
+        return
+    cell, _, seed = key.rpartition(":")
+    run_one(args, cell, int(seed))
+
+
+def _spawn(out: pathlib.Path, key: str) -> subprocess.Popen:
+    log = out / f"{key.replace(':', '_seed')}.log"
+    cmd = [sys.executable, "-m", "scripts.learning_grid", "--child", str(out / "grid.json"), key]
+    print(f"[grid] started {key}", flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def run_grid(args: GridArgs) -> list[dict]:
+    """Every (cell, seed) not yet done, `--parallel` at a time, each in its own process; then the summary."""
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for cell in args.cells:
+        for seed in args.seeds:
+            cell_config(args, cell, seed).validate()  # every cell checks before anything runs
+    (out / "grid.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+    failed = []
+    if not (out / "initial.json").is_file() and _spawn(out, "initial").wait():  # alone: a model's first
+        failed.append("initial")                                                  # load may convert and cache it
+    todo = [f"{c}:{s}" for s in args.seeds for c in args.cells if not (_run_dir(args, c, s) / "result.json").is_file()]
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    while todo or running:
+        while todo and len(running) < max(1, args.parallel):
+            key = todo.pop(0)
+            running[key] = (_spawn(out, key), time.time())
+        time.sleep(1.0)
+        for key, (proc, began) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[key]
+            print(f"[grid] {key} {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode})'} after "
+                  f"{time.time() - began:.0f} s", flush=True)
+            if proc.returncode:
+                failed.append(key)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/seed*/result.json"))]
+    initial = json.loads((out / "initial.json").read_text()) if (out / "initial.json").is_file() else None
+    rows = aggregate(results)
+    text = table(rows, initial)
+    (out / "results.json").write_text(json.dumps({"args": dataclasses.asdict(args), "initial": initial,
+                                                  "cells": rows, "runs": results}, indent=1))
+    (out / "learning_grid.md").write_text(text + "\n")
+    if rows:
+        _plot(results, rows, initial, out / "learning_grid.png")
+    print(text)
+    if failed:
+        raise SystemExit(f"[grid] failed: {', '.join(failed)}; their logs are in {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        _child(*sys.argv[2:4])
+    else:
+        import tyro
+        run_grid(tyro.cli(GridArgs))

@@ -1,0 +1,78 @@
+"""scripts/learning_grid.py: every cell is the run it claims (mode, lag, correction, equal samples), the summary
+is mean ± std over seeds, and a tiny grid runs end to end (a run, its checkpoint evaluated, the table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts.learning_grid import CELLS, GridArgs, aggregate, cell_config, table
+from tests.run_helpers import ROOT
+from tests.timing import limit
+
+
+def test_cells_train_equal_samples_with_their_mode_lag_and_correction():
+    args = GridArgs(steps=96, lag=6.0, mini_batch_size=16, n=8)
+    configs = {cell: cell_config(args, cell, seed=1) for cell in CELLS}
+    for cell, cfg in configs.items():
+        cfg.validate()
+        a = cfg.async_training
+        assert a.total_versions * a.trigger_parameter_sync_step == 96, cell  # the same learner steps
+        assert cfg.seed == cfg.data.seed == 1 and cfg.data.digits == 2
+    assert configs["sync"].async_training.colocated and configs["sync"].async_training.staleness_threshold == 0
+    stale = configs["stale-partial"].async_training
+    assert (stale.staleness_threshold, stale.trigger_parameter_sync_step, stale.partial_rollout) == (0.5, 4, True)
+    for cell in ("lag-naive", "lag-corrected", "lag-rejected"):
+        a = configs[cell].async_training
+        assert (a.staleness_threshold, a.trigger_parameter_sync_step, a.partial_rollout) == (6.0, 1, False)
+    naive, corrected, rejected = (configs[c].trainer.off_policy for c in ("lag-naive", "lag-corrected", "lag-rejected"))
+    assert naive.use_rollout_log_probs and naive.is_level == "none" and naive.rs_stat == "none"
+    assert not corrected.use_rollout_log_probs and corrected.is_level == "token" and corrected.rs_stat == "none"
+    assert not rejected.use_rollout_log_probs and rejected.rs_stat == "k1" and rejected.rs_upper == 2.0
+    with pytest.raises(ValueError, match="--steps 10"):
+        cell_config(GridArgs(steps=10), "stale-partial", 0)
+    with pytest.raises(ValueError, match="--cells async"):
+        cell_config(args, "async", 0)
+
+
+def _result(cell: str, seed: int, accuracy: float, reward: float, lag: float) -> dict:
+    return {"cell": cell, "seed": seed, "samples": 128, "train_s": 10.0, "train_reward_last_quarter": reward,
+            "lag_mean": lag, "lag_max": int(lag) + 1, "eval": {"accuracy": accuracy}, "curve": []}
+
+
+def test_summary_is_mean_and_std_over_seeds_in_cell_order():
+    results = [_result("lag-naive", 1, 0.5, 0.4, 5.5), _result("sync", 0, 0.7, 0.6, 0.0),
+               _result("lag-naive", 0, 0.3, 0.2, 6.0), _result("sync", 1, 0.9, 0.8, 0.0)]
+    rows = aggregate(results)
+    assert [r["cell"] for r in rows] == ["sync", "lag-naive"]
+    sync, naive = rows
+    assert sync["eval_accuracy"] == pytest.approx((0.8, 0.1414213), rel=1e-5)
+    assert naive["train_reward"] == pytest.approx((0.3, 0.1414213), rel=1e-5)
+    assert naive["per_seed"] == [0.3, 0.5] and naive["lag_mean"] == pytest.approx(5.75) and naive["lag_max"] == 7
+    text = table(rows, {"accuracy": 0.05})
+    assert "| initial model | – | 0 | 0.050 |" in text and "| sync | 2 | 128 | 0.800 ± 0.141 | 0.700 / 0.900 |" in text
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_end_to_end(tmp_path):
+    out = tmp_path / "grid"
+    cmd = [sys.executable, "-m", "scripts.learning_grid", "--model", "random:tiny-smollm2", "--tokenizer", "smollm2",
+           "--cells", "lag-corrected", "--seeds", "0", "--steps", "2", "--lag", "1", "--n", "2",
+           "--mini-batch-size", "2", "--max-new-tokens", "4", "--slots", "8", "--eval-prompts", "2", "--eval-n", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit(300),
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "lag-corrected" / "seed0" / "result.json").read_text())
+    assert result["steps"] == 2 and result["samples"] == 8 and result["eval"]["samples"] == 4
+    assert [c["step"] for c in result["curve"]] == [1, 2] and result["curve"][-1]["mismatch_kl"] is not None
+    assert not (out / "lag-corrected" / "seed0" / "checkpoints").exists()  # evaluated, then removed
+    assert "| lag-corrected | 1 | 8 |" in (out / "learning_grid.md").read_text()
+    assert (out / "initial.json").is_file() and (out / "learning_grid.png").stat().st_size > 10_000
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit(120),
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert again.returncode == 0 and "started" not in again.stdout  # finished runs are not run again
