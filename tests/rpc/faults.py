@@ -63,10 +63,25 @@ class FailingEngine(EngineWrapper):
         return out
 
 
+class FailingBucketEngine(EngineWrapper):
+    """Loads weights normally until it holds version `after`; then the first bucket of the next publication
+    (a call without a version: the version comes with the last call) raises halfway through the transfer."""
+
+    def __init__(self, engine, after: int):
+        super().__init__(engine)
+        self.__dict__["after"] = after
+
+    def update_weights(self, named_tensors, version=None, **kw):
+        if version is None and self.inner.version >= self.after:
+            raise RuntimeError("injected: a weight bucket failed to load")
+        return self.inner.update_weights(named_tensors, version, **kw)
+
+
 @dataclasses.dataclass
 class FaultyEngines:
-    """An engine factory for `AgentSpec.engine_factory`: `mode` ("slow", "kill", "hang", "raise") applies to
-    the agents named in `agents` (all when empty); the others get the plain engine, slowed by `delay_s`."""
+    """An engine factory for `AgentSpec.engine_factory`: `mode` ("slow", "kill", "hang", "raise", "bucket")
+    applies to the agents named in `agents` (all when empty); the others get the plain engine, slowed by
+    `delay_s`. "bucket": a weight bucket fails once the engine holds version `after`."""
 
     mode: str = "slow"
     after: int = 3
@@ -77,6 +92,8 @@ class FaultyEngines:
         engine = Engine(model, config)
         if self.delay_s:
             engine = SlowEngine(engine, self.delay_s)
-        if self.mode != "slow" and (not self.agents or agent in self.agents):
+        if self.mode == "bucket" and (not self.agents or agent in self.agents):
+            engine = FailingBucketEngine(engine, self.after)
+        elif self.mode != "slow" and (not self.agents or agent in self.agents):
             engine = FailingEngine(engine, self.after, self.mode)
         return engine

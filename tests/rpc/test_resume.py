@@ -59,6 +59,10 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     config_b = AsyncConfig(total_versions=8, take_timeout_s=limit(60), **knobs)
     run_b = local_run(config_b, state=state, resume_extra=extra, **run_kw)
     assert run_b.queue.version == 4 and run_b.queue.next_id == saved["next_id"]
+    # the admission counter and the books resume as they stopped (AReaL's capacity grew to (η + v + 1)·B after
+    # a resume that restarted its counters at zero while the version went on)
+    assert tuple(run_b.queue.budget) == tuple(saved["budget"]) == tuple(run_a.queue.budget)
+    assert dict(run_b.queue.ledger.counts) == saved["ledger"]["counts"] == dict(run_a.queue.ledger.counts)
     rec_b = TrainRecorder(run_b)
     handed_out = []
     inner_request = run_b.queue.request

@@ -82,6 +82,25 @@ def test_killed_agent_is_declared_dead_and_its_prompts_readmitted():
     assert last["fully_async/count/readmitted"] >= 1
 
 
+def test_a_bucket_failing_mid_publication_leaves_the_agent_at_its_old_version_and_loses_nothing():
+    """The weights reach an agent in buckets, the version with the last one: a bucket that fails halfway
+    through a publication must not advance the agent's version (its half-loaded weights must never generate
+    tokens stamped with either version); the agent is dropped, its work goes to the other."""
+    faults = FaultyEngines(mode="bucket", after=2, agents=("agent1",))
+    spec = make_spec([AgentSpec(), AgentSpec(engine_factory=faults)], total_versions=6, concurrent_prompts=4,
+                     trigger_parameter_sync_step=1)
+    summary = launch(spec)
+    assert summary.versions == 6 and summary.dead_agents == ["agent1"]
+    assert_books_balance(summary, spec)
+    broken = summary.agents["agent1"]
+    assert broken["last_version"] == 2, broken  # version 3's publication failed in its first bucket
+    assert "injected: a weight bucket failed to load" in str(broken), broken
+    assert summary.agents["agent0"]["last_version"] == 6
+    assert sum(m["fully_async/sync_failures"] for m in summary.history) == 1
+    # the run's versions went on with the healthy agent, one per window
+    assert [m["fully_async/count/current_param_version"] for m in summary.history] == [1, 2, 3, 4, 5, 6]
+
+
 def test_hung_agent_is_reported_within_about_the_agent_timeout(capfd):
     timeout = agent_timeout()
     # the healthy agent is slowed down so that the run outlasts the timeout (a tiny run is over in a second)
