@@ -186,6 +186,32 @@ def test_pause_keep_update_resume_loses_no_token_and_keeps_the_budget(kv):
                                            atol=logprob_tol(models[version], prompt, c.token_ids[:upto]))
 
 
+def test_interruptions_mixing_sleep_wake_and_updates_keep_every_sample_at_its_budget():
+    """A colocated engine's cycle (pause, sleep, update, wake, resume) interleaved with plain keep-mode updates,
+    four times at different points: the cumulative length of each partial rollout is exactly its budget (never
+    more, however often it was interrupted), and its versions only go forward."""
+    models = [tiny_model(seed=s) for s in (15, 16, 17, 18, 19)]
+    prompts = make_prompts([5, 11, 3], seed=9)
+    params = [_params(31, 20, n=2), _params(32, 20), _params(33, 20, n=3)]
+    engine = Engine(tiny_model(seed=15), small_config())
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    for version, (steps, colocated) in enumerate(((3, True), (4, False), (2, True), (5, True)), start=1):
+        for _ in range(steps):
+            engine.step()
+        assert engine.pause("keep") == []
+        if colocated:
+            engine.sleep()
+        engine.update_weights(named_weights(models[version]), version=version)
+        if colocated:
+            engine.wake_up()
+        engine.resume()
+    done = drain(engine)
+    for rid in ids:
+        for c in done[rid].completions:
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) == 20 and c.finish_reason == "length"
+            assert c.versions == sorted(c.versions) and set(c.versions) == {0, 1, 2, 3, 4}
+
+
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_update_weights_mid_generation(kv):
     old, new = tiny_model(seed=5), tiny_model(seed=6)
