@@ -78,15 +78,10 @@ def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = 
 
 def _attention_heads(path: str) -> int | None:
     """The model's attention heads, from its preset or config.json (None where not known before loading)."""
-    from asyncrl.policies.loading import ARCH_PRESETS
-    name = path.removeprefix("random:")
-    if name == "smollm2" and not path.startswith("random:"):
-        name = "smollm2-135m"
-    if name in ARCH_PRESETS:
-        return ARCH_PRESETS[name].get("num_attention_heads")
-    config = pathlib.Path(name) / "config.json" if pathlib.Path(name).is_dir() else pathlib.Path(name)
+    from asyncrl.policies.loading import hf_config
+    name = "smollm2-135m" if path == "smollm2" else path.removeprefix("random:")
     try:
-        return int(json.loads(config.read_text())["num_attention_heads"])
+        return int(hf_config(name)["num_attention_heads"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -108,11 +103,11 @@ def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: s
                         f"use one of {', '.join(map(str, divisors))}")
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = cores if cores is not None else len(os.sched_getaffinity(0))
     taken: dict[int, str] = {}
     for device in agent_devices:
         parsed = torch.device(device)
         if parsed.type == "cpu":
-            available = cores if cores is not None else len(os.sched_getaffinity(0))
             if tp > available:
                 problems.append(f"{option} {tp}: on CPU each shard needs a core of its own; this process may use "
                                 f"{available}")

@@ -147,7 +147,8 @@ def _eval(args: GridArgs, model: str, device: str) -> dict:
 
 
 def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    from asyncrl.tracking import read_metrics
+    rows = read_metrics(run_dir)
     keys = {"reward": "critic/score/mean", "lag_mean": "training/version_lag/mean",
             "lag_max": "training/version_lag/max", "mismatch_kl": "rollout_corr/mismatch_kl",
             "clipfrac": "actor/pg_clipfrac", "response_length": "response_length/mean"}

@@ -25,7 +25,7 @@ from asyncrl.policies.model import CausalLM, TransformerConfig
 
 __all__ = [
     "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
-    "named_weights", "smollm2_gguf_path", "gguf_cache_dir", "load_tokenizer", "resolve_model_dir",
+    "named_weights", "hf_config", "smollm2_gguf_path", "gguf_cache_dir", "load_tokenizer", "resolve_model_dir",
 ]
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -59,7 +59,8 @@ ARCH_PRESETS: dict[str, dict] = {
 """Architecture shapes by name, for random-weight models (benchmarks, tests, demos)."""
 
 
-def _config_dict(config: str | dict) -> dict:
+def hf_config(config: str | dict) -> dict:
+    """The Hugging Face config dict of a preset name, a config.json, or a model directory."""
     if isinstance(config, dict):
         return dict(config)
     if config in ARCH_PRESETS:
@@ -76,7 +77,7 @@ def _config_dict(config: str | dict) -> dict:
 def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> CausalLM:
     """A model with random weights (normal(0, initializer_range), biases 0, norms 1), as HF initialises."""
-    cfg = TransformerConfig.from_hf(_config_dict(config))
+    cfg = TransformerConfig.from_hf(hf_config(config))
     gen = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():
@@ -106,7 +107,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
                     device: str | torch.device = "cpu") -> CausalLM:
     """Load a Hugging Face model directory (config.json + safetensors)."""
     path = pathlib.Path(path)
-    cfg = TransformerConfig.from_hf(_config_dict(str(path)))
+    cfg = TransformerConfig.from_hf(hf_config(str(path)))
     with torch.device("meta"):
         model = CausalLM(cfg)
     state: dict[str, Tensor] = {}

@@ -426,7 +426,7 @@ def _tp_placement(device: str, tp: int) -> dict[str, str]:
     """Where vLLM's `tp` worker processes run, as the environment they inherit. GPU: worker r takes the r-th
     visible device, so the visible devices become the agent's and the `tp - 1` after it. CPU: each worker binds
     its OpenMP threads to an equal share of the cores this process may use (vLLM's automatic binding wants a
-    NUMA node per worker). Checked by the preflight (`tensor_parallel_problems`) before any process starts."""
+    NUMA node per worker). Checked by the preflight (`check_tensor_parallel`) before any process starts."""
     if device.startswith("cuda"):
         index = torch.device(device).index or 0
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -483,7 +483,5 @@ def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParam
 def _vllm_reload(engine, items: list[tuple[str, Tensor]], *, workers_elsewhere: bool) -> None:
     """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`). Workers in processes
     of their own (tensor parallelism) receive the full tensors pickled, on CPU, and each loads its shard."""
-    if workers_elsewhere:
-        items = [(name, t.detach().cpu()) for name, t in items]
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items if workers_elsewhere else iter(items),
-                                                    "is_checkpoint_format": True})
+    weights = [(name, t.detach().cpu()) for name, t in items] if workers_elsewhere else iter(items)
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})

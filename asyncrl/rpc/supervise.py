@@ -89,7 +89,7 @@ class Supervisor:
         self.host = spec.master_addr
         # held until the run ends, so that no other run on this host is given them (a --placement.join-port
         # the user chose is theirs to keep free)
-        self.reserved = [reserve_port("") for _ in range(1 if spec.join_port else 2)]
+        self.reserved = [reserve_port() for _ in range(1 if spec.join_port else 2)]
         ports = [s.getsockname()[1] for s in self.reserved]
         self.store_port = spec.join_port or ports.pop()
         self.rpc_port = ports.pop()
