@@ -119,8 +119,19 @@ class TrainerConfig:
     """Rows per forward/backward when `use_dynamic_bsz` is off."""
     logits_chunk_tokens: int = 4096
     """Response tokens per LM-head chunk: only one [chunk, vocab] logits tensor exists at a time."""
+    pack_sequences: bool = True
+    """Concatenate a micro-batch's rows into one sequence (up to max_tokens_per_micro_batch tokens) with
+    document-causal attention, instead of padding them to the longest row: no padding compute. Loss and
+    gradients equal the padded path's to round-off."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    checkpoint_scope: Literal["layer", "mlp"] = "layer"
+    """What gradient checkpointing recomputes: each whole decoder layer, or only its MLP (the attention
+    block's activations are kept: more memory, less recompute)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer of the trained models (regional compilation; CUDA only)."""
+    fused_optimizer: bool = True
+    """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trained weights (fp32 master weights are the safe default)."""
     autocast_bf16: bool = True

@@ -1,6 +1,6 @@
 """FSDP2 (`shard_model`, i.e. `fully_shard`) on 2 CPU processes over gloo against one unsharded process:
-the policy gradient, a whole train_step (GRPO, and PPO with its critic), and checkpoints written by one
-layout and read by the other.
+the policy gradient (packed micro-batches on the ranks, against packed and padded ones in one process), a
+whole train_step (GRPO, and PPO with its critic), and checkpoints written by one layout and read by the other.
 
 Each rank of a sharded learner takes every world-th group of a mini-batch. With 5 groups the ranks hold
 different row counts and different numbers of micro-batches (the learner pads with empty ones so the FSDP2
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from asyncrl.learner import micro_batches, policy_gradients, train_step
+from asyncrl.learner import policy_gradients, split_rows, train_step
 from asyncrl.policies import load_pretrained
 from tests.dist_helpers import (
     build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, sample_groups, tiny_policy,
@@ -68,7 +68,7 @@ def test_the_ranks_get_different_rows_and_micro_batch_counts(groups):
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
     group_of_row = [k for k, g in enumerate(groups) for _ in g.completions]
     rows = [[r for r, k in enumerate(group_of_row) if k % WORLD == rank] for rank in range(WORLD)]
-    micros = [micro_batches(r, lengths, trainer_config()) for r in rows]
+    micros = [split_rows(r, lengths, trainer_config()) for r in rows]
     assert len(rows[0]) != len(rows[1])
     assert len(micros[0]) != len(micros[1]), micros
     assert len({len(c.token_ids) for g in groups for c in g.completions}) > 2  # varied response lengths
@@ -107,6 +107,16 @@ def test_sharded_policy_gradient_equals_the_single_process_gradient(groups, shar
         assert max_diff(got, want) <= 1e-6 * scale, (rank, max_diff(got, want), scale)
     # a wrong scale (FSDP2's average over ranks not undone) would be off by a factor of 2
     assert max_diff(sharded["ranks"][0]["grads"][mode], {k: v / 2 for k, v in want.items()}) > 0.1 * scale
+
+
+def test_sharded_packed_gradient_equals_the_single_process_padded_gradient(groups, sharded):
+    """The sharded learner packs its micro-batches (the default); one process padding its rows gets the
+    same gradient."""
+    want = policy_gradients(build("grpo", config=trainer_config(pack_sequences=False),
+                                  algo_kwargs=dict(loss_agg_mode=MODES[0])), groups)
+    scale = max(float(g.abs().max()) for g in want.values())
+    for rank, res in enumerate(sharded["ranks"]):
+        assert max_diff(res["grads"][MODES[0]], want) <= 1e-6 * scale, rank
 
 
 def test_lm_head_chunk_counts_that_differ_between_ranks_keep_the_gradient(groups, sharded):
@@ -188,14 +198,14 @@ def test_count_all_reduce_uses_the_groups_device(monkeypatch):
     (a host tensor stopped every multi-rank GPU run at its first step)."""
     import torch.distributed as dist
 
-    from asyncrl import learner
+    from asyncrl.learner import update as learner
     seen = []
 
     class State:
         group = object()
         device = torch.device("meta")  # stands in for the trainer's GPU
 
-    monkeypatch.setattr(learner, "_world", lambda state: (0, 2))
+    monkeypatch.setattr(learner, "world", lambda state: (0, 2))
     monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen.append(t.device))
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: [0.0])
     for backend, expected in (("nccl", "meta"), ("gloo", "cpu")):

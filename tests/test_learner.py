@@ -25,7 +25,7 @@ from asyncrl.config import (
     TrainerConfig,
 )
 from asyncrl.learner import (
-    build_learner, collate, filter_groups, full_weights, make_scheduler, micro_batches, policy_gradients,
+    build_learner, collate, filter_groups, full_weights, make_scheduler, policy_gradients, split_rows,
     response_logprobs, response_values, train_step,
 )
 from asyncrl.policies import Engine, EngineConfig, SamplingParams
@@ -234,14 +234,16 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(algo):
     pairs = _grads(algo, groups, policy=copy.deepcopy(policy), reference=reference, micro_batch_size=3)
     assert max_rel_diff(whole, single) <= GRAD_TOL
     assert max_rel_diff(whole, pairs) <= GRAD_TOL
-    # token budget: length-sorted micro-batches of several rows, one row longer than the budget on its own
+    # token budget, padded and packed: micro-batches of several rows, one row longer than the budget alone
     budget = 20
     lengths = (collate(groups).prompt_lens + collate(groups).response_lens).tolist()
-    micros = micro_batches(list(range(len(lengths))), lengths, TrainerConfig(max_tokens_per_micro_batch=budget))
-    assert max(lengths) > budget and any(len(m) > 2 for m in micros)
-    dynamic = _grads(algo, groups, policy=copy.deepcopy(policy), reference=reference, use_dynamic_bsz=True,
-                     max_tokens_per_micro_batch=budget)
-    assert max_rel_diff(whole, dynamic) <= GRAD_TOL
+    for packed in (False, True):
+        cfg = TrainerConfig(max_tokens_per_micro_batch=budget, pack_sequences=packed)
+        micros = split_rows(list(range(len(lengths))), lengths, cfg)
+        assert max(lengths) > budget and any(len(m) > (1 if packed else 2) for m in micros)
+        dynamic = _grads(algo, groups, policy=copy.deepcopy(policy), reference=reference, use_dynamic_bsz=True,
+                         max_tokens_per_micro_batch=budget, pack_sequences=packed)
+        assert max_rel_diff(whole, dynamic) <= GRAD_TOL
 
 
 @pytest.mark.parametrize("algo", _AGG_CASES[:4])
@@ -278,14 +280,20 @@ def test_micro_batches_respect_the_token_budget_and_cover_every_row_once(data):
     lengths = data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
     rows = data.draw(st.permutations(range(n)))[:data.draw(st.integers(0, n))]
     budget = data.draw(st.integers(1, 120))
-    micros = micro_batches(list(rows), lengths, TrainerConfig(use_dynamic_bsz=True, max_tokens_per_micro_batch=budget))
-    flat = [r for m in micros for r in m]
-    assert sorted(flat) == sorted(rows)  # every row exactly once, nothing else
-    assert all(m for m in micros)
-    for m in micros:
-        assert len(m) == 1 or len(m) * max(lengths[r] for r in m) <= budget, (m, [lengths[r] for r in m], budget)
-    # a row fits with the next-shorter ones: no micro-batch could take the first row of the next one
-    fixed = micro_batches(list(rows), lengths, TrainerConfig(use_dynamic_bsz=False, micro_batch_size=3))
+    for packed in (False, True):
+        cfg = TrainerConfig(use_dynamic_bsz=True, max_tokens_per_micro_batch=budget, pack_sequences=packed)
+        micros = split_rows(list(rows), lengths, cfg)
+        flat = [r for m in micros for r in m]
+        assert sorted(flat) == sorted(rows)  # every row exactly once, nothing else
+        assert all(m for m in micros)
+        for m in micros:
+            # padded: rows × the longest row; packed: the sum of the rows' lengths (no padding)
+            cost = sum(lengths[r] for r in m) if packed else len(m) * max(lengths[r] for r in m)
+            assert len(m) == 1 or cost <= budget, (packed, m, [lengths[r] for r in m], budget)
+        if packed:  # first fit: a row that opened a new micro-batch fitted in none of the earlier ones
+            for k, m in enumerate(micros):
+                assert all(sum(lengths[r] for r in earlier) + lengths[m[0]] > budget for earlier in micros[:k])
+    fixed = split_rows(list(rows), lengths, TrainerConfig(use_dynamic_bsz=False, micro_batch_size=3))
     assert [r for m in fixed for r in m] == list(rows) and all(1 <= len(m) <= 3 for m in fixed)
 
 
@@ -614,7 +622,7 @@ def test_non_finite_behaviour_logprobs_are_masked_and_counted():
         assert all(bool(torch.isfinite(p).all()) for p in state.policy.parameters())
     grads = _grads(GRPO(), bad, policy=copy.deepcopy(policy))
     assert all(bool(torch.isfinite(g).all()) for g in grads.values())
-    from asyncrl.learner import _token_rewards
+    from asyncrl.learner.prepare import _token_rewards
     last = len(bad[1].completions[0].logprobs) - 1
     assert _token_rewards(batch)[4, last - 1] == batch.rewards[4] and _token_rewards(batch)[4, last] == 0
 

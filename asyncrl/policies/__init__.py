@@ -7,7 +7,7 @@ from asyncrl.policies.loading import (
     save_pretrained, smollm2_gguf_path,
 )
 from asyncrl.policies.model import (
-    SUPPORTED_MODEL_TYPES, CausalLM, TransformerConfig, packed_attention_mask, token_entropy, token_logprobs,
+    SUPPORTED_MODEL_TYPES, CausalLM, DocumentLayout, TransformerConfig, packed_attention_mask, token_entropy, token_logprobs,
 )
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
@@ -17,5 +17,5 @@ __all__ = [
     "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
     "named_weights", "load_tokenizer", "smollm2_gguf_path",
     "KVCache", "CausalLM", "TransformerConfig", "SUPPORTED_MODEL_TYPES", "token_logprobs", "token_entropy",
-    "packed_attention_mask",
+    "packed_attention_mask", "DocumentLayout",
 ]

@@ -2,8 +2,9 @@
 
 One implementation serves both sides of RL, so the engine's behaviour log-probs and the learner's
 log-probs come from the same arithmetic:
-* training: `forward(input_ids, positions)` over right-padded rows (causal SDPA) or packed rows
-  (`attn_mask` from `packed_attention_mask`), then `token_logprobs` / `token_entropy`;
+* training: `forward(input_ids, positions)` over right-padded rows (causal SDPA) or over rows packed
+  into one sequence (`documents=DocumentLayout(...)`: document-causal attention, no padding compute),
+  then `token_logprobs` / `token_entropy` (the learner's fused head: `asyncrl.learner.head`);
 * generation: the same `forward` with a `KVCache` — prefill writes K/V of whole prompts into cache slots,
   decode (one token per row, row i in slot i) appends one K/V and attends over the slot.
 
@@ -15,6 +16,8 @@ state dict loads as is, `update_weights` copies tensors by HF name, and a saved 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import types
 import warnings
@@ -28,7 +31,7 @@ from asyncrl.policies.kv_cache import KVCache
 
 __all__ = [
     "TransformerConfig", "CausalLM", "RMSNorm", "use_fused_kernels", "token_logprobs", "token_entropy", "packed_attention_mask",
-    "SUPPORTED_MODEL_TYPES",
+    "DocumentLayout", "SUPPORTED_MODEL_TYPES",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -242,6 +245,57 @@ def _rope_inv_freq(cfg: TransformerConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
+@dataclasses.dataclass(frozen=True)
+class DocumentLayout:
+    """Sequences packed end to end into one row of length L = Σ lengths; each attends causally to itself only.
+
+    lengths: the sequences' lengths, on the host (for splitting without a device sync).
+    cu_seqlens: [D + 1] int32 offsets (0, l0, l0 + l1, ...) on the model's device.
+    """
+
+    lengths: tuple[int, ...]
+    cu_seqlens: Tensor
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lengths)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Document-causal attention of q [1, H, L, D] over k, v [1, Hkv, L, D] -> [1, H, L, D].
+
+        CUDA in bf16/fp16: one flash-attention call over all documents (`torch.nn.attention.varlen`).
+        Otherwise (CPU, fp32): causal SDPA per document — the same arithmetic as a padded row, with no
+        padding and no L × L mask."""
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attention() is not None:
+            out = _varlen_attention()(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                      self.cu_seqlens, self.max_len)
+            return out.transpose(0, 1)[None]
+        gqa = q.shape[1] != k.shape[1]
+        parts = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=qd.shape[2] > 1, enable_gqa=gqa)
+                 for qd, kd, vd in zip(*(t.split(self.lengths, dim=2) for t in (q, k, v)))]
+        return torch.cat(parts, dim=2)
+
+
+@functools.cache
+def _varlen_attention():
+    """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len) with causal masking and
+    grouped K/V heads ([L, H, D] layouts), or None where this torch has none. The one place that knows the
+    API's versions: torch 2.10 takes `is_causal`, 2.11+ `window_size=(-1, 0)` (and `enable_gqa` where
+    present; flash attention reads grouped K/V heads natively)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
+        extra = dict(kwargs, enable_gqa=True) if "enable_gqa" in params and q.shape[1] != k.shape[1] else kwargs
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+    return attend
+
+
 class Attention(_UsesKernels, nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int):
         super().__init__()
@@ -258,7 +312,8 @@ class Attention(_UsesKernels, nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
-                cache_slots: Tensor | None, positions: Tensor, decode: bool) -> Tensor:
+                cache_slots: Tensor | None, positions: Tensor, decode: bool,
+                documents: DocumentLayout | None = None) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -275,6 +330,8 @@ class Attention(_UsesKernels, nn.Module):
             out = F.scaled_dot_product_attention(q.view(b, self.num_kv_heads, group, self.head_dim), keys, values,
                                                  attn_mask=attn_mask)
             out = out.reshape(b, self.num_heads, 1, self.head_dim)
+        elif documents is not None:
+            out = documents.attend(q, k, v)
         else:
             if cache is not None:
                 cache.write_prefill(self.layer_idx, cache_slots, k, v)
@@ -306,10 +363,14 @@ class DecoderLayer(_UsesKernels, nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
-                cache_slots: Tensor | None, positions: Tensor, decode: bool) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache, cache_slots, positions, decode)
+                cache_slots: Tensor | None, positions: Tensor, decode: bool,
+                documents: DocumentLayout | None = None, recompute_mlp: bool = False) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache, cache_slots, positions, decode,
+                              documents)
         norm = self.post_attention_layernorm
         x, h = self.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
+        if recompute_mlp:  # selective checkpointing: keep the attention block's activations, recompute the MLP
+            return x + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=False)
         return x + self.mlp(h)
 
 
@@ -333,6 +394,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.checkpoint_scope = "layer"  # with gradient_checkpointing: recompute each "layer", or only its "mlp"
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.model.rope_inv_freq  # [B, S, D/2]
@@ -340,13 +402,15 @@ class CausalLM(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, attn_mask: Tensor | None = None,
-                cache: KVCache | None = None, cache_slots: Tensor | None = None, decode: bool = False) -> Tensor:
+                cache: KVCache | None = None, cache_slots: Tensor | None = None, decode: bool = False,
+                documents: DocumentLayout | None = None) -> Tensor:
         """Final hidden states [B, S, H].
 
         Args:
-          input_ids: [B, S] token ids (right-padded rows, or one packed row with `attn_mask`).
-          positions: [B, S] RoPE positions (default 0..S-1 per row).
+          input_ids: [B, S] token ids (right-padded rows, or one packed row with `documents` or `attn_mask`).
+          positions: [B, S] RoPE positions (default 0..S-1 per row; restarting at 0 per packed document).
           attn_mask: optional bool [B or 1, 1, S, S] (True = attend), e.g. `packed_attention_mask`.
+          documents: B == 1 holding sequences end to end: document-causal attention without a mask.
           cache, cache_slots: prefill — write each row's K/V into `cache_slots[b]` from position 0.
           decode: S == 1; row b appends to cache slot b at `positions[b, 0]` and attends over the slot.
         """
@@ -358,12 +422,15 @@ class CausalLM(nn.Module):
         if decode:  # row b attends to its slot's positions 0..positions[b]; built once for all layers
             attend = torch.arange(cache.attend_len, device=input_ids.device)
             attn_mask = (attend[None, :] <= positions[:, :1])[:, None, None, :]
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        whole_layer = checkpointing and self.checkpoint_scope == "layer"
         for layer in self.model.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attn_mask, cache, cache_slots, positions,
-                                                      decode, use_reentrant=False)
+            args = (x, cos, sin, attn_mask, cache, cache_slots, positions, decode, documents,
+                    checkpointing and not whole_layer)
+            if whole_layer:
+                x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_mask, cache, cache_slots, positions, decode)
+                x = layer(*args)
         return self.model.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
-"""The learner's view of a batch: groups stacked into padded `[N, T]` response tensors (`collate`), DAPO's
-filter of all-equal groups, and the split of rows into micro-batches by token budget."""
+"""The learner's view of a batch: groups stacked into padded `[N, T]` response tensors (`collate`) and DAPO's
+filter of all-equal groups. How rows are cut into micro-batches and laid out is `asyncrl.learner.layout`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from asyncrl.config import TrainerConfig
 from asyncrl.rewards import overlong_penalty
 from asyncrl.types import Group
 
-__all__ = ["RolloutBatch", "collate", "filter_groups", "micro_batches"]
+__all__ = ["RolloutBatch", "collate", "filter_groups"]
 
 
 @dataclasses.dataclass
@@ -86,17 +85,3 @@ def filter_groups(groups: list[Group]) -> tuple[list[Group], list[Group]]:
     for g in groups:
         (kept if len(g.rewards) == 1 or max(g.rewards) != min(g.rewards) else dropped).append(g)
     return kept, dropped
-
-
-def micro_batches(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[list[int]]:
-    """Split rows into micro-batches: by token budget (length-sorted, rows × longest ≤ budget) or by count."""
-    if not cfg.use_dynamic_bsz:
-        return [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
-    order = sorted(rows, key=lambda r: -lengths[r])
-    out: list[list[int]] = []
-    for r in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= cfg.max_tokens_per_micro_batch:
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out

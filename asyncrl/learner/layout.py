@@ -1,0 +1,151 @@
+"""How the rows of a micro-batch are laid out for one forward pass: packed end to end into one sequence
+(document-causal attention, no padding compute) or right-padded to the longest row. Either way only the
+positions that predict response tokens go on to the LM head (or value head), and the results land in the
+batch's `[m, T]` response layout, so the losses in `asyncrl.algos` see the same tensors on both paths.
+
+Index tensors are built on the host from host-side lengths and reach the device in one non-blocking copy
+per list of micro-batches: nothing in the micro-batch loop waits for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from asyncrl.config import TrainerConfig
+from asyncrl.policies.model import DocumentLayout
+
+__all__ = ["MicroBatch", "RowLengths", "split_rows", "plan_micro_batches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLengths:
+    """Host-side lengths of a batch's rows (read back once per step)."""
+
+    prompt: list[int]  # [N] prompt tokens of each row
+    response: list[int]  # [N] generated tokens of each row
+    width: int  # S: the batch's token tensor is [N, S]
+
+    def total(self, row: int) -> int:
+        return self.prompt[row] + self.response[row]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One forward's rows and where their tokens go (device tensors unless noted).
+
+    tokens [1, L] packed or [m, W] padded; positions [1, L] (None: 0..W−1 per row); documents: the packed
+    sequences (None when padded). The n response tokens: `predict_at` [n] indexes the flattened hidden
+    states [B·L] at the positions that predict them, `targets` [n] are their ids, and (`out_rows`,
+    `out_cols`) [n] place them in the `[m, T]` response layout. `rows` [m] are the batch rows (`row_list`
+    on the host); `empty` marks a placeholder that only keeps FSDP2's collectives in step (zero weight).
+    """
+
+    row_list: list[int]
+    rows: Tensor
+    tokens: Tensor
+    positions: Tensor | None
+    documents: DocumentLayout | None
+    predict_at: Tensor
+    targets: Tensor
+    out_rows: Tensor
+    out_cols: Tensor
+    num_targets: int  # n, on the host
+    empty: bool = False
+
+
+def split_rows(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[list[int]]:
+    """Rows per micro-batch: by token budget (`use_dynamic_bsz`) or `micro_batch_size` rows at a time.
+
+    Packed, a micro-batch holds rows whose lengths sum to at most the budget (first-fit over rows sorted
+    longest first); padded, rows × the longest row stays within it. A row longer than the budget goes alone.
+    `lengths` is indexed by row."""
+    if not cfg.use_dynamic_bsz:
+        return [rows[i:i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    budget = cfg.max_tokens_per_micro_batch
+    order = sorted(rows, key=lambda r: -lengths[r])
+    if not cfg.pack_sequences:
+        out: list[list[int]] = []
+        for r in order:
+            if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        return out
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for r in order:
+        fit = next((b for b, room in enumerate(free) if lengths[r] <= room), None)
+        if fit is None:
+            bins.append([r])
+            free.append(budget - lengths[r])
+        else:
+            bins[fit].append(r)
+            free[fit] -= lengths[r]
+    return bins
+
+
+def _host_indices(rows: list[int], lengths: RowLengths, packed: bool) -> dict[str, Tensor]:
+    """The index tensors of one micro-batch, on the host (int64)."""
+    prompt = torch.tensor([lengths.prompt[r] for r in rows])
+    response = torch.tensor([lengths.response[r] for r in rows])
+    seq = prompt + response
+    row_start = torch.tensor(rows) * lengths.width  # offset of each row in the flattened [N, S] tokens
+    if packed:
+        span = seq
+        starts = torch.cumsum(seq, 0) - seq  # where each row begins in the packed sequence
+    else:
+        width = int(seq.max())
+        span = torch.full_like(seq, width)
+        starts = torch.arange(len(rows)) * width
+    within = torch.arange(int(span.sum())) - torch.repeat_interleave(torch.cumsum(span, 0) - span, span)
+    response_at = torch.arange(int(response.sum())) - torch.repeat_interleave(torch.cumsum(response, 0) - response,
+                                                                                response)
+    out = {
+        "token_index": torch.repeat_interleave(row_start, span) + within,
+        "predict_at": torch.repeat_interleave(starts + prompt - 1, response) + response_at,
+        "target_index": torch.repeat_interleave(row_start + prompt, response) + response_at,
+        "out_rows": torch.repeat_interleave(torch.arange(len(rows)), response),
+        "out_cols": response_at,
+        "rows": torch.tensor(rows),
+    }
+    if packed:
+        out["positions"] = within
+        out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(seq, 0)])
+    return out
+
+
+def _to_device(host: list[dict[str, Tensor]], device: torch.device) -> list[dict[str, Tensor]]:
+    """Every tensor of every dict to `device` in one copy (pinned and non-blocking on CUDA)."""
+    flat = [t for d in host for t in d.values()]
+    if not flat:
+        return []
+    joined = torch.cat(flat)
+    if device.type == "cuda":
+        joined = joined.pin_memory().to(device, non_blocking=True)
+    else:
+        joined = joined.to(device)
+    parts = iter(joined.split([t.numel() for t in flat]))
+    return [{k: next(parts) for k in d} for d in host]
+
+
+def plan_micro_batches(tokens: Tensor, micro_rows: list[list[int]], lengths: RowLengths, *,
+                       packed: bool) -> list[MicroBatch]:
+    """Lay out each list of rows of `micro_rows` for a forward over `tokens` [N, S] (an empty list gives
+    an `empty` placeholder over row 0). `packed`: one sequence with document-causal attention."""
+    chosen = [rows or [0] for rows in micro_rows]
+    host = [_host_indices(rows, lengths, packed) for rows in chosen]
+    flat_tokens = tokens.reshape(-1)
+    out = []
+    for rows, given, idx in zip(chosen, micro_rows, _to_device(host, tokens.device)):
+        seq = [lengths.total(r) for r in rows]
+        shape = (1, sum(seq)) if packed else (len(rows), max(seq))
+        out.append(MicroBatch(
+            row_list=rows, rows=idx["rows"], tokens=flat_tokens[idx["token_index"]].view(shape),
+            positions=idx["positions"].view(shape) if packed else None,
+            documents=DocumentLayout(tuple(seq), idx["cu_seqlens"].to(torch.int32)) if packed else None,
+            predict_at=idx["predict_at"], targets=flat_tokens[idx["target_index"]], out_rows=idx["out_rows"],
+            out_cols=idx["out_cols"], num_targets=sum(lengths.response[r] for r in rows), empty=not given))
+    return out

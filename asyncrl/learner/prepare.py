@@ -1,0 +1,136 @@
+"""Everything a step computes once before its updates: π_old (behaviour or recomputed proximal log-probs),
+π_ref, the critic's values, per-token rewards, advantages, the loss mask and importance weights. Every
+number comes from `asyncrl.algos`; the forwards here run without gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from asyncrl import algos
+from asyncrl.config import OffPolicyConfig
+from asyncrl.learner.batch import RolloutBatch
+from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
+from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
+from asyncrl.learner.state import LearnerState
+
+__all__ = ["Prepared", "prepare"]
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A batch with what its updates need, all [N, T] on the batch's device."""
+
+    batch: RolloutBatch
+    logp_old: Tensor
+    advantages: Tensor
+    returns: Tensor | None  # critic targets
+    values_old: Tensor | None
+    logp_ref: Tensor | None
+    mask: Tensor  # the loss mask
+    is_weights: Tensor | None
+    metrics: dict
+    lengths: RowLengths  # on the host
+
+    def totals(self) -> list[int]:
+        """Prompt + response tokens of each row."""
+        return [self.lengths.total(r) for r in range(self.batch.num_rows)]
+
+
+@torch.no_grad()
+def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, lengths: RowLengths,
+                 values: bool = False) -> Tensor:
+    """No-grad log-probs (or values) of every row, micro-batched like training, on the model's own device
+    (a reference or critic may live elsewhere); returned on the batch's device."""
+    cfg = state.config
+    home = batch.tokens.device
+    tokens = batch.tokens.to(next(model.parameters()).device)
+    width = batch.response_mask.shape[1]
+    totals = [lengths.total(r) for r in range(batch.num_rows)]
+    micros = plan_micro_batches(tokens, split_rows(list(range(batch.num_rows)), totals, cfg), lengths,
+                                packed=cfg.pack_sequences)
+    out = torch.zeros(batch.num_rows, width, device=tokens.device)
+    was_training = model.training
+    model.eval()
+    try:
+        for micro in micros:
+            if values:
+                out[micro.rows] = micro_values(model, micro, width, autocast=cfg.autocast_bf16).to(out.dtype)
+            else:
+                out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
+                                                 autocast=cfg.autocast_bf16,
+                                                 chunk_tokens=cfg.logits_chunk_tokens)[0].to(out.dtype)
+    finally:
+        model.train(was_training)
+    return out.to(home)
+
+
+def _token_rewards(batch: RolloutBatch) -> Tensor:
+    """The outcome reward placed on each row's last response token in the mask: [N, T]."""
+    out = torch.zeros_like(batch.logp_behaviour)
+    mask = batch.response_mask
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = (mask * positions).argmax(-1)  # the last token in the mask (the last generated one unless left out)
+    out[torch.arange(batch.num_rows, device=out.device), last] = batch.rewards.to(out.dtype)
+    return torch.where(batch.response_mask, out, torch.zeros_like(out))
+
+
+def _loss_mask(off: OffPolicyConfig, batch: RolloutBatch, logp_old: Tensor, version: int) -> tuple[Tensor, dict]:
+    mask, metrics = batch.response_mask, {}
+    lag = algos.version_lag(batch.token_versions, version, mask)
+    metrics["training/version_lag/mean"] = float(lag.seq_max.float().mean())
+    metrics["training/version_lag/max"] = int(lag.seq_max.max())
+    if off.max_version_lag is not None:
+        capped = algos.staleness_mask(batch.token_versions, version, mask, max_version_lag=off.max_version_lag,
+                                      level=off.stale_level)
+        metrics["training/stale_masked_fraction"] = float(1 - capped.sum() / mask.sum().clamp(min=1))
+        mask = capped
+    if off.rs_stat != "none" and bool(mask.any()):
+        kwargs = dict(stat=off.rs_stat, lower=off.rs_lower, upper=off.rs_upper)
+        rs = (algos.token_rejection_mask(logp_old, batch.logp_behaviour, mask, **kwargs) if off.rs_level == "token"
+              else algos.sequence_rejection_mask(logp_old, batch.logp_behaviour, mask, reduce=off.rs_level, **kwargs))
+        metrics["rollout_corr/rejected_fraction"] = float(rs.rejected_fraction)
+        mask = rs.mask
+    return mask, metrics
+
+
+def _is_weights(off: OffPolicyConfig, batch: RolloutBatch, logp_old: Tensor, mask: Tensor) -> tuple[Tensor | None, dict]:
+    if off.is_level == "none" or not bool(mask.any()):
+        return None, {}
+    fn = algos.token_tis_weights if off.is_level == "token" else algos.sequence_tis_weights
+    w = fn(logp_old, batch.logp_behaviour, mask, threshold=off.is_threshold)
+    return w.weights, {"rollout_corr/is_weight_mean": float(w.mean),
+                       "rollout_corr/is_truncated_fraction": float(w.truncated_fraction),
+                       "rollout_corr/ess": float(w.ess)}
+
+
+def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
+    """π_old, π_ref, values, rewards, advantages, mask and weights of `batch` (see the module docstring)."""
+    algo, off = state.algorithm, state.config.off_policy
+    metrics: dict = {}
+    lengths = row_lengths(batch)
+    logp_old = batch.logp_behaviour if off.use_rollout_log_probs else _forward_all(state, state.policy, batch, lengths)
+    logp_ref = _forward_all(state, state.reference, batch, lengths) if state.reference is not None else None
+    values_old = (_forward_all(state, state.critic, batch, lengths, values=True)
+                  if state.critic is not None else None)
+    token_rewards = _token_rewards(batch)
+    if algo.kl_in_reward_coef > 0:
+        kl = algos.kl_penalized_rewards(token_rewards, logp_old, logp_ref, batch.response_mask, kl_coef=state.kl_coef)
+        token_rewards = kl.token_rewards
+        metrics["actor/reward_kl"] = float(kl.mean_kl)
+        metrics["actor/kl_coef"] = state.kl_coef
+        if algo.kl_target is not None:
+            state.kl_coef = algos.adaptive_kl_coef(state.kl_coef, float(kl.mean_kl), batch.num_rows,
+                                                   target_kl=algo.kl_target, horizon=algo.kl_horizon)
+    with torch.no_grad():
+        adv = algo.advantages(batch.rewards, token_rewards, batch.group_index, batch.response_mask, values_old)
+    mask, mask_metrics = _loss_mask(off, batch, logp_old, state.version)
+    is_weights, is_metrics = _is_weights(off, batch, logp_old, mask)
+    metrics.update(mask_metrics)
+    metrics.update(is_metrics)
+    if not off.use_rollout_log_probs:
+        metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - logp_old, mask))
+    return Prepared(batch, logp_old, adv.advantages, adv.returns if values_old is not None else None, values_old,
+                    logp_ref, mask, is_weights, metrics, lengths)

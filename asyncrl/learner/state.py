@@ -1,0 +1,114 @@
+"""The learner's state and how it is built: the trained models set up for training (checkpointing,
+compiled layers), AdamW optimizers and their learning-rate schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncrl.config import AlgorithmConfig, TrainerConfig
+from asyncrl.learner.sharding import shard_model
+from asyncrl.policies.model import use_fused_kernels
+from asyncrl.policies.value import ValueModel
+
+__all__ = ["LearnerState", "build_learner", "make_scheduler"]
+
+
+@dataclasses.dataclass
+class LearnerState:
+    """Everything a training step reads and updates (mutated in place and returned)."""
+
+    policy: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    config: TrainerConfig
+    algorithm: AlgorithmConfig
+    reference: nn.Module | None = None
+    critic: nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    step: int = 0  # training steps taken (each = one batch of groups)
+    optimizer_steps: int = 0
+    version: int = 0  # weight version published to the agents
+    kl_coef: float = 0.0  # current β of KL-in-reward (adaptive controller state)
+    skipped_updates: int = 0
+    critic_skipped_updates: int = 0
+    group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the peak lr, then constant or cosine down to `min_lr_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min((step - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1), 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _adamw(model: nn.Module, lr: float, config: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: fused (one kernel) on CUDA when asked and the parameters are
+    plain tensors; FSDP2's DTensor shards use the multi-tensor (foreach) one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = config.optim
+    fused = (config.fused_optimizer and bool(params) and all(p.is_cuda for p in params)
+             and not any(hasattr(p, "device_mesh") for p in params))
+    return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             **({"fused": True} if fused else {}))
+
+
+def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
+    """Train mode, gradient checkpointing of the configured scope, compiled layers on CUDA if asked."""
+    model.train()
+    model.gradient_checkpointing = config.gradient_checkpointing
+    model.checkpoint_scope = config.checkpoint_scope
+    device = next(model.parameters()).device
+    if config.compile_layers and device.type == "cuda":
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+
+
+def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: AlgorithmConfig, *,
+                  reference: nn.Module | None = None, critic: nn.Module | None = None,
+                  group: dist.ProcessGroup | None = None) -> LearnerState:
+    """Validate the configs, set up optimizers and schedules. Pass a frozen `reference` when the algorithm
+    uses a KL, and a critic (`ValueModel.from_policy(policy)` by default) when it needs one."""
+    config.validate()
+    algorithm.validate()
+    if algorithm.needs_reference and reference is None:
+        raise ValueError(f"{type(algorithm).__name__}: kl_loss_coef / kl_in_reward_coef > 0 need a reference model; "
+                         "pass reference= (a frozen copy of the initial policy)")
+    if algorithm.needs_critic and critic is None:
+        critic = ValueModel.from_policy(policy)
+        if algorithm.critic.device is not None:
+            critic = critic.to(algorithm.critic.device)
+        mesh = getattr(next(policy.parameters()), "device_mesh", None)
+        if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
+            shard_model(critic, mesh)
+    _prepare_for_training(policy, config)
+    device = next(policy.parameters()).device
+    if config.fused_kernels and device.type == "cuda":
+        use_fused_kernels(True, device, torch.bfloat16 if config.autocast_bf16 else next(policy.parameters()).dtype,
+                          model=policy)
+    optimizer = _adamw(policy, config.optim.lr, config)
+    state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
+                         reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group)
+    if reference is not None:
+        reference.eval().requires_grad_(False)
+    if critic is not None:
+        _prepare_for_training(critic, config)
+        state.critic_optimizer = _adamw(critic, algorithm.critic.lr, config)
+        state.critic_scheduler = make_scheduler(state.critic_optimizer, config.optim)
+    return state

@@ -1,0 +1,117 @@
+"""One training step: `(state, groups) -> (state, metrics)` — collate, prepare, the critic's and the actor's
+updates (concurrently when the critic has its own device), and the step's metrics in verl's names."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from asyncrl.learner.batch import RolloutBatch, collate
+from asyncrl.learner.prepare import Prepared, prepare
+from asyncrl.learner.state import LearnerState
+from asyncrl.learner.update import Totals, accumulate, actor_loss, critic_loss, run_updates, world
+from asyncrl.types import Group
+
+__all__ = ["train_step", "policy_gradients", "memory_metrics"]
+
+
+def _as_batch(state: LearnerState, groups: list[Group] | RolloutBatch) -> RolloutBatch:
+    cfg, algo = state.config, state.algorithm
+    batch = groups if isinstance(groups, RolloutBatch) else collate(
+        groups, max_response_length=cfg.max_response_length,
+        overlong_buffer_len=algo.overlong_buffer(cfg.max_response_length),
+        overlong_penalty_factor=algo.overlong_penalty_factor)
+    return batch.to(state.device)
+
+
+def _actor_update(state: LearnerState, prep: Prepared) -> dict:
+    result = run_updates(state, prep, actor_loss, state.policy, state.optimizer, state.scheduler)
+    state.optimizer_steps += result.updates
+    state.skipped_updates += result.skipped
+    out = {f"actor/{k}": v / max(result.updates, 1) for k, v in result.sums.items()}
+    out.update({f"actor/{k}": v for k, v in result.means.items()})
+    out["actor/grad_norm"] = result.mean_grad_norm
+    out["actor/lr"] = state.scheduler.get_last_lr()[0]
+    out["actor/skipped_updates"] = state.skipped_updates
+    return out
+
+
+def _critic_update(state: LearnerState, prep: Prepared) -> dict:
+    result = run_updates(state, prep, critic_loss, state.critic, state.critic_optimizer, state.critic_scheduler)
+    state.critic_skipped_updates += result.skipped
+    # micro-batch losses are normalised by their mini-batch's counts: their sum is one update's loss
+    return {"critic/vf_loss": result.sums.get("vf_loss", 0.0) / max(result.updates, 1),
+            "critic/vf_clipfrac": result.means.get("vf_clipfrac", 0.0),
+            "critic/grad_norm": result.mean_grad_norm, "critic/skipped_updates": state.critic_skipped_updates}
+
+
+def train_step(state: LearnerState, groups: list[Group] | RolloutBatch) -> tuple[LearnerState, dict]:
+    """One training step on a batch of groups. Returns the (mutated) state and verl-named metrics."""
+    start = time.perf_counter()
+    algo = state.algorithm
+    prep = prepare(state, _as_batch(state, groups))
+    metrics = dict(prep.metrics)
+    train_actor = state.critic is None or state.step >= algo.critic.warmup_steps
+    # concurrent = the critic's update in a worker thread (split placement on its own device); in a
+    # multi-process trainer group both updates use the group's collectives, so they take turns
+    concurrent = state.critic is not None and algo.critic.concurrent and world(state)[1] == 1
+    if state.critic is not None and not concurrent:
+        metrics.update(_critic_update(state, prep))
+    if concurrent:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic") as pool:
+            critic_future = pool.submit(_critic_update, state, prep)
+            if train_actor:
+                metrics.update(_actor_update(state, prep))
+            metrics.update(critic_future.result())
+    elif train_actor:
+        metrics.update(_actor_update(state, prep))
+    state.step += 1
+    metrics.update(_batch_metrics(prep, time.perf_counter() - start, state))
+    return state, metrics
+
+
+def policy_gradients(state: LearnerState, groups: list[Group] | RolloutBatch) -> dict[str, torch.Tensor]:
+    """The accumulated policy gradient of the whole batch as one mini-batch, without an optimizer step
+    (for checking that micro-batching, packing, token budgets and sharding leave the gradient unchanged)."""
+    prep = prepare(state, _as_batch(state, groups))
+    state.optimizer.zero_grad(set_to_none=True)
+    accumulate(state, prep, list(range(len(prep.batch.prompt_ids))), actor_loss, state.device, Totals())
+    grads = {}
+    for name, p in state.policy.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().clone()
+    state.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def _batch_metrics(prep: Prepared, seconds: float, state: LearnerState) -> dict:
+    batch, mask = prep.batch, prep.batch.response_mask
+    lengths = batch.response_lens.float()
+    valid = prep.advantages[mask]
+    return {
+        "critic/score/mean": float(batch.rewards.mean()),
+        "critic/score/max": float(batch.rewards.max()),
+        "critic/score/min": float(batch.rewards.min()),
+        "reward/accuracy": float((batch.rewards >= 1.0 - 1e-6).float().mean()),  # for 0/1 task rewards
+        "critic/advantages/mean": float(valid.mean()) if valid.numel() else 0.0,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
+        "timing_s/update_actor": seconds,
+        "training/global_step": state.step,
+        "training/num_groups": len(batch.prompt_ids),
+        "perf/total_num_tokens": int((batch.prompt_lens + batch.response_lens).sum()),
+        "rollout/nonfinite_logprob_tokens": batch.nonfinite_logprobs,
+        **memory_metrics(state.device),
+    }
+
+
+def memory_metrics(device: torch.device, prefix: str = "perf") -> dict:
+    """Peak accelerator memory of this process since it started (verl's names), empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    return {f"{prefix}/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            f"{prefix}/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}

@@ -1,0 +1,229 @@
+"""The updates: `ppo_epochs` × mini-batches of `mini_batch_size` groups, each accumulated over micro-batches
+and normalised by the mini-batch's global token/row counts (so accumulation is exact), then gradient
+clipping and an optimizer step, skipped (and counted) on a non-finite gradient. One loop serves the actor
+and the critic; they differ only in the loss of a micro-batch.
+
+Distributed (FSDP2 over the trainer group): each rank takes every world-th group of a mini-batch, counts are
+all-reduced, and ranks run equal numbers of micro-batches (padding with zero-weight ones) so collectives
+line up. Statistics stay on the device and are read back once per update, so nothing in the micro-batch
+loop waits for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from asyncrl import algos
+from asyncrl.algos._checks import value_checks
+from asyncrl.learner.forward import micro_logprobs, micro_values
+from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
+from asyncrl.learner.prepare import Prepared
+from asyncrl.learner.sharding import grad_norm_
+from asyncrl.learner.state import LearnerState
+
+__all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
+           "world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """A mini-batch's global normalisers: valid tokens, rows, and the seq-mean-token-sum-norm length."""
+
+    tokens: float
+    seqs: float
+    length: float
+
+    def loss_kwargs(self) -> dict:
+        return dict(num_tokens=self.tokens, num_seqs=self.seqs, norm_length=self.length)
+
+
+@dataclasses.dataclass
+class MicroStats:
+    """A micro-batch's detached statistics: `sums` add up over an update as they are (losses already
+    normalised by the mini-batch's counts); `means` are averaged over tokens, weighted by `tokens`."""
+
+    sums: dict[str, Tensor]
+    means: dict[str, Tensor]
+    tokens: Tensor
+
+
+@dataclasses.dataclass
+class UpdateResult:
+    sums: dict[str, float]  # summed over all micro-batches of all updates
+    means: dict[str, float]  # token-weighted means over all micro-batches
+    grad_norms: list[float]  # per update; non-finite for a skipped one
+    updates: int
+
+    @property
+    def skipped(self) -> int:
+        return sum(not math.isfinite(g) for g in self.grad_norms)
+
+    @property
+    def mean_grad_norm(self) -> float:
+        finite = [g for g in self.grad_norms if math.isfinite(g)]  # skipped updates have no norm to average
+        return sum(finite) / max(len(finite), 1)
+
+
+MicroLoss = Callable[[LearnerState, Prepared, MicroBatch, Counts], MicroStats]
+
+
+# -------------------------------------------------------------------------------------- distribution
+def world(state: LearnerState) -> tuple[int, int]:
+    """(rank, world size) in the trainer group; (0, 1) for one process."""
+    if state.group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(state.group), dist.get_world_size(state.group)
+
+
+def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    if world(state)[1] == 1:
+        return values
+    # a NCCL group reduces only accelerator tensors; gloo takes host ones
+    device = state.device if dist.get_backend(state.group) == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=state.group)
+    return t.tolist()
+
+
+def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[int]]:
+    """Group indices per mini-batch for one epoch (shuffled with a seed derived from the step)."""
+    order = list(range(num_groups))
+    if state.config.shuffle:
+        gen = torch.Generator().manual_seed(state.config.seed * 1_000_003 + state.step * 1009 + epoch)
+        order = torch.randperm(num_groups, generator=gen).tolist()
+    size = state.config.mini_batch_size
+    return [order[i:i + size] for i in range(0, num_groups, size)]
+
+
+def _local_rows(state: LearnerState, prep: Prepared, groups: list[int]) -> list[int]:
+    """This rank's rows of a mini-batch: those of every world-th group."""
+    rank, size = world(state)
+    chosen = set(groups[rank::size])
+    return [r for r, g in enumerate(prep.batch.group_index.tolist()) if g in chosen]
+
+
+def _plan(state: LearnerState, prep: Prepared, rows: list[int], device: torch.device) -> list[MicroBatch]:
+    """This rank's micro-batches, padded with empty ones so every rank runs the same number (FSDP2
+    collectives must line up)."""
+    micros = split_rows(rows, prep.totals(), state.config)
+    count = int(_all_reduce(state, [len(micros)], dist.ReduceOp.MAX)[0])
+    micros = micros + [[]] * (count - len(micros))
+    return plan_micro_batches(prep.batch.tokens.to(device), micros, prep.lengths, packed=state.config.pack_sequences)
+
+
+def _counts(state: LearnerState, prep: Prepared, rows: list[int]) -> Counts:
+    """Global valid-token and row counts of the mini-batch, and the length normaliser."""
+    idx = torch.tensor(rows, dtype=torch.long, device=prep.mask.device)
+    mask = prep.mask[idx] if rows else prep.mask[:0]
+    tokens, nonempty, all_rows = _all_reduce(state, [float(mask.sum()), float(mask.any(-1).sum()), float(len(rows))])
+    seqs = all_rows if state.algorithm.loss_agg_mode == "seq-mean-token-sum-norm" else nonempty
+    length = state.config.max_response_length or prep.batch.response_mask.shape[1]
+    return Counts(max(tokens, 1.0), max(seqs, 1.0), float(length))
+
+
+# -------------------------------------------------------------------------------------- the losses
+def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
+    """Policy loss (− entropy bonus + KL loss) of one micro-batch; backward; detached statistics."""
+    cfg, algo = state.config, state.algorithm
+    size = world(state)[1]
+    idx = micro.rows
+    logp, ent = micro_logprobs(state.policy, micro, prep.mask.shape[1], temperature=cfg.sampling_temperature,
+                               autocast=cfg.autocast_bf16, chunk_tokens=cfg.logits_chunk_tokens)
+    mask = prep.mask[idx] & (not micro.empty)
+    weights = prep.is_weights[idx] if prep.is_weights is not None else None
+    pg = algo.policy_loss(logp, prep.logp_old[idx], prep.advantages[idx], mask, is_weights=weights,
+                          **counts.loss_kwargs())
+    agg = dict(mode=algo.loss_agg_mode, **counts.loss_kwargs())
+    entropy = algos.agg_loss(ent if algo.entropy_coef > 0 else ent.detach(), mask, **agg)
+    loss = pg.loss - algo.entropy_coef * entropy if algo.entropy_coef > 0 else pg.loss
+    kl_loss = torch.zeros((), device=logp.device)
+    if algo.kl_loss_coef > 0:
+        kl_loss = algos.agg_loss(algo.kl_estimator()(logp, prep.logp_ref[idx]), mask, **agg)
+        loss = loss + algo.kl_loss_coef * kl_loss
+    (loss * size).backward()  # FSDP2 averages gradients over ranks; counts are already global
+    return MicroStats(sums={"pg_loss": pg.loss.detach() * size, "entropy": entropy.detach() * size,
+                            "kl_loss": kl_loss.detach() * size},
+                      means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower},
+                      tokens=mask.sum())
+
+
+def critic_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
+    """Clipped value loss of one micro-batch on the critic's device; backward; detached statistics."""
+    device = micro.tokens.device
+    idx = micro.rows
+    values = micro_values(state.critic, micro, prep.mask.shape[1], autocast=state.config.autocast_bf16)
+    mask = prep.mask.to(device)[idx] & (not micro.empty)
+    vl = algos.value_loss(values, prep.values_old.to(device)[idx], prep.returns.to(device)[idx], mask,
+                          clip_range=state.algorithm.critic.value_clip, loss_agg_mode=state.algorithm.loss_agg_mode,
+                          **counts.loss_kwargs())
+    size = world(state)[1]
+    (vl.loss * size).backward()
+    return MicroStats(sums={"vf_loss": vl.loss.detach() * size}, means={"vf_clipfrac": vl.clipfrac}, tokens=mask.sum())
+
+
+# -------------------------------------------------------------------------------------- the loop
+def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None) -> float:
+    """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip). Returns
+    the norm (non-finite: skipped)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = float(grad_norm_(params, clip, group))
+    if math.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@dataclasses.dataclass
+class Totals:
+    """Statistics added up on the device over micro-batches (read back once per step)."""
+
+    sums: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    weighted: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # Σ mean × tokens
+    tokens: Tensor | float = 0.0
+
+    def add(self, stats: MicroStats) -> None:
+        tokens = stats.tokens.float()
+        for k, v in stats.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v.float()
+        for k, v in stats.means.items():
+            self.weighted[k] = self.weighted.get(k, 0.0) + v.float() * tokens
+        self.tokens = self.tokens + tokens
+
+
+def accumulate(state: LearnerState, prep: Prepared, groups: list[int], loss: MicroLoss, device: torch.device,
+               totals: Totals) -> None:
+    """Forward/backward every micro-batch of one mini-batch (gradients add up in .grad; statistics in
+    `totals`). Value checks are off here (no device syncs mid-backward): a non-finite value surfaces as a
+    skipped update instead."""
+    rows = _local_rows(state, prep, groups)
+    counts = _counts(state, prep, rows)
+    for micro in _plan(state, prep, rows, device):
+        with value_checks(False):
+            totals.add(loss(state, prep, micro, counts))
+
+
+def run_updates(state: LearnerState, prep: Prepared, loss: MicroLoss, model: nn.Module, optimizer,
+                scheduler) -> UpdateResult:
+    """`ppo_epochs` passes over the batch's mini-batches, one optimizer step each."""
+    cfg = state.config
+    device = next(model.parameters()).device
+    group = state.group if world(state)[1] > 1 else None
+    totals = Totals()
+    grad_norms = []
+    for epoch in range(cfg.ppo_epochs):
+        for groups in _minibatches(state, len(prep.batch.prompt_ids), epoch):
+            accumulate(state, prep, groups, loss, device, totals)
+            grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group))
+    tokens = max(float(totals.tokens), 1.0)
+    return UpdateResult(sums={k: float(v) for k, v in totals.sums.items()},
+                        means={k: float(v) / tokens for k, v in totals.weighted.items()},
+                        grad_norms=grad_norms, updates=len(grad_norms))
