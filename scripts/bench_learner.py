@@ -1,6 +1,7 @@
 """Benchmark a learner step against a plain Hugging Face training step, in the same process.
 
     python scripts/bench_learner.py                      # GPU: Qwen2.5-0.5B shape, 16 × 320 tokens
+    python scripts/bench_learner.py --workload ragged --rows 64   # GPU: RL-like prompt and response lengths
 
 A thin wrapper over `asyncrl.bench` (the same as `asyncrl bench learner ...`); see that module for what is
 measured.

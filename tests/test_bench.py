@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from asyncrl.bench import LearnerBenchArgs, bench_learner, groups_for, step_bytes
+from asyncrl.bench import (LearnerBenchArgs, bench_learner, body_params, groups_for, row_lengths,
+                           step_bytes, train_flops)
 from asyncrl.policies import random_model
 from tests.run_helpers import ROOT, cli
 
@@ -91,9 +92,82 @@ def test_learner_bench_tiny_run(tmp_path):
                             out=str(tmp_path / "learner.json"))
     row = bench_learner(args)
     assert row["ours_tok_s"] > 0 and row["tokens_per_row"] == 8 and "hf_tok_s" not in row
+    assert row["workload"] == "fixed" and row["tokens_per_step"] == 32 and row["response_tokens_per_step"] == 16
+    assert row["ours_mfu"] is None  # no peak FLOP/s on CPU
     assert json.loads((tmp_path / "learner.json").read_text()) == row
     groups = groups_for(args, 256, seed=0)
     assert len(groups) == 2 and all(len(g.completions) == 2 and len(g.prompt_ids) == 4 for g in groups)
+
+
+TINY_RAGGED = dict(model="random:tiny-qwen2", device="cpu", rows=4, group_size=2, workload="ragged",
+                   prompt_len_min=2, prompt_len_max=6, response_len_min=1, response_len_max=8, steps=1)
+
+
+def test_learner_bench_ragged_run_against_padded_hf(tmp_path, capsys):
+    """Ragged rows end to end: ours packed, HF's padded micro-batches; both credited the same real tokens and
+    FLOPs (so the MFU ratio is the tok/s ratio); MFU is null on CPU."""
+    args = LearnerBenchArgs(**TINY_RAGGED, max_tokens_per_micro_batch=24, out=str(tmp_path / "learner.json"))
+    row = bench_learner(args)
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    print(printed)  # the CPU row, for `pytest -s`
+    assert json.loads(printed) == row == json.loads((tmp_path / "learner.json").read_text())
+    timed = row_lengths(groups_for(args, 256, seed=1))  # step 0 is the warm-up
+    assert row["workload"] == "ragged" and row["rows"] == 4
+    assert row["tokens_per_step"] == sum(p + r for p, r in timed)
+    assert row["response_tokens_per_step"] == sum(r for _, r in timed)
+    assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
+    assert row["ours_mfu"] is None and row["hf_mfu"] is None
+
+
+def test_groups_for_draws_ragged_lengths_inside_their_ranges():
+    args = LearnerBenchArgs(**dict(TINY_RAGGED, rows=32, group_size=4))
+    groups = groups_for(args, 256, seed=3)
+    assert len(groups) == 8 and all(len(g.completions) == 4 for g in groups)
+    prompts = [len(g.prompt_ids) for g in groups]
+    responses = [len(c.token_ids) for g in groups for c in g.completions]
+    assert all(2 <= n <= 6 for n in prompts) and all(1 <= n <= 8 for n in responses)
+    assert len(set(prompts)) > 1 and len(set(responses)) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) == len(c.versions) for g in groups for c in g.completions)
+    assert row_lengths(groups_for(args, 256, seed=3)) == row_lengths(groups)  # seeded
+    assert row_lengths(groups_for(args, 256, seed=4)) != row_lengths(groups)  # a new draw per step
+    fixed = groups_for(dataclasses.replace(args, workload="fixed", prompt_len=5, response_len=7), 256, seed=3)
+    assert set(row_lengths(fixed)) == {(5, 7)}
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(response_len_min=0), "--response-len-min 0 must be >= 1"),
+    (dict(response_len_min=9, response_len_max=8), "--response-len-min 9 must be <= --response-len-max 8"),
+    (dict(prompt_len_min=7, prompt_len_max=6), "--prompt-len-min 7 must be <= --prompt-len-max 6"),
+    (dict(prompt_len_max=0), "--prompt-len-max 0 must be >= 1"),
+    (dict(rows=6, group_size=4), "--rows 6 must be a positive multiple of --group-size 4"),
+    (dict(workload="fixed", response_len=0), "--response-len 0 must be >= 1"),
+])
+def test_learner_bench_refuses_bad_shapes_before_loading(change, flag):
+    args = LearnerBenchArgs(**{**TINY_RAGGED, "model": "/no/such/model", **change})  # loading would fail otherwise
+    with pytest.raises(ValueError, match=flag):
+        bench_learner(args)
+
+
+def test_learner_bench_cli_names_the_flag():
+    out = cli("bench", "learner", "--device", "cpu", "--workload", "ragged", "--response-len-min", "0")
+    assert out.returncode != 0 and "asyncrl bench learner: --response-len-min 0 must be >= 1" in out.stderr
+
+
+def test_train_flops_golden_value():
+    """V=100, H=8, L=2, 2 heads × 4 = 8 attention width, N_body=1000; rows (3, 5) and (2, 1):
+    tokens 8 + 3 = 11, response tokens 5 + 1 = 6, Σ s² = 64 + 9 = 73;
+    6·1000·11 = 66000, 6·100·8·6 = 28800, 6·2·8·73 = 7008; total 101808."""
+    from asyncrl.policies.model import TransformerConfig
+    config = TransformerConfig.from_hf(dict(model_type="llama", vocab_size=100, hidden_size=8, intermediate_size=16,
+                                            num_hidden_layers=2, num_attention_heads=2, head_dim=4))
+    assert train_flops(config, 1000, [(3, 5), (2, 1)]) == 101808.0
+    assert train_flops(config, 1000, []) == 0.0
+
+
+def test_body_params_counts_the_decoder_without_embeddings():
+    model = random_model("tiny-qwen2")  # tied embeddings: one V × H matrix outside the body
+    cfg = model.config
+    assert body_params(model) == sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
 
 
 def test_step_bytes_counts_weights_once_and_the_kv():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -87,34 +88,38 @@ def split_rows(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[
     return bins
 
 
+def _segments(lengths: np.ndarray) -> np.ndarray:
+    """0..n−1 for each length n, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
 def _host_indices(rows: list[int], lengths: RowLengths, packed: bool) -> dict[str, Tensor]:
-    """The index tensors of one micro-batch, on the host (int64)."""
-    prompt = torch.tensor([lengths.prompt[r] for r in rows])
-    response = torch.tensor([lengths.response[r] for r in rows])
+    """The index tensors of one micro-batch, built on the host (int64; numpy: torch's CPU repeat_interleave
+    took ~8 ms a call here, longer than the GPU's work on the micro-batch)."""
+    prompt = np.array([lengths.prompt[r] for r in rows], dtype=np.int64)
+    response = np.array([lengths.response[r] for r in rows], dtype=np.int64)
     seq = prompt + response
-    row_start = torch.tensor(rows) * lengths.width  # offset of each row in the flattened [N, S] tokens
+    row_start = np.array(rows, dtype=np.int64) * lengths.width  # each row's offset in the flattened [N, S] tokens
     if packed:
         span = seq
-        starts = torch.cumsum(seq, 0) - seq  # where each row begins in the packed sequence
+        starts = np.cumsum(seq) - seq  # where each row begins in the packed sequence
     else:
-        width = int(seq.max())
-        span = torch.full_like(seq, width)
-        starts = torch.arange(len(rows)) * width
-    within = torch.arange(int(span.sum())) - torch.repeat_interleave(torch.cumsum(span, 0) - span, span)
-    response_at = torch.arange(int(response.sum())) - torch.repeat_interleave(torch.cumsum(response, 0) - response,
-                                                                                response)
+        span = np.full_like(seq, seq.max())
+        starts = np.arange(len(rows)) * span[0]
+    within = _segments(span)
+    response_at = _segments(response)
     out = {
-        "token_index": torch.repeat_interleave(row_start, span) + within,
-        "predict_at": torch.repeat_interleave(starts + prompt - 1, response) + response_at,
-        "target_index": torch.repeat_interleave(row_start + prompt, response) + response_at,
-        "out_rows": torch.repeat_interleave(torch.arange(len(rows)), response),
+        "token_index": np.repeat(row_start, span) + within,
+        "predict_at": np.repeat(starts + prompt - 1, response) + response_at,
+        "target_index": np.repeat(row_start + prompt, response) + response_at,
+        "out_rows": np.repeat(np.arange(len(rows)), response),
         "out_cols": response_at,
-        "rows": torch.tensor(rows),
+        "rows": np.array(rows, dtype=np.int64),
     }
     if packed:
         out["positions"] = within
-        out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(seq, 0)])
-    return out
+        out["cu_seqlens"] = np.concatenate([[0], np.cumsum(seq)])
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in out.items()}
 
 
 def _to_device(host: list[dict[str, Tensor]], device: torch.device) -> list[dict[str, Tensor]]:

@@ -70,12 +70,15 @@ def _adamw(model: nn.Module, lr: float, config: TrainerConfig) -> torch.optim.Ad
 
 
 def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
-    """Train mode, gradient checkpointing of the configured scope, compiled layers on CUDA if asked."""
+    """Train mode, gradient checkpointing of the configured scope, and (CUDA, unsharded) each decoder layer
+    compiled. FSDP2's hooks sit on the layers themselves, where compiling would trace them: a sharded model
+    keeps eager layers."""
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     model.checkpoint_scope = config.checkpoint_scope
-    device = next(model.parameters()).device
-    if config.compile_layers and device.type == "cuda":
+    params = list(model.parameters())
+    sharded = any(hasattr(p, "device_mesh") for p in params)
+    if config.compile_layers and params[0].is_cuda and not sharded:
         for layer in model.model.layers:
             layer.compile(dynamic=True)
 

@@ -255,20 +255,26 @@ class DocumentLayout:
 
     lengths: tuple[int, ...]
     cu_seqlens: Tensor
+    max_len: int = dataclasses.field(init=False)  # the longest sequence (the flash kernel's launch bound)
+    flash: Any = dataclasses.field(init=False, repr=False)  # varlen flash attention on CUDA, else None
 
-    @property
-    def max_len(self) -> int:
-        return max(self.lengths)
+    def __post_init__(self):
+        # resolved here, outside any compiled region, so a compiled layer only calls it
+        object.__setattr__(self, "max_len", max(self.lengths))
+        object.__setattr__(self, "flash", _varlen_attention() if self.cu_seqlens.is_cuda else None)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Document-causal attention of q [1, H, L, D] over k, v [1, Hkv, L, D] -> [1, H, L, D].
 
-        CUDA in bf16/fp16: one flash-attention call over all documents (`torch.nn.attention.varlen`).
-        Otherwise (CPU, fp32): causal SDPA per document — the same arithmetic as a padded row, with no
-        padding and no L × L mask."""
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attention() is not None:
-            out = _varlen_attention()(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                      self.cu_seqlens, self.max_len)
+        CUDA in bf16/fp16 (or under autocast, which SDPA would follow too): one flash-attention call over
+        all documents (`torch.nn.attention.varlen`). Otherwise (CPU, fp32): causal SDPA per document — the
+        same arithmetic as a padded row, with no padding and no L × L mask."""
+        if q.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if self.flash is not None and q.dtype in (torch.bfloat16, torch.float16):
+            out = self.flash(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
+                        self.max_len)
             return out.transpose(0, 1)[None]
         gqa = q.shape[1] != k.shape[1]
         parts = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=qd.shape[2] > 1, enable_gqa=gqa)
@@ -280,20 +286,21 @@ class DocumentLayout:
 def _varlen_attention():
     """torch's variable-length flash attention as f(q, k, v, cu_seqlens, max_len) with causal masking and
     grouped K/V heads ([L, H, D] layouts), or None where this torch has none. The one place that knows the
-    API's versions: torch 2.10 takes `is_causal`, 2.11+ `window_size=(-1, 0)` (and `enable_gqa` where
-    present; flash attention reads grouped K/V heads natively)."""
+    API's versions: torch 2.10 takes `is_causal`, 2.11+ `window_size=(-1, 0)`; flash attention reads
+    grouped K/V heads natively (2.13 also asks for `enable_gqa`)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    grouped = dict(causal, enable_gqa=True) if "enable_gqa" in params else causal
+    return functools.partial(_call_varlen, varlen_attn, causal, grouped)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int) -> Tensor:
-        extra = dict(kwargs, enable_gqa=True) if "enable_gqa" in params and q.shape[1] != k.shape[1] else kwargs
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
 
-    return attend
+def _call_varlen(varlen_attn, causal: dict, grouped: dict, q: Tensor, k: Tensor, v: Tensor, cu: Tensor,
+                 max_len: int) -> Tensor:
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **(grouped if q.shape[1] != k.shape[1] else causal))
 
 
 class Attention(_UsesKernels, nn.Module):

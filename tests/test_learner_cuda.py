@@ -1,0 +1,75 @@
+"""CUDA variants of the learner's packing and head checks: varlen flash attention against per-document SDPA,
+the compiled head against the eager one, and a bf16-autocast packed step against the padded one, with
+compiled layers and MLP-only checkpointing. Skipped without a GPU (CI has none; run on a lent GPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from asyncrl.config import GRPO
+from asyncrl.learner import build_learner, linear_logprobs, policy_gradients
+from asyncrl.policies import ARCH_PRESETS, random_model
+from asyncrl.policies.model import DocumentLayout, _varlen_attention
+from tests.learner_helpers import on_policy, synthetic_groups, trainer_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BF16 = torch.bfloat16
+
+
+def test_varlen_attention_exists_and_equals_per_document_attention():
+    """torch's varlen flash attention (GQA: 4 query heads over 2 K/V heads) against SDPA per document."""
+    assert _varlen_attention() is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lens = (37, 1, 250, 64)
+    total = sum(lens)
+    q = torch.randn(1, 4, total, 64, device="cuda", dtype=BF16, generator=gen)
+    k, v = (torch.randn(1, 2, total, 64, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    cu = torch.tensor([0, 37, 38, 288, 352], device="cuda", dtype=torch.int32)
+    layout = DocumentLayout(lens, cu)
+    flash = layout.attend(q, k, v).float()
+    per_doc = layout.attend(q.float(), k.float(), v.float())  # fp32: the per-document SDPA path
+    # bf16 inputs and output: relative L2 error ~1e-2; a wrong mask or document boundary gives O(1)
+    assert float((flash - per_doc).norm() / per_doc.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_compiled_head_equals_the_eager_head(entropy_grad):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(3000, 256, device="cuda", generator=gen)
+    w = torch.randn(5000, 256, device="cuda", generator=gen) * 0.1
+    y = torch.randint(0, 5000, (3000,), device="cuda", generator=gen)
+    g = torch.randn(3000, device="cuda", generator=gen)
+    out = []
+    for compiled in (False, True):
+        a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=BF16):
+            logp, ent = linear_logprobs(a, b, y, temperature=0.8, chunk_tokens=1024, compiled=compiled)
+        ((logp * g).sum() + ((ent * g).sum() if entropy_grad else 0)).backward()
+        out.append((logp, ent, a.grad, b.grad))
+    # the same bf16 logits reduced in fp32 in another order: log π and H agree to fp32 round-off; the
+    # gradients pass through a bf16 cast before their matmuls, so a last-bit difference can flip a rounding
+    for k, (eager, compiled) in enumerate(zip(*out)):
+        rel = float((compiled - eager).detach().norm() / eager.detach().norm())
+        assert rel < (1e-5 if k < 2 else 1e-2), (k, rel)
+
+
+@pytest.mark.parametrize("variant", [{}, {"compile_layers": True}, {"gradient_checkpointing": True,
+                                                                     "checkpoint_scope": "mlp"}],
+                         ids=["plain", "compiled-layers", "mlp-checkpointing"])
+def test_packed_bf16_gradient_equals_the_padded_one(variant):
+    """Under bf16 autocast the two layouts round differently (flash varlen vs SDPA over padded rows); the
+    gradients agree to bf16 accuracy (relative L2 distance; a wrong position or mask moves it by O(1))."""
+    policy = random_model(dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.1), seed=0)
+    groups = on_policy(policy, synthetic_groups(6, 4, seed=2, prompt_lens=(2, 40), response_lens=(1, 60)))
+    policy = policy.cuda()
+    grads = {}
+    for packed in (False, True):
+        cfg = trainer_config(use_dynamic_bsz=True, max_tokens_per_micro_batch=256, pack_sequences=packed, **variant)
+        grads[packed] = policy_gradients(build_learner(copy.deepcopy(policy), cfg, GRPO()), groups)
+    num = sum(float((grads[True][k] - grads[False][k]).norm() ** 2) for k in grads[False]) ** 0.5
+    den = sum(float(g.norm() ** 2) for g in grads[False].values()) ** 0.5
+    assert den > 0 and num / den < 0.05, num / den
