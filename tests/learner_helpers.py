@@ -9,15 +9,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 from torch import Tensor, nn
 
-from asyncrl.config import OffPolicyConfig, OptimConfig, TrainerConfig
+from asyncrl.config import (CISPO, DAPO, GRPO, GSPO, PPO, RLOO, DrGRPO, OffPolicyConfig, OptimConfig, ReinforcePP,
+                            TrainerConfig)
 from asyncrl.learner import collate, response_logprobs
 from asyncrl.policies import ARCH_PRESETS, CausalLM, random_model
 from asyncrl.types import Completion, Group
 
 VOCAB = ARCH_PRESETS["tiny-qwen2"]["vocab_size"]  # 256
+
+# every algorithm config, with the trainer fields it needs: (algorithm, trainer overrides)
+ALGORITHM_CASES = [
+    pytest.param(GRPO(), {}, id="GRPO"),
+    pytest.param(DrGRPO(), {"max_response_length": 12}, id="DrGRPO"),
+    pytest.param(DAPO(overlong_buffer_len=4), {"max_response_length": 12}, id="DAPO"),
+    pytest.param(GSPO(), {}, id="GSPO"),
+    pytest.param(CISPO(), {}, id="CISPO"),
+    pytest.param(RLOO(), {}, id="RLOO"),
+    pytest.param(ReinforcePP(), {}, id="ReinforcePP"),
+    pytest.param(ReinforcePP(group_baseline=True), {}, id="ReinforcePP-baseline"),
+    pytest.param(PPO(), {}, id="PPO"),
+]
 
 
 def tiny_policy(seed: int = 0, *, initializer_range: float = 0.1) -> CausalLM:

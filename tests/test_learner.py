@@ -31,7 +31,7 @@ from asyncrl.learner import (
 from asyncrl.policies import Engine, EngineConfig, SamplingParams
 from asyncrl.types import Completion, Group
 from tests.learner_helpers import (
-    VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
+    ALGORITHM_CASES, VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
     tiny_policy, trainer_config, weights,
 )
 from tests.tolerances import close_tol, forward_tol
@@ -434,20 +434,7 @@ def test_grad_norm_metric_averages_only_the_updates_that_happened():
 
 
 # ================================================================================ 7. every algorithm
-_ALGOS = [
-    pytest.param(GRPO(), {}, id="GRPO"),
-    pytest.param(DrGRPO(), {"max_response_length": 12}, id="DrGRPO"),
-    pytest.param(DAPO(overlong_buffer_len=4), {"max_response_length": 12}, id="DAPO"),
-    pytest.param(GSPO(), {}, id="GSPO"),
-    pytest.param(CISPO(), {}, id="CISPO"),
-    pytest.param(RLOO(), {}, id="RLOO"),
-    pytest.param(ReinforcePP(), {}, id="ReinforcePP"),
-    pytest.param(ReinforcePP(group_baseline=True), {}, id="ReinforcePP-baseline"),
-    pytest.param(PPO(), {}, id="PPO"),
-]
-
-
-@pytest.mark.parametrize("algo, trainer", _ALGOS)
+@pytest.mark.parametrize("algo, trainer", ALGORITHM_CASES)
 def test_every_algorithm_trains_and_reports_finite_verl_metrics(algo, trainer):
     policy = tiny_policy(0)
     before = weights(policy)

@@ -15,27 +15,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.config import (CISPO, DAPO, GRPO, GSPO, PPO, RLOO, DrGRPO, OffPolicyConfig, ReinforcePP)
+from asyncrl.config import GRPO, OffPolicyConfig
 from asyncrl.learner import (build_learner, collate, linear_logprobs, plan_micro_batches, policy_gradients,
                              response_logprobs, split_rows, train_step)
 from asyncrl.learner.forward import row_lengths
 from asyncrl.policies.model import DocumentLayout
 from asyncrl.types import Completion
-from tests.learner_helpers import frozen_copy, max_rel_diff, on_policy, synthetic_groups, tiny_policy, trainer_config
+from tests.learner_helpers import ALGORITHM_CASES, frozen_copy, max_rel_diff, on_policy, synthetic_groups, tiny_policy, trainer_config
 from tests.tolerances import close_tol
 
 REL_TOL = 1e-5
 
-_CONFIGS = [
-    pytest.param(GRPO(), {}, id="GRPO"),
+_CONFIGS = ALGORITHM_CASES + [
     pytest.param(GRPO(entropy_coef=0.01, kl_loss_coef=0.1, loss_agg_mode="seq-mean-token-mean"), {}, id="entropy+kl"),
-    pytest.param(DrGRPO(), {"max_response_length": 12}, id="DrGRPO"),
-    pytest.param(DAPO(overlong_buffer_len=4), {"max_response_length": 12}, id="DAPO"),
-    pytest.param(GSPO(), {}, id="GSPO"),
-    pytest.param(CISPO(), {}, id="CISPO"),
-    pytest.param(RLOO(), {}, id="RLOO"),
-    pytest.param(ReinforcePP(), {}, id="ReinforcePP"),
-    pytest.param(PPO(), {}, id="PPO"),
     pytest.param(GRPO(), {"off_policy": OffPolicyConfig(use_rollout_log_probs=False, is_level="token",
                                                         rs_stat="k1", rs_upper=2.0, rs_level="token")},
                  id="decoupled+TIS+rejection"),
