@@ -95,7 +95,8 @@ def test_plugins_score_count_failures_and_warn(tmp_path, smollm2_tokenizer):
 def test_strict_rewards_stop_the_run_naming_the_reward_once(tmp_path, smollm2_tokenizer):
     data, specs = _setup(tmp_path)
     run_dir = tmp_path / "run"
-    out = _train(*TEXT, "--run-dir", run_dir, "--data.path", data, "--reward.fn", *specs, "--strict-rewards")
+    out = _train(*TEXT, "--run-dir", run_dir, "--data.path", data, "--reward.fn", *specs, "--strict-rewards",
+                 "--reward.timeout-s", "1")  # the slow reward is cut off instead of holding the exit for 30 s
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("asyncrl train: the run failed: ") and "bad.py:" in last, out.stderr[-4000:]
