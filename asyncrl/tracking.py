@@ -16,7 +16,6 @@ import json
 import math
 import os
 import pathlib
-import sys
 import time
 from typing import Literal
 

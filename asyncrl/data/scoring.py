@@ -27,6 +27,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+from asyncrl.background_loop import BackgroundLoop
 from asyncrl.rewards.plugin import RewardFunction, RewardTable, RewardValueError, normalize_result
 from asyncrl.types import Completion, Prompt
 
@@ -113,36 +114,6 @@ def _fold_outcomes(fn: RewardFunction, prompt: Prompt, texts: list[str],
     return group, failures
 
 
-class _LoopThread:
-    """One asyncio event loop running forever in a daemon thread, with the scorer's concurrency limit."""
-
-    def __init__(self, max_concurrency: int):
-        self.loop = asyncio.new_event_loop()
-        self.semaphore = asyncio.Semaphore(max_concurrency)  # binds to the loop on first use (Python >= 3.10)
-        self.thread = threading.Thread(target=self.loop.run_forever, name="asyncrl-rewards", daemon=True)
-        self.thread.start()
-
-    def submit(self, coroutine) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Cancel what is still running, stop the loop and close it."""
-
-        async def cancel_all():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.submit(cancel_all()).result(timeout)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout)
-            if not self.thread.is_alive():
-                self.loop.close()
-
-
 class Scorer:
     """Scores completions with the reward function of their prompt's data source (see the module docstring).
 
@@ -168,7 +139,7 @@ class Scorer:
         self.table, self.tokenizer, self.default, self.strict = table, tokenizer, default, strict
         self.timeout_s, self.max_concurrency = timeout_s, max_concurrency
         self._lock = threading.Lock()
-        self._loop: _LoopThread | None = None
+        self._loop: BackgroundLoop | None = None
         self._errors = self._timeouts = self._calls = 0
         self._examples: dict[str, str] = {}
 
@@ -260,10 +231,10 @@ class Scorer:
         self.close()
 
     # ------------------------------------------------------------------------------------------- internals
-    def _async_loop(self) -> _LoopThread:
+    def _async_loop(self) -> BackgroundLoop:
         with self._lock:
             if self._loop is None:
-                self._loop = _LoopThread(self.max_concurrency)
+                self._loop = BackgroundLoop(self.max_concurrency, name="asyncrl-rewards")
             return self._loop
 
     async def _score_async(self, fn: RewardFunction, prompt: Prompt, texts: list[str],

@@ -26,21 +26,15 @@ Which function scores a data source: its `DATA_SOURCE=` plug-in, else the one pl
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import pathlib
-import re
-import sys
-import traceback
 import types
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rewards.result import RewardResult, RewardValueError, normalize_result
 from asyncrl.types import Prompt
+from asyncrl.user_code import load_object, short_repr
 
 __all__ = [
     "RewardFunction", "RewardResult", "RewardValueError", "RewardTable", "load_reward", "wrap_reward",
@@ -52,7 +46,6 @@ Style = Literal["verl", "asyncrl"]
 FLAG = "--reward.fn"
 SIGNATURES = ("verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) or "
               "(response, ground_truth, **row) -> float")
-_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +137,7 @@ def wrap_reward(fn: Callable[..., Any], *, name: str | None = None, spec: str = 
       ValueError: `fn` is not callable, or its signature is neither of the two accepted (says why).
     """
     if not callable(fn):
-        raise ValueError(f"{name or _short(fn)} is not callable (it is {type(fn).__name__})")
+        raise ValueError(f"{name or short_repr(fn)} is not callable (it is {type(fn).__name__})")
     style, keywords, positional = _analyse(fn)
     return RewardFunction(fn=fn, name=name or _callable_name(fn), style=style, is_async=_is_async(fn), spec=spec,
                           keywords=keywords, positional=positional)
@@ -163,86 +156,11 @@ def _problem(spec: str, what: str) -> ValueError:
     return ValueError(f"{FLAG} {spec!r}: {what}")
 
 
-def _raised_at(err: BaseException) -> str:
-    """`file:line` where `err` was raised: the innermost frame outside the import machinery."""
-    if isinstance(err, SyntaxError) and err.filename:
-        return f"{err.filename}:{err.lineno}"
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
-
-
-def _import_failed(spec: str, what: str, err: BaseException) -> ValueError:
-    message = err.msg if isinstance(err, SyntaxError) else str(err)
-    message = " ".join(str(message).split()) or "(no message)"
-    if isinstance(err, ModuleNotFoundError) and err.name:
-        fix = f"install {err.name!r} into this environment ({sys.executable})"
-    else:
-        fix = "fix it so that the import succeeds"
-    return _problem(spec, f"importing {what} raised {type(err).__name__}: {message} (at {_raised_at(err)}); {fix}")
-
-
-def _load_file(spec: str, location: str) -> tuple[types.ModuleType, str]:
-    """(module, file name) of a `.py` file, imported under a name unique to its path; its directory goes on
-    sys.path so that it may import its siblings."""
-    given = pathlib.Path(location).expanduser()
-    path = given if given.is_absolute() else pathlib.Path.cwd() / given
-    if not path.is_file():
-        state = "is a directory" if path.is_dir() else "does not exist"
-        raise _problem(spec, f"{path} {state}; give the reward file's path, relative to the current directory "
-                             f"({pathlib.Path.cwd()}) or absolute")
-    path = path.resolve()
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module_name = f"asyncrl_reward_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise _problem(spec, f"{path} cannot be imported as Python; give a .py file")
-    module = importlib.util.module_from_spec(module_spec)
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    sys.modules[module_name] = module  # before running it: dataclasses and pickle look the module up
-    try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as err:
-        sys.modules.pop(module_name, None)
-        raise _import_failed(spec, str(path), err) from None
-    return module, path.name
-
-
-def _load_module(spec: str, location: str) -> types.ModuleType:
-    if not _MODULE_NAME.fullmatch(location):
-        raise _problem(spec, f"{location!r} is neither an existing .py file nor a module name; give "
-                             "PATH.py:NAME or package.module:NAME")
-    try:
-        return importlib.import_module(location)
-    except ModuleNotFoundError as err:
-        if err.name and (location == err.name or location.startswith(err.name + ".")):
-            missing = "" if err.name == location else f" (Python cannot find {err.name!r})"
-            raise _problem(spec, f"no module named {location!r}{missing}; install it, add its directory to "
-                                 "PYTHONPATH, or give the file instead (PATH.py:NAME)") from None
-        raise _import_failed(spec, f"module {location!r}", err) from None
-    except (Exception, SystemExit) as err:
-        raise _import_failed(spec, f"module {location!r}", err) from None
-
-
-def _defined_callables(module: types.ModuleType) -> list[str]:
-    return sorted(name for name, value in vars(module).items() if not name.startswith("_") and callable(value)
-                  and getattr(value, "__module__", None) == module.__name__)
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def _signature(fn, name: str) -> str:
     try:
         return f"{name}{inspect.signature(fn)}"
     except (TypeError, ValueError):
         return f"{name}(?)"
-
-
-def _is_file(location: str) -> bool:
-    return location.endswith(".py") or "/" in location
 
 
 def load_reward(spec: str) -> RewardFunction:
@@ -253,27 +171,10 @@ def load_reward(spec: str) -> RewardFunction:
         file or module, the import raises (type, message and file:line), no such name (the callables the
         module defines are listed), not callable, or an unsupported signature.
     """
-    location, sep, name = spec.rpartition(":")
-    if not sep or not location or not name:
-        raise _problem(spec, "no ':NAME' part; write PATH.py:NAME or package.module:NAME "
-                             "(e.g. my_reward.py:compute_score)")
-    if not name.isidentifier():
-        raise _problem(spec, f"{name!r} is not a Python name; after the last ':' give the function's name")
-    if _is_file(location):
-        module, shown = _load_file(spec, location)
-    else:
-        module, shown = _load_module(spec, location), location
-    if not hasattr(module, name):
-        found = _defined_callables(module)
-        listing = f"it defines {', '.join(found)}" if found else "it defines no functions"
-        close = difflib.get_close_matches(name, found, n=1)
-        guess = close[0] if close else "compute_score" if "compute_score" in found else found[0] if found else None
-        fix = f"; did you mean {FLAG} {location}:{guess}?" if guess else ""
-        raise _problem(spec, f"{shown} has no {name!r}; {listing}{fix}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise _problem(spec, f"{shown}:{name} is not callable (it is {type(fn).__name__} {_short(fn)}); point {FLAG} "
-                             "at a function")
+    fn, shown = load_object(spec, flag=FLAG, kind="reward function", example="my_reward.py:compute_score",
+                            preferred="compute_score")
+    name = spec.rpartition(":")[2]
+    shown = shown.rpartition(":")[0]
     try:
         style, keywords, positional = _analyse(fn)
     except ValueError as err:

@@ -164,7 +164,7 @@ LOAD_ERRORS = [
     ("asyncrl_no_such_module.rewards:score", None, ["no module named 'asyncrl_no_such_module.rewards'", "PYTHONPATH"]),
     ("ok.py:scor", None, ["ok.py has no 'scor'", "it defines half_verl, other, score",
                           "did you mean --reward.fn ok.py:score?"]),
-    ("ok.py:THRESHOLD", None, ["ok.py:THRESHOLD is not callable (it is float 0.5)", "at a function"]),
+    ("ok.py:THRESHOLD", None, ["ok.py:THRESHOLD is not callable (it is float 0.5)", "at a reward function"]),
     ("ok.py:other", None, ["ok.py:other has an unsupported signature other(response)",
                            "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None)",
                            "(response, ground_truth, **row)"]),
@@ -205,7 +205,7 @@ def test_a_failed_import_leaves_no_half_module_behind(tmp_path):
     path = _write(tmp_path, "half.py", "def score(r, g):\n    return 1.0\n\nraise RuntimeError('config missing')\n")
     with pytest.raises(ValueError, match="RuntimeError: config missing"):
         load_reward(f"{path}:score")
-    assert not [name for name in sys.modules if name.startswith("asyncrl_reward_half_")]
+    assert not [name for name in sys.modules if name.startswith("asyncrl_user_half_")]
 
 
 # --- results -------------------------------------------------------------------------------------------------------
