@@ -18,6 +18,9 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason | None = None  # None while still generating
+    loss_mask: list[bool] | None = None
+    """Per token: True for the model's tokens (trained), False for tokens an environment appended (a tool's
+    output, the next user message: never trained, log-prob 0). None: every token is the model's."""
 
     @property
     def finished(self) -> bool:
@@ -45,7 +48,9 @@ class GenerationOutput:
     def snapshot(cls, request_id: str, prompt_ids: list[int], completions: list[Completion]) -> "GenerationOutput":
         """An output holding copies of an engine's live completions (the engine goes on appending to its own)."""
         copies = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs),
-                                      versions=list(c.versions)) for c in completions]
+                                      versions=list(c.versions),
+                                      loss_mask=None if c.loss_mask is None else list(c.loss_mask))
+                  for c in completions]
         return cls(request_id, list(prompt_ids), copies, finished=all(c.finished for c in copies))
 
 

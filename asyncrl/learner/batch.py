@@ -27,7 +27,7 @@ class RolloutBatch:
     rewards: Tensor  # [N] fp32, shaped
     group_index: Tensor  # [N] int64: position of the row's group in the batch
     prompt_ids: list[int]  # [G] prompt id of each group
-    response_lens: Tensor  # [N] int64: tokens generated (the mask may leave some of them out)
+    response_lens: Tensor  # [N] int64: response tokens, environment tokens included (the mask leaves those out)
     nonfinite_logprobs: int = 0  # generated tokens left out of the mask: their behaviour log-prob was NaN or ±inf
 
     @property
@@ -50,6 +50,9 @@ def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | 
         if not (len(c.token_ids) == len(c.logprobs) == len(c.versions)):
             raise ValueError(f"collate: group {g.prompt_id} has a completion with {len(c.token_ids)} tokens, "
                              f"{len(c.logprobs)} logprobs and {len(c.versions)} versions; they must match")
+        if c.loss_mask is not None and len(c.loss_mask) != len(c.token_ids):
+            raise ValueError(f"collate: group {g.prompt_id} has a completion with {len(c.token_ids)} tokens and a "
+                             f"loss mask of {len(c.loss_mask)}; they must match")
     n, t = len(rows), max(max(len(c.token_ids) for _, c in rows), 1)
     s = max(len(g.prompt_ids) + len(c.token_ids) for g, c in rows)
     tokens = torch.full((n, s), pad_id, dtype=torch.long)
@@ -59,18 +62,18 @@ def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | 
     for i, (g, c) in enumerate(rows):
         p, r = len(g.prompt_ids), len(c.token_ids)
         tokens[i, :p + r] = torch.tensor(g.prompt_ids + c.token_ids)
-        mask[i, :r] = True
+        mask[i, :r] = True if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.bool)
         logp[i, :r] = torch.tensor(c.logprobs)
         versions[i, :r] = torch.tensor(c.versions)
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    lengths = torch.tensor([len(c.token_ids) for _, c in rows])  # environment tokens included
     if overlong_buffer_len > 0:
         if max_response_length is None:
             raise ValueError("collate: overlong shaping needs max_response_length (the rollout's max_new_tokens)")
-        rewards = rewards + overlong_penalty(mask.sum(-1), max_response_length=max_response_length,
+        rewards = rewards + overlong_penalty(lengths, max_response_length=max_response_length,
                                              buffer_length=overlong_buffer_len, penalty_factor=overlong_penalty_factor)
     group_index = torch.tensor([k for k, g in enumerate(groups) for _ in g.completions])
     prompt_lens = torch.tensor([len(g.prompt_ids) for g, _ in rows])
-    lengths = mask.sum(-1)
     bad = mask & ~torch.isfinite(logp)  # an engine or transport fault: never trained on, counted in the metrics
     if bad.any():
         mask, logp = mask & ~bad, torch.where(bad, torch.zeros_like(logp), logp)
