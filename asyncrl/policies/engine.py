@@ -11,6 +11,14 @@ once and its K/V copied to its n sample slots), then runs one decode step for ev
 Requests join and leave between steps (continuous batching). Every token comes with its behaviour
 log-prob and the weight version that produced it.
 
+Sessions (multi-turn episodes): `add_request(..., sessions=[name per sample])` keeps each finished sample's
+K/V under its name, in a slot at the top of the cache that no running sequence uses. A later request with
+`sessions=[name]` whose prompt starts with that sample's whole sequence (prompt + response, then the
+environment's tokens) takes the slot back and prefills only the new tokens: a turn costs its new tokens, not
+the conversation. Held slots are a cache, not a reservation: the least recently used one is dropped when
+waiting requests need its slot (that turn is then prefilled whole), and all are dropped on sleep and on a
+weight update with kv="recompute". `end_sessions(names)` frees them.
+
 RL controls (named after vLLM's) act at a step boundary — they take the same lock as `step()`, so they are
 safe to call from another thread (an RPC handler) while a driver loop calls `step()`:
   pause(mode)   "keep": freeze running requests; "abort": end them and return the partial outputs;
@@ -33,7 +41,7 @@ import collections
 import dataclasses
 import itertools
 import threading
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -97,9 +105,21 @@ class _Request:
     max_new: int
     stop_ids: frozenset[int]
     samples: list[_Sample] = dataclasses.field(default_factory=list)
+    sessions: tuple[str, ...] | None = None
+    """Sample i's K/V is held under sessions[i] when it finishes (and a held one is continued at admission)."""
+    cached: int = 0
+    """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
 
     def output(self) -> GenerationOutput:
         return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples])
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """A finished session's K/V, kept in `slot` for positions 0..len(tokens)-2 (the last token has none yet)."""
+
+    slot: int
+    tokens: list[int]
 
 
 class Engine:
@@ -124,6 +144,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
         self._running: list[_Sample] = []  # index = KV slot
+        self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()  # LRU first; top slots
         self._lock = threading.RLock()
         self._paused = self._draining = self._asleep = False
         self._ids = itertools.count()
@@ -139,16 +160,20 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None) -> str:
-        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input."""
+                    request_id: str | None = None, *, sessions: Sequence[str] | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input.
+
+        sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
+        sequence this prompt extends (see the module docstring)."""
         check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size, max_len=self.config.max_len,
-                      max_slots=self.config.max_slots)
+                      max_slots=self.config.max_slots, sessions=sessions)
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"add_request: request_id {rid!r} is already in use")
             max_new = min(params.max_new_tokens, self.config.max_len - len(prompt_ids))
-            request = _Request(rid, list(prompt_ids), params, max_new, params.stop_ids(self.eos_token_ids))
+            request = _Request(rid, list(prompt_ids), params, max_new, params.stop_ids(self.eos_token_ids),
+                               sessions=None if sessions is None else tuple(sessions))
             request.samples = [_Sample(request, i, self._uniforms(params, i, max_new)) for i in range(params.n)]
             self._requests[rid] = request
             self._waiting.append(request)
@@ -207,37 +232,127 @@ class Engine:
         return request.output()
 
     def _admit(self) -> list[_Request]:
-        admitted, free = [], self.config.max_slots - len(self._running)
-        longest = 0
-        while self._waiting and self._waiting[0].params.n <= free:
+        admitted, longest = [], 0
+        while self._waiting:
             request = self._waiting[0]
-            longest_next = max(longest, len(request.prompt_ids))
+            held = self._continued(request)
+            prefill = len(request.prompt_ids) - (len(held.tokens) - 1 if held is not None else 0)
+            longest_next = max(longest, prefill)
             if admitted and longest_next * (len(admitted) + 1) > self.config.max_prefill_tokens:
                 break
+            if not self._make_room(request.params.n, keep=held):
+                break
             self._waiting.popleft()
+            if held is not None:
+                request.cached = self._take_held(request.sessions[0], len(self._running))
             for sample in request.samples:
                 sample.slot = len(self._running)
                 self._running.append(sample)
             admitted.append(request)
-            free -= request.params.n
             longest = longest_next
         return admitted
 
     def _prefill(self, requests: list[_Request], finished: list[_Request]) -> None:
-        """One forward over the padded prompts; sample each request's n first tokens; fan out the K/V."""
-        prompts = [r.prompt_ids for r in requests]
-        first_slots = [r.samples[0].slot for r in requests]
-        hidden = self._forward_prefill(prompts, first_slots)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
-        logits = self.model.logits(hidden[torch.arange(len(prompts), device=hidden.device), last])
-        for request in requests:
-            src = request.samples[0].slot
-            if request.params.n > 1:
-                self.cache.copy_slot(src, [s.slot for s in request.samples[1:]], len(request.prompt_ids))
-        rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.samples], device=logits.device)
-        samples = [s for r in requests for s in r.samples]
-        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
-        self._sample_and_append(logits[rows], samples, finished)
+        """One forward over the padded prompts; sample each request's n first tokens; fan out the K/V. A
+        continued session prefills only its new tokens, in a forward of its own over its slot."""
+        whole = [r for r in requests if not r.cached]
+        rows: list[Tensor] = []
+        if whole:
+            prompts = [r.prompt_ids for r in whole]
+            hidden = self._forward_prefill(prompts, [r.samples[0].slot for r in whole])
+            last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
+            rows.append(hidden[torch.arange(len(prompts), device=hidden.device), last])
+            for request in whole:
+                if request.params.n > 1:
+                    self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
+                                         len(request.prompt_ids))
+            self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        for request in (r for r in requests if r.cached):
+            new = request.prompt_ids[request.cached:]
+            slot = torch.tensor([request.samples[0].slot], device=self.model.device)
+            ids = torch.tensor([new], dtype=torch.long, device=self.model.device)
+            rows.append(self.model(ids, cache=self.cache, cache_slots=slot, cache_start=request.cached)[:, -1])
+            self.stats["prefill_tokens"] += len(new)
+            self.stats["session_reused_tokens"] += request.cached
+        order = whole + [r for r in requests if r.cached]
+        logits = self.model.logits(torch.cat(rows))
+        index = torch.tensor([i for i, r in enumerate(order) for _ in r.samples], device=logits.device)
+        self._sample_and_append(logits[index], [s for r in order for s in r.samples], finished)
+
+    # ---------------------------------------------------------------- held sessions
+    def _continued(self, request: _Request) -> _Held | None:
+        """The held session this request continues: one sample, and its prompt extends the held sequence."""
+        if request.sessions is None or request.params.n != 1 or not self.cache.allocated:
+            return None
+        held = self._held.get(request.sessions[0])
+        tokens = None if held is None else held.tokens
+        if tokens is None or len(request.prompt_ids) < len(tokens) or request.prompt_ids[:len(tokens)] != tokens:
+            return None
+        return held
+
+    def _free_slots(self) -> int:
+        return self.config.max_slots - len(self._running) - len(self._held)
+
+    def _make_room(self, n: int, keep: _Held | None = None) -> bool:
+        """Drop least recently used held sessions (never `keep`) until n slots are free (a continued session
+        may bring its own slot: when it is the held block's bottom, the running slots can grow into it);
+        False when even that cannot make room."""
+        while True:
+            bottom = self.config.max_slots - len(self._held)
+            own = 1 if keep is not None and keep.slot == bottom else 0
+            if self._free_slots() + own >= n:
+                return True
+            victim = next((name for name, h in self._held.items() if h is not keep), None)
+            if victim is None:
+                return False
+            self._drop_held(victim)
+            self.stats["sessions_evicted"] += 1
+
+    def _drop_held(self, name: str) -> None:
+        """Forget a held session; keep the held block contiguous at the top of the cache."""
+        held = self._held.pop(name)
+        lowest = self.config.max_slots - len(self._held) - 1  # the block's bottom slot before the drop
+        if held.slot != lowest:
+            mover = next(h for h in self._held.values() if h.slot == lowest)
+            if self.cache.allocated:
+                self.cache.copy_slot(lowest, held.slot, len(mover.tokens) - 1)
+            mover.slot = held.slot
+
+    def _take_held(self, name: str, slot: int) -> int:
+        """Move held session `name` into running slot `slot` (a free slot, or its own when it is the block's
+        bottom: `_make_room` saw to that); return how many positions it has cached."""
+        held = self._held[name]
+        cached = len(held.tokens) - 1
+        if held.slot != slot:
+            self.cache.copy_slot(held.slot, slot, cached)
+        if held.slot == slot:  # it was the block's bottom: the block just shrinks
+            del self._held[name]
+        else:
+            self._drop_held(name)
+        return cached
+
+    def _hold(self, sample: _Sample) -> None:
+        """Keep a finished session sample's K/V in a free slot at the top of the cache (when one can be had)."""
+        name = sample.request.sessions[sample.index]
+        if name in self._held:
+            self._drop_held(name)
+        if not self.cache.allocated or not self._make_room(1):
+            return
+        slot = self.config.max_slots - len(self._held) - 1
+        tokens = sample.request.prompt_ids + sample.completion.token_ids
+        self.cache.copy_slot(sample.slot, slot, len(tokens) - 1)
+        self._held[name] = _Held(slot, tokens)
+
+    def end_sessions(self, names: Iterable[str]) -> None:
+        """Free the K/V held for these sessions (unknown names are ignored)."""
+        with self._lock:
+            for name in names:
+                if name in self._held:
+                    self._drop_held(name)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     def _forward_prefill(self, prompts: list[list[int]], slots: list[int]) -> Tensor:
         device = self.model.device
@@ -255,6 +370,14 @@ class Engine:
         attend = self._attend_len(int(positions.max()) + 1)
         self.stats["decode_steps"] += 1
         if self._graphs is None:
+            self.cache.attend_len = attend
+            device = self.model.device
+            hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
+                                decode=True)
+            self._sample_and_append(self.model.logits(hidden[:, 0]), samples, finished)
+            return
+        if self._graphs.bucket(len(samples)) > self.config.max_slots - len(self._held):
+            # the graph's padding rows would write into held sessions' slots: run this step eagerly
             self.cache.attend_len = attend
             device = self.model.device
             hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
@@ -306,6 +429,9 @@ class Engine:
             if c.finished:
                 done.append(sample)
         self.stats["generated_tokens"] += len(samples)
+        for sample in done:
+            if sample.request.sessions is not None:
+                self._hold(sample)
         self._release(done)
         finished.extend({s.request.request_id: s.request for s in done
                          if all(x.completion.finished for x in s.request.samples)}.values())
@@ -380,8 +506,10 @@ class Engine:
                 self._params[name].copy_(tensor)
             if version is not None:
                 self.version = version
-            if kv == "recompute" and self._running and self.cache.allocated:
-                self._recompute_kv()
+            if kv == "recompute":
+                self._held.clear()  # held sessions are recomputed by their next turn's prefill
+                if self._running and self.cache.allocated:
+                    self._recompute_kv()
 
     def _recompute_kv(self) -> None:
         """Re-prefill prompt + generated tokens (all but the newest) of every running sequence."""
@@ -402,6 +530,7 @@ class Engine:
         """Free the KV cache (and captured graphs). Running sequences keep their tokens."""
         with self._lock:
             self._asleep = True
+            self._held.clear()
             self.cache.free()
             if self._graphs is not None:
                 self._graphs.clear()
@@ -471,10 +600,14 @@ class _DecodeGraphs:
         self.pool = graph.pool()
         return graph, out
 
+    def bucket(self, n: int) -> int:
+        """The captured batch size that runs n rows."""
+        return next(b for b in self.buckets if b >= n)
+
     def run(self, tokens: Tensor, positions: Tensor, temperature: Tensor, uniforms: Tensor,
             attend: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         n = tokens.shape[0]
-        batch = next(b for b in self.buckets if b >= n)
+        batch = self.bucket(n)
         self.tokens[:n, 0].copy_(tokens, non_blocking=True)
         self.positions[:n, 0].copy_(positions, non_blocking=True)
         self.temperature[:n].copy_(temperature, non_blocking=True)

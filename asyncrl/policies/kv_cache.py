@@ -57,6 +57,15 @@ class KVCache:
         self.k[layer, :, :, :s].index_copy_(0, slots, k)
         self.v[layer, :, :, :s].index_copy_(0, slots, v)
 
+    def write_extend(self, layer: int, slots: Tensor, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write K/V [1, Hkv, S, D] of one row into slot `slots[0]` at positions start..start+S-1; return that
+        slot's keys and values [1, Hkv, start + S, D] (the cached prefix and the new positions)."""
+        end = start + k.shape[2]
+        slot = slots[:1]
+        self.k[layer, :, :, start:end].index_copy_(0, slot, k)
+        self.v[layer, :, :, start:end].index_copy_(0, slot, v)
+        return self.k[layer].index_select(0, slot)[:, :, :end], self.v[layer].index_select(0, slot)[:, :, :end]
+
     def append_decode(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`); return the keys and values
         [B, Hkv, L, D] of slots 0..B-1 over the first L = `attend_len` positions."""

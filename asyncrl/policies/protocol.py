@@ -7,7 +7,7 @@ as a concrete class. `check_request` is the input check both make before queuein
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
@@ -24,8 +24,16 @@ class RolloutEngine(Protocol):
     backend: str
     """Which engine this is, for logs ('asyncrl', 'vLLM')."""
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams = ..., request_id: str | None = None) -> str:
-        """Queue a prompt (n samples per `params.n`); raise ValueError and queue nothing on bad input."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = ..., request_id: str | None = None, *,
+                    sessions: Sequence[str] | None = None) -> str:
+        """Queue a prompt (n samples per `params.n`); raise ValueError and queue nothing on bad input.
+
+        sessions: a name per sample for multi-turn episodes: a later request of the same session whose prompt
+        extends the sample's sequence reuses its K/V (the embedded engine holds its slot; vLLM's prefix
+        cache finds it), so a turn prefills only its new tokens."""
+
+    def end_sessions(self, names: Iterable[str]) -> None:
+        """The episodes of these sessions are over: free what is kept for them."""
 
     def step(self) -> list[GenerationOutput]:
         """Advance generation by one step; return the requests that finished."""
@@ -56,8 +64,10 @@ class RolloutEngine(Protocol):
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_len: int,
-                  max_slots: int) -> None:
+                  max_slots: int, sessions: Sequence[str] | None = None) -> None:
     """Raise ValueError naming what is wrong with a request an engine of this capacity was asked to queue."""
+    if sessions is not None and len(sessions) != params.n:
+        raise ValueError(f"add_request: {len(sessions)} session names for n={params.n} samples; give one per sample")
     if len(prompt_ids) == 0:
         raise ValueError("add_request: the prompt is empty; pass at least one token id")
     if len(prompt_ids) >= max_len:

@@ -41,7 +41,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -132,9 +132,12 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None) -> str:
-        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input."""
-        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_len=self.max_len, max_slots=self.max_slots)
+                    request_id: str | None = None, *, sessions: Sequence[str] | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input.
+        `sessions` needs no bookkeeping here: vLLM's prefix cache finds a later turn's cached prefix (salted by
+        weight version, so never one computed by older weights)."""
+        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_len=self.max_len, max_slots=self.max_slots,
+                      sessions=sessions)
         with self._lock:
             if request_id is None:
                 request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
@@ -151,6 +154,9 @@ class VLLMEngine:
                 else:
                     self._queue(request, sample)
             return request_id
+
+    def end_sessions(self, names: Iterable[str]) -> None:
+        """Nothing is held per session (the prefix cache evicts by itself)."""
 
     def _queue(self, request: _Request, sample: _Sample) -> None:
         """Hand a sample to vLLM: its prompt and the tokens it already has, with what is left of its budget."""

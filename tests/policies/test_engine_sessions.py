@@ -1,0 +1,128 @@
+"""Sessions of the embedded engine (multi-turn episodes): a finished sample's K/V is held; the next turn of
+the same session prefills only its new tokens and gives what a fresh, whole prefill gives; held slots yield
+to running sequences and never corrupt them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncrl.policies import Engine, SamplingParams
+from tests.policies.helpers import EOS, drain, forward_logprobs, logprob_tol, make_prompts, small_config, tiny_model
+
+
+def _turn(engine: Engine, prompt: list[int], params: SamplingParams, rid: str, session: str | None):
+    engine.add_request(prompt, params, request_id=rid, sessions=None if session is None else [session])
+    return drain(engine)[rid].completions[0]
+
+
+def _conversation(engine: Engine, sessions: bool, turns: int = 3):
+    """Three turns of one episode: each turn's prompt is the last one + its response + two 'environment' tokens."""
+    seq = make_prompts([6], seed=3)[0]
+    out = []
+    for turn in range(turns):
+        params = SamplingParams(n=1, max_new_tokens=5, seed=turn, stop_token_ids=[EOS])
+        c = _turn(engine, seq, params, f"t{turn}", "episode" if sessions else None)
+        out.append((list(seq), c))
+        seq = seq + c.token_ids + [40 + turn, 41]
+    return out
+
+
+def test_a_continued_session_prefills_only_its_new_tokens_and_matches_a_whole_prefill():
+    model = tiny_model(0)
+    fresh = _conversation(Engine(model, small_config()), sessions=False)
+    engine = Engine(model, small_config())
+    continued = _conversation(engine, sessions=True)
+    for (prompt, a), (prompt_b, b) in zip(fresh, continued):
+        assert prompt == prompt_b and a.token_ids == b.token_ids
+        atol = logprob_tol(model, prompt, a.token_ids)
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=atol, rtol=0)
+        torch.testing.assert_close(torch.tensor(b.logprobs), forward_logprobs(model, prompt, b.token_ids),
+                                   atol=atol, rtol=0)
+    # turn 1 and 2 reuse everything but the last sampled token and the two new ones
+    reused = sum(len(p) + len(c.token_ids) - 1 for p, c in continued[:-1])
+    assert engine.stats["session_reused_tokens"] == reused
+    assert engine.stats["prefill_tokens"] == len(continued[0][0]) + 2 * 3  # first prompt, then 1 + 2 per turn
+    assert engine.num_held == 1
+    engine.end_sessions(["episode"])
+    assert engine.num_held == 0
+
+
+def test_a_prompt_that_does_not_extend_the_held_sequence_is_prefilled_whole():
+    model = tiny_model(1)
+    engine = Engine(model, small_config())
+    prompt = make_prompts([5], seed=4)[0]
+    params = SamplingParams(n=1, max_new_tokens=4, seed=1)
+    first = _turn(engine, prompt, params, "a", "s")
+    other = prompt[:-1] + [7] + first.token_ids  # differs inside the held sequence
+    second = _turn(engine, other, params, "b", "s")
+    assert "session_reused_tokens" not in engine.stats
+    atol = logprob_tol(model, other, second.token_ids)
+    torch.testing.assert_close(torch.tensor(second.logprobs), forward_logprobs(model, other, second.token_ids),
+                               atol=atol, rtol=0)
+
+
+def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact():
+    """12 episodes of 3 turns on 6 slots, started at random times: held slots are evicted for running ones,
+    continued or prefilled whole; every sampled token's log-prob equals a teacher-forced forward."""
+    model = tiny_model(2)
+    engine = Engine(model, small_config(max_slots=6))
+    rng = random.Random(0)
+    prompts = make_prompts([rng.randint(3, 9) for _ in range(12)], seed=5)
+    state = {i: {"seq": p, "turn": 0} for i, p in enumerate(prompts)}
+    waiting, checked = list(state), 0
+    for _ in range(10_000):
+        if waiting and rng.random() < 0.3:
+            i = waiting.pop(0)
+            s = state[i]
+            params = SamplingParams(n=1, max_new_tokens=rng.randint(2, 6), seed=i * 10 + s["turn"])
+            engine.add_request(s["seq"], params, request_id=f"e{i}.t{s['turn']}", sessions=[f"e{i}"])
+        for out in engine.step():
+            i = int(out.request_id[1:].split(".")[0])
+            s, c = state[i], out.completions[0]
+            atol = logprob_tol(model, s["seq"], c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), forward_logprobs(model, s["seq"], c.token_ids),
+                                       atol=atol, rtol=0)
+            checked += 1
+            s["seq"] = s["seq"] + c.token_ids + [50 + s["turn"]]
+            s["turn"] += 1
+            if s["turn"] < 3:
+                waiting.append(i)
+            else:
+                engine.end_sessions([f"e{i}"])
+        if not waiting and not engine.has_unfinished():
+            break
+    assert checked == 36, checked
+    assert engine.stats["session_reused_tokens"] > 0 and engine.stats["sessions_evicted"] > 0
+    assert engine.num_held == 0
+
+
+@pytest.mark.parametrize("how", ["recompute", "sleep"])
+def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how):
+    model = tiny_model(3)
+    engine = Engine(model, small_config())
+    prompt = make_prompts([5], seed=6)[0]
+    params = SamplingParams(n=1, max_new_tokens=3, seed=2)
+    first = _turn(engine, prompt, params, "a", "s")
+    assert engine.num_held == 1
+    if how == "recompute":
+        named = [(n, p.detach() * 1.01) for n, p in model.named_parameters()]
+        engine.update_weights(named, version=1, kv="recompute")
+    else:
+        engine.sleep()
+        engine.wake_up()
+    assert engine.num_held == 0
+    nxt = prompt + first.token_ids + [9]
+    second = _turn(engine, nxt, params, "b", "s")
+    atol = logprob_tol(model, nxt, second.token_ids)
+    torch.testing.assert_close(torch.tensor(second.logprobs), forward_logprobs(model, nxt, second.token_ids),
+                               atol=atol, rtol=0)
+
+
+def test_session_names_must_match_the_samples():
+    engine = Engine(tiny_model(0), small_config())
+    with pytest.raises(ValueError, match="2 session names for n=3 samples"):
+        engine.add_request([5, 6], SamplingParams(n=3), sessions=["a", "b"])
+    assert not engine.has_unfinished()
