@@ -20,7 +20,7 @@ from asyncrl.flags import flag, shown
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
-    "DataConfig", "PlacementConfig", "RewardConfig", "RunConfig", "VLLMConfig",
+    "DataConfig", "PlacementConfig", "RewardConfig", "EnvConfig", "RunConfig", "VLLMConfig",
 ]
 
 
@@ -440,6 +440,39 @@ class RewardConfig:
 
 
 @dataclasses.dataclass
+class EnvConfig:
+    """Multi-turn episodes: an environment answers each model turn (a tool's output, feedback, a game's move)
+    until it says done. Without `fn` every response is one turn, scored by the reward function."""
+
+    fn: str | None = None
+    """The environment: 'retry' (arithmetic with too-high/too-low feedback), 'calculator' (a calculator tool;
+    the answer is scored by the data source's reward), or your class as PATH.py:NAME / package.module:NAME,
+    called with each episode's Prompt and stepped with each model Turn (`asyncrl.envs`)."""
+    max_turns: int = 4
+    """Model turns per episode; an episode still going after this many is ended (and counted truncated)."""
+    max_turn_tokens: int | None = None
+    """Tokens one model turn may generate (None: what is left of --rollout.max-new-tokens, which bounds the
+    whole episode: model and environment tokens)."""
+    step_timeout_s: float = 30.0
+    """Seconds an environment step may take; a step that takes longer ends its episode (counted in
+    env/timeouts, scored 0, not trained)."""
+    max_concurrency: int = 64
+    """Environment steps in flight at once, per rollout agent."""
+    observation_role: str = "user"
+    """Chat role of observations an environment gives as plain text."""
+
+    def validate(self) -> None:
+        if self.max_turns < 1:
+            _fail("env", "max_turns", self.max_turns, "must be >= 1")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            _fail("env", "max_turn_tokens", self.max_turn_tokens, "must be >= 1 or None")
+        if not self.step_timeout_s > 0:
+            _fail("env", "step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
+        if self.max_concurrency < 1:
+            _fail("env", "max_concurrency", self.max_concurrency, "must be >= 1")
+
+
+@dataclasses.dataclass
 class RunConfig:
     """A whole run: model, data, algorithm, rollout, learner, async knobs, placement, tracking."""
 
@@ -466,6 +499,7 @@ class RunConfig:
     """A reward function that raises or returns NaN/inf stops the run (default: it scores 0 and counts in
     reward/errors)."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     dry_run: bool = False
     """Check the configuration, the data, the model, the devices and the rewards, print the resolved
     configuration and exit without starting any process."""
@@ -496,6 +530,7 @@ class RunConfig:
                   f"must equal --rollout.temperature {self.rollout.temperature} (log-probs of the sampled "
                   "distribution); leave it out and the trainer takes the rollout's")
         self.reward.validate()
+        self.env.validate()
         if self.checkpoint_every < 0:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
         if (self.model.path.startswith("random:") and self.model.tokenizer is None

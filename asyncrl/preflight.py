@@ -272,18 +272,27 @@ class _Checks:
             self.report.problems.append(f"{flag('model', 'path')} {cfg.model.path}: its tokenizer does not load: {err}")
             return
         step = cfg.trainer.mini_batch_size * cfg.async_training.require_batches
+        tools = None
+        if cfg.env.fn is not None:
+            ok, tools = self._env(tokenizer)
+            if not ok:
+                return
         if cfg.data.path is not None:
-            sources = self._prompt_file(tokenizer, step)
+            sources = self._prompt_file(tokenizer, step, tools)
             if sources is None:
                 return
         else:
-            sources = self._task(tokenizer)
+            sources = self._task(tokenizer, tools)
             if sources is None:
                 return
         if table is not None:
             for source, where in sources.items():
                 found = table.get(source)
-                if found is None:
+                if found is None and cfg.env.fn is not None:
+                    self.report.notes.append(
+                        f"no reward function for data_source {source!r}: every episode's reward must come from "
+                        f"--env.fn {cfg.env.fn} (an episode it gives no reward would stop the run)")
+                elif found is None:
                     self.report.problems.append(
                         f"--reward.fn: no reward function for data_source {source!r} (first at {where}); known data sources "
                         f"{', '.join(table.known)}; pass --reward.fn PATH.py:NAME (or "
@@ -291,8 +300,39 @@ class _Checks:
                 else:
                     self.report.facts.append(f"reward of {source!r}: {found.name}")
 
-    def _prompt_file(self, tokenizer, step: int) -> dict[str, str] | None:
+    def _env(self, tokenizer) -> tuple[bool, list[dict] | None]:
+        """(loads, its tools' schemas): --env.fn imports, and observations render with this chat template."""
+        from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
+        fn = self.cfg.env.fn
+        try:
+            factory = load_env(fn)
+            tools = env_tool_schemas(factory)
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return False, None
+        if tokenizer is None:
+            self.report.facts.append(f"environment: {fn} (no tokenizer: observations must be token ids)")
+            return True, tools
+        try:
+            ChatRenderer(tokenizer, tools=tools)
+        except ValueError as err:
+            self.report.problems.append(f"--env.fn {fn}: {err}")
+            return False, None
+        names = ", ".join(t["function"]["name"] for t in tools or ())
+        if tools and getattr(tokenizer, "chat_template", None):
+            probe = [{"role": "user", "content": "hi"}]
+            plain = tokenizer.apply_chat_template(probe, tokenize=False)
+            if plain == tokenizer.apply_chat_template(probe, tools=tools, tokenize=False):
+                self.report.notes.append(
+                    f"--env.fn {fn}: this model's chat template does not render tools, so prompts do not describe "
+                    f"{names}; describe the call format in --data.system-prompt, or use a model whose template "
+                    "knows tools (Qwen2.5, Llama 3.1+)")
+        self.report.facts.append(f"environment: {fn}" + (f" (tools: {names})" if names else ""))
+        return True, tools
+
+    def _prompt_file(self, tokenizer, step: int, tools: list[dict] | None = None) -> dict[str, str] | None:
         from asyncrl.data.files import load_prompt_file
+        from asyncrl.run import with_system
         cfg = self.cfg
         if tokenizer is None:
             self.report.problems.append(
@@ -306,7 +346,8 @@ class _Checks:
             return None
         self.say(f"checking {cfg.data.path}")
         try:
-            prompts, stats = load_prompt_file(cfg.data.path, tokenizer, max_prompt_length=cfg.rollout.max_prompt_length,
+            prompts, stats = load_prompt_file(cfg.data.path, with_system(tokenizer, None, tools),
+                                              max_prompt_length=cfg.rollout.max_prompt_length,
                                               on_long=cfg.data.on_long, on_empty=cfg.data.on_empty,
                                               system_prompt=cfg.data.system_prompt)
         except ValueError as err:
@@ -339,12 +380,12 @@ class _Checks:
                 "prompts repeat within it")
         return stats["first_row_of_source"]
 
-    def _task(self, tokenizer) -> dict[str, str] | None:
+    def _task(self, tokenizer, tools: list[dict] | None = None) -> dict[str, str] | None:
         from asyncrl.run import task_of, with_system
         cfg = self.cfg
         task = task_of(cfg.data)
         try:
-            prompt = task.prompt(0, with_system(tokenizer, cfg.data.system_prompt))
+            prompt = task.prompt(0, with_system(tokenizer, cfg.data.system_prompt, tools))
         except ValueError as err:
             self.report.problems.append(f"--data.task {cfg.data.task}: {err}")
             return None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from asyncrl.config import (
-    GRPO, AsyncConfig, DataConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig, RolloutConfig,
-    RunConfig, TrainerConfig,
+    GRPO, AsyncConfig, DataConfig, EnvConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig,
+    RolloutConfig, RunConfig, TrainerConfig,
 )
 
 __all__ = ["PRESETS"]
@@ -23,6 +25,23 @@ CPU_DEMO = RunConfig(
     checkpoint_every=20,  # the last version: `asyncrl eval --model runs/cpu-demo/checkpoints/step_00000020`
 )
 """SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async."""
+
+CPU_RETRY = RunConfig(
+    model=ModelConfig(path="smollm2"),
+    data=DataConfig(task="arithmetic", digits=1, operators="+", system_prompt="Reply with the result only."),
+    algorithm=GRPO(clip_ratio_high=0.28),
+    rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=48, max_prompt_length=64, max_slots=32),
+    trainer=TrainerConfig(mini_batch_size=4, max_tokens_per_micro_batch=4096, max_response_length=48,
+                          optim=OptimConfig(lr=2e-5)),
+    async_training=AsyncConfig(staleness_threshold=0.5, trigger_parameter_sync_step=1, partial_rollout=True,
+                               total_versions=12),
+    placement=PlacementConfig(launcher="rpc", trainer_devices=("cpu",), agent_devices=("cpu",)),
+    env=EnvConfig(fn="retry", max_turns=3, max_turn_tokens=8),
+    run_dir="runs/cpu-retry",
+)
+"""SmolLM2-135M-Instruct answers single-digit sums over up to 3 turns: a wrong answer hears "Too high. Try
+again." (or too low) and the reward halves per extra turn (1, 0.5, 0.25). Fully async on a 2-core CPU, like
+cpu-demo; the episode (3 turns of at most 8 tokens and the feedback between them) fits 48 tokens."""
 
 GSM8K_QWEN2_5_0_5B = RunConfig(
     model=ModelConfig(path="<path to Qwen2.5-0.5B-Instruct>"),
@@ -50,8 +69,28 @@ about two epochs of GSM8K's 7,473 training prompts. GSM8K prompts are 100-250 to
 The rollout may run ahead by staleness 0.2 (153 prompts admitted per version); partial rollouts carry
 in-flight responses across weight updates. Micro-batches hold up to 16,384 tokens (4 full-length rows)."""
 
+GSM8K_CALCULATOR_QWEN2_5_0_5B = dataclasses.replace(
+    GSM8K_QWEN2_5_0_5B,
+    rollout=dataclasses.replace(GSM8K_QWEN2_5_0_5B.rollout, max_new_tokens=2048),
+    trainer=dataclasses.replace(GSM8K_QWEN2_5_0_5B.trainer, max_response_length=2048),
+    algorithm=dataclasses.replace(GSM8K_QWEN2_5_0_5B.algorithm, overlong_buffer_len=256),
+    env=EnvConfig(fn="calculator", max_turns=6, max_turn_tokens=768),
+    run_dir="runs/gsm8k-calculator-qwen2.5-0.5b",
+)
+"""GSM8K with a calculator tool, Qwen2.5-0.5B-Instruct, 2 GPUs: Qwen's chat template tells the model about
+`calculator(expression)`; each <tool_call> is answered with a tool message; the final answer (a turn without a
+call) is scored by the GSM8K reward. Up to 6 turns of at most 768 tokens, 2,048 response tokens per episode
+(tool outputs included, not trained):
+
+    asyncrl train gsm8k-calculator-qwen2.5-0.5b --model.path /models/Qwen2.5-0.5B-Instruct \
+        --data.path data/gsm8k/train.parquet"""
+
 PRESETS: dict[str, tuple[str, RunConfig]] = {
     "cpu-demo": ("SmolLM2-135M on single-digit arithmetic, fully async on CPU (the `make train` job)", CPU_DEMO),
+    "cpu-retry": ("SmolLM2-135M on single-digit sums over up to 3 turns with too-high/too-low feedback (multi-turn, "
+                  "fully async on CPU)", CPU_RETRY),
     "gsm8k-qwen2.5-0.5b": ("Qwen2.5-0.5B-Instruct GRPO on GSM8K, fully async on 2 GPUs (needs --model.path and "
                            "--data.path)", GSM8K_QWEN2_5_0_5B),
+    "gsm8k-calculator-qwen2.5-0.5b": ("Qwen2.5-0.5B-Instruct on GSM8K with a calculator tool, multi-turn, fully async "
+                                      "on 2 GPUs (needs --model.path and --data.path)", GSM8K_CALCULATOR_QWEN2_5_0_5B),
 }

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from asyncrl.config import DataConfig, RunConfig
+from asyncrl.config import DataConfig, EnvConfig, RunConfig
 from asyncrl.console import Console
-from asyncrl.data.scoring import Scorer
+from asyncrl.data.scoring import Scorer, decode_ids
 from asyncrl.data.files import load_prompt_file
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
@@ -33,7 +33,7 @@ from asyncrl.policies.vllm_engine import build_vllm_engine
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engine
 from asyncrl.tracking import Tracker, TrackingConfig
 
-__all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "build_spec", "train"]
+__all__ = ["REWARDS", "SourceFactory", "ScorerFactory", "EnvSetup", "build_spec", "train"]
 
 log = logging.getLogger("asyncrl.run")
 
@@ -64,23 +64,37 @@ def task_of(data: DataConfig):
     return ToyTask()
 
 
-def with_system(tokenizer, system: str | None):
-    """The tokenizer, rendering task prompts with `system` as the system message when one is given."""
-    return tokenizer if tokenizer is None or not system else _SystemTokenizer(tokenizer, system)
+def with_system(tokenizer, system: str | None, tools: list[dict] | None = None):
+    """The tokenizer, rendering prompts with `system` as the system message and the environment's `tools` in
+    the chat template's tool format, when given."""
+    if tokenizer is None or not (system or tools):
+        return tokenizer
+    return _PromptTokenizer(tokenizer, system, tools)
 
 
-class _SystemTokenizer:
-    """Wraps a tokenizer so task prompts get the configured system message."""
+class _PromptTokenizer:
+    """Wraps a tokenizer so prompts get the configured system message and the environment's tools."""
 
-    def __init__(self, tokenizer, system: str):
-        self.tokenizer, self.system = tokenizer, system
+    def __init__(self, tokenizer, system: str | None, tools: list[dict] | None):
+        self.tokenizer, self.system, self.tools = tokenizer, system, tools
         self.chat_template = getattr(tokenizer, "chat_template", None)
 
     def apply_chat_template(self, messages, **kwargs):
-        return self.tokenizer.apply_chat_template([{"role": "system", "content": self.system}] + messages, **kwargs)
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return self.tokenizer.apply_chat_template(head + list(messages), **kwargs)
 
-    def encode(self, text):
-        return self.tokenizer.encode(text)
+    def encode(self, text, **kwargs):
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def env_tools(env_fn: str | None) -> list[dict] | None:
+    """JSON schemas of the tools of the environment --env.fn names (None: no environment or no tools)."""
+    if env_fn is None:
+        return None
+    from asyncrl.envs import env_tool_schemas, load_env
+    return env_tool_schemas(load_env(env_fn))
 
 
 @dataclasses.dataclass
@@ -88,11 +102,13 @@ class SourceFactory:
     data: DataConfig
     model_path: str
     max_prompt_length: int
+    env_fn: str | None = None
+    """--env.fn: prompts are rendered with its tools."""
 
     def __call__(self) -> PromptSource:
         if self.data.path is not None:
             return self._file_source()
-        tokenizer = with_system(run_tokenizer(self.model_path), self.data.system_prompt)
+        tokenizer = with_system(run_tokenizer(self.model_path), self.data.system_prompt, env_tools(self.env_fn))
         task = task_of(self.data)
 
         def make(index: int):
@@ -110,6 +126,7 @@ class SourceFactory:
             raise ValueError(f"--data.path {self.data.path} needs a tokenizer to render its prompts, and "
                              f"--model.path {self.model_path} has none; use a model with a tokenizer, set "
                              "--model.tokenizer, or --data.task toy for random models")
+        tokenizer = with_system(tokenizer, None, env_tools(self.env_fn))
         prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
                                           on_long=self.data.on_long, on_empty=self.data.on_empty,
                                           system_prompt=self.data.system_prompt)
@@ -143,6 +160,28 @@ class ScorerFactory:
                       strict=self.strict, timeout_s=self.timeout_s, max_concurrency=self.max_concurrency)
 
 
+@dataclasses.dataclass
+class EnvSetup:
+    """Builds the environment runtime in the rollout process (environment classes from files do not pickle)."""
+
+    env: EnvConfig
+    model_path: str
+    """Where the tokenizer comes from (observations are rendered with its chat template)."""
+
+    def __call__(self):
+        from asyncrl.envs import ChatRenderer, EnvRuntime, TokenRenderer, env_tool_schemas, load_env
+        factory = load_env(self.env.fn)
+        tokenizer = run_tokenizer(self.model_path)
+        if tokenizer is None:
+            renderer, decode = TokenRenderer(), decode_ids
+        else:
+            renderer = ChatRenderer(tokenizer, tools=env_tool_schemas(factory))
+            decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        return EnvRuntime(factory, renderer, decode, max_turns=self.env.max_turns,
+                          max_turn_tokens=self.env.max_turn_tokens, step_timeout_s=self.env.step_timeout_s,
+                          max_concurrency=self.env.max_concurrency, observation_role=self.env.observation_role)
+
+
 def _engine_dtype(cfg: RunConfig, device: str) -> str:
     if cfg.model.engine_dtype != "auto":
         return cfg.model.engine_dtype
@@ -165,7 +204,8 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
         trainer = dataclasses.replace(trainer, max_response_length=cfg.rollout.max_new_tokens)
     return RunSpec(model=model, algorithm=cfg.algorithm, trainer=trainer, rollout=cfg.rollout,
                    async_=cfg.async_training,
-                   source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length),
+                   source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn),
+                   env_setup=EnvSetup(cfg.env, tokenizer) if cfg.env.fn is not None else None,
                    scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards, reward_fns=tuple(map(absolute_reward_spec, cfg.reward.fn)),
                                                  timeout_s=cfg.reward.timeout_s,
                                                  max_concurrency=cfg.reward.max_concurrency), agents=agents,

@@ -15,10 +15,17 @@ A weight update happens at a decode-step boundary, because the engine's controls
 and `agent_failed(agent, why)`: the run's `Roster` itself in-process, an RPC proxy of it across processes.
 The loop heartbeats every `heartbeat_s` whatever it is doing (generating, paused for a weight update, idle),
 so only a stuck loop or a stopped process falls silent.
+
+With an environment (`env`, multi-turn episodes) a prompt's n samples are episodes driven by an
+`EpisodeRunner`: the loop hands it every finished turn and polls it for environment steps that came back
+(the next turns are queued then) and for prompts whose episodes have all ended, which are scored and
+submitted like single-turn groups. Without partial rollout, a weight update waits for running episodes to
+end, so every episode is sampled by one version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,12 +37,13 @@ from torch import Tensor
 
 from asyncrl.config import RolloutConfig
 from asyncrl.data.scoring import RewardError, Scorer
+from asyncrl.envs import EnvRuntime, EpisodeGroup, EpisodeRunner
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.rpc.queue import Task
 from asyncrl.rpc.reward_tally import group_reward_info
 from asyncrl.rpc.roster import Fenced
-from asyncrl.types import GenerationOutput, Group
+from asyncrl.types import Completion, GenerationOutput, Group
 
 __all__ = ["RolloutAgent", "ControllerHandle"]
 
@@ -52,17 +60,47 @@ class ControllerHandle(Protocol):
     def agent_failed(self, agent: str, why: str) -> None: ...
 
 
+@dataclasses.dataclass
+class _Scoring:
+    """A prompt's finished completions on their way to the queue: their reward function's scores (a future,
+    done at once for sync rewards) and, for episodes, the environment's rewards."""
+
+    task: Task
+    completions: list[Completion]
+    future: Future | None
+    """Scores of the completions the reward function scores (all, or the episodes whose env gave none)."""
+    env_rewards: list[float | None] | None = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def rewards(self, scorer: Scorer) -> tuple[list[float], list[str], dict]:
+        """(one reward per completion, the decoded texts, the reward part of the group's info)."""
+        scored = self.future.result() if self.future is not None else None
+        if self.env_rewards is None:
+            return scored.rewards, scored.texts, group_reward_info(scored, scorer.error_examples)
+        from_fn = iter(scored.rewards if scored is not None else ())
+        rewards = [r if r is not None else next(from_fn) for r in self.env_rewards]
+        texts = [scorer.text(c) for c in self.completions]
+        info = group_reward_info(scored, scorer.error_examples) if scored is not None else {}
+        return rewards, texts, info
+
+
 class RolloutAgent:
     def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
                  controller: ControllerHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
-                 heartbeat_s: float = 1.0, on_exit: Callable[[BaseException | None], None] | None = None):
+                 heartbeat_s: float = 1.0, on_exit: Callable[[BaseException | None], None] | None = None,
+                 env: EnvRuntime | None = None):
         self.name, self.engine, self.scorer, self.rollout = name, engine, scorer, rollout
         self.controller, self.colocated = controller, colocated
         self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
         self.on_exit = on_exit
         self.tasks: dict[str, Task] = {}  # engine request id -> task
-        self.scoring: list[tuple[Task, GenerationOutput, Future]] = []  # finished generations being scored
+        self.scoring: list[_Scoring] = []  # finished generations being scored, in the order they finished
+        self.episodes = EpisodeRunner(engine, env) if env is not None else None
         self.accepting = True
+        self._admission = threading.Lock()  # a drain's `accepting = False` never lands in the middle of a _fill
         self.versions_seen: list[int] = [engine.version]
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -83,6 +121,8 @@ class RolloutAgent:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"agent {self.name}: the generation loop did not stop within {timeout} s")
+        if self.episodes is not None:
+            self.episodes.close()
 
     @property
     def alive(self) -> bool:
@@ -119,12 +159,19 @@ class RolloutAgent:
         if now - self._last_beat > self.heartbeat_s:
             self.controller.heartbeat(self.name)
             self._last_beat = now
+        if self.episodes is not None:
+            for group in self.episodes.poll():
+                self._submit_episodes(group)
         if self.scoring:
             self._deliver()
         if self.accepting and not self.engine.is_paused:
             self._fill()
+        episodes_running = self.episodes is not None and self.episodes.busy
+        if self.engine.is_sleeping and self.engine.has_unfinished():
+            self.engine.wake_up()  # an episode's next turn arrived while the engine slept
         if not self.engine.has_unfinished() or self.engine.is_paused:
-            if self.colocated and not self.engine.has_unfinished() and not self.engine.is_sleeping:
+            if (self.colocated and not self.engine.has_unfinished() and not episodes_running
+                    and not self.engine.is_sleeping):
                 self.engine.sleep()  # free the KV cache while the learner trains on this device
             time.sleep(self.idle_sleep_s)
             return
@@ -132,9 +179,17 @@ class RolloutAgent:
         outputs = self.engine.step()
         self._busy_s += time.monotonic() - start
         for out in outputs:
-            self._submit(out)
+            if self.episodes is not None and self.episodes.owns(out.request_id):
+                self.episodes.on_output(out)
+            else:
+                self._submit(out)
 
     def _fill(self) -> None:
+        with self._admission:
+            if self.accepting:
+                self._admit()
+
+    def _admit(self) -> None:
         want = self.rollout.concurrent_prompts - len(self.tasks)
         if want <= 0:
             return
@@ -145,39 +200,71 @@ class RolloutAgent:
             params = SamplingParams(n=self.rollout.n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                     top_k=self.rollout.top_k, max_new_tokens=self.rollout.max_new_tokens,
                                     seed=task.seed)
-            rid = self.engine.add_request(task.prompt.prompt_ids, params, request_id=f"p{task.prompt_id}")
-            self.tasks[rid] = task
+            key = f"p{task.prompt_id}"
+            if self.episodes is not None:
+                self.episodes.start(key, task.prompt, params)
+            else:
+                key = self.engine.add_request(task.prompt.prompt_ids, params, request_id=key)
+            self.tasks[key] = task
 
     def _submit(self, out: GenerationOutput) -> None:
         """Start scoring a finished generation; sync rewards are done at once, async ones (judges, sandboxes)
         run on the scorer's event loop while the engine goes on generating."""
         task = self.tasks.pop(out.request_id)
-        self.scoring.append((task, out, self.scorer.submit_group(task.prompt, out.completions)))
+        future = self.scorer.submit_group(task.prompt, out.completions)
+        self.scoring.append(_Scoring(task, out.completions, future))
+        self._deliver()
+
+    def _submit_episodes(self, episodes: EpisodeGroup) -> None:
+        """Score a prompt's ended episodes: the environment's rewards, the reward function where it gave none."""
+        task = self.tasks.pop(episodes.key)
+        unscored = [c for c, r in zip(episodes.completions, episodes.env_rewards) if r is None]
+        future = self.scorer.submit_group(task.prompt, unscored) if unscored else None
+        self.scoring.append(_Scoring(task, episodes.completions, future, episodes.env_rewards, episodes.info))
         self._deliver()
 
     def _deliver(self) -> None:
         """Push every group whose scoring is done, in the order they finished generating."""
-        while self.scoring and self.scoring[0][2].done():
-            task, out, future = self.scoring.pop(0)
-            scored = future.result()  # a strict scorer's RewardError ends the loop (the run names the reward)
-            group = Group(prompt_id=task.prompt_id, prompt_ids=out.prompt_ids, completions=out.completions,
-                          rewards=scored.rewards, data_source=task.prompt.data_source,
+        while self.scoring and self.scoring[0].done():
+            entry = self.scoring.pop(0)
+            task = entry.task
+            rewards, texts, reward_info = entry.rewards(self.scorer)  # a strict scorer's RewardError ends the loop
+            group = Group(prompt_id=task.prompt_id, prompt_ids=list(task.prompt.prompt_ids),
+                          completions=entry.completions, rewards=rewards, data_source=task.prompt.data_source,
                           admitted_version=task.admitted_version,
                           info={"index": task.prompt.index, "agent": self.name, "prompt_text": task.prompt.text,
-                                "texts": scored.texts,
-                                "rewards": group_reward_info(scored, self.scorer.error_examples)})
+                                "texts": texts, "rewards": reward_info, **entry.info})
             self.controller.submit(self.name, group)
             self.submitted += 1
 
     # ------------------------------------------------------------------------------ weight updates
+    def begin_sync(self, partial: bool) -> None:
+        """Start freezing (partial) or draining (not partial) now, so that every agent of a publication drains
+        at once; `pause_for_sync` then waits for it. With episodes the engine is paused only once they have
+        ended: their later turns must still run."""
+        if partial:
+            self.engine.pause("keep")
+            return
+        with self._admission:
+            self.accepting = False
+        if self.episodes is None:
+            self.engine.pause("wait")
+
     def pause_for_sync(self, partial: bool, timeout: float) -> None:
         """Reach a state where weights can be swapped: frozen (partial) or drained (not partial)."""
         if partial:
             self.engine.pause("keep")
             return
-        self.accepting = False
-        self.engine.pause("wait")
+        with self._admission:
+            self.accepting = False
         deadline = time.monotonic() + timeout
+        while self.episodes is not None and self.episodes.busy:  # whole episodes, so one version samples each
+            if self.error is not None:
+                raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agent {self.name}: running episodes did not end within {timeout} s")
+            time.sleep(0.002)
+        self.engine.pause("wait")
         while not self.engine.is_paused:
             if self.error is not None:
                 raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error

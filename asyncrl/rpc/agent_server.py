@@ -83,7 +83,8 @@ class AgentServer:
         colocated = spec.async_.colocated and spec.async_.colocated_sleep
         self.agent = RolloutAgent(name, engine, spec.scorer_factory(), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
-                                  heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended)
+                                  heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended,
+                                  env=spec.env_setup() if spec.env_setup is not None else None)
         self.channel: WeightChannel | None = None
         self._leaving = threading.Event()
 

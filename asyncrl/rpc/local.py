@@ -20,6 +20,7 @@ from asyncrl.checkpoint import load_checkpoint, save_checkpoint
 from asyncrl.config import AsyncConfig, RolloutConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
+from asyncrl.envs import EnvRuntime
 from asyncrl.learner import LearnerState, train_step
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.rpc.agent import RolloutAgent
@@ -54,7 +55,7 @@ class LocalRun:
                  rollout: RolloutConfig, config: AsyncConfig, *, seed: int = 0,
                  log_metrics: Callable[[dict, int], None] | None = None, on_step=None, run_dir: str | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, resume_extra: dict | None = None,
-                 stop: StopRequest | None = None, trainer=None):
+                 stop: StopRequest | None = None, trainer=None, env_setup: Callable[[], EnvRuntime] | None = None):
         rollout.validate()
         config.validate()
         self.state, self.engines, self.config = state, engines, config
@@ -69,7 +70,8 @@ class LocalRun:
         self.roster = Roster(self.queue, agent_timeout_s=config.agent_timeout_s)
         self.agents = [RolloutAgent(f"agent{i}", engine, scorer, rollout, self.roster,
                                     colocated=config.colocated and config.colocated_sleep,
-                                    heartbeat_s=heartbeat_period(config.agent_timeout_s))
+                                    heartbeat_s=heartbeat_period(config.agent_timeout_s),
+                                    env=env_setup() if env_setup is not None else None)
                        for i, engine in enumerate(engines)]
         for agent in self.agents:
             self.roster.add(agent.name, live=True)
@@ -101,7 +103,7 @@ class LocalRun:
         return cls(state, engines, spec.source_factory(), spec.scorer_factory(), spec.rollout, spec.async_,
                    seed=spec.seed, log_metrics=log_metrics, on_step=on_step, run_dir=spec.run_dir,
                    checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
-                   resume_extra=extra, stop=stop)
+                   resume_extra=extra, stop=stop, env_setup=spec.env_setup)
 
     def _agent_metrics(self) -> dict:
         windows = [a.window_metrics() for a in self.agents if self.roster.is_live(a.name)]

@@ -141,11 +141,7 @@ class LocalPublisher:
         targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining()
                    if n in self.agents and n not in busy}
         for agent in targets.values():  # all drain or freeze at once
-            if self.partial:
-                agent.engine.pause("keep")
-            else:
-                agent.accepting = False
-                agent.engine.pause("wait")
+            agent.begin_sync(self.partial)
 
         def sync(agent) -> Callable[[], float]:
             def run() -> float:

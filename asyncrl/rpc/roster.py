@@ -29,6 +29,7 @@ from typing import Callable, Literal
 
 from asyncrl.rpc.lifecycle import RunFailed
 from asyncrl.rpc.queue import SampleQueue, Task
+from asyncrl.envs.metrics import EnvTally
 from asyncrl.rpc.reward_tally import RewardTally
 from asyncrl.types import Group
 
@@ -70,6 +71,7 @@ class Roster:
         self.clock = clock
         self.members: dict[str, Member] = {}
         self.rewards = RewardTally()  # what the reward functions did, counted as groups arrive
+        self.envs = EnvTally()  # what multi-turn episodes did
         self.lock = threading.Lock()
         self.counts: collections.Counter = collections.Counter()
         self.fatal: BaseException | None = None  # set when no agent is left; raised by the trainer loop
@@ -204,6 +206,7 @@ class Roster:
         self._heard(agent, "submissions")
         self.queue.submit(agent, group)
         self.rewards.add(group.info.get("rewards"))
+        self.envs.add(group.info.get("env"))
         with self.lock:
             self.members[agent].submitted += 1
 
@@ -252,4 +255,5 @@ class Roster:
         return {"fully_async/agents/live": by_status["live"], "fully_async/agents/joining": by_status["joining"],
                 "fully_async/dead_agents": by_status["dead"], "fully_async/agents/left": by_status["left"],
                 "fully_async/count/fenced_submissions": counts.get("fenced_submissions", 0),
-                "fully_async/count/agents_joined": counts.get("joined", 0), **self.rewards.window()}
+                "fully_async/count/agents_joined": counts.get("joined", 0), **self.rewards.window(),
+                **self.envs.window()}

@@ -7,7 +7,7 @@ builds what its role needs from it (`asyncrl.rpc.assembly`). Nothing here starts
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -69,6 +69,8 @@ class RunSpec:
     async_: AsyncConfig
     source_factory: Callable[[], PromptSource]
     scorer_factory: Callable[[], Scorer]
+    env_setup: Callable[[], Any] | None = None
+    """Builds each agent's `asyncrl.envs.EnvRuntime` for multi-turn episodes (None: one turn per response)."""
     agents: list[AgentSpec] = dataclasses.field(default_factory=lambda: [AgentSpec()])
     trainer_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     reference: bool = False

@@ -15,18 +15,23 @@ from asyncrl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpo
 from asyncrl.config import AsyncConfig
 from asyncrl.rpc.launch import launch
 from asyncrl.rpc.spec import AgentSpec
+from tests.envs.helpers import echo_runtime
 from tests.rpc.helpers import TrainRecorder, allowed_lag, build_state, check_books, local_run
 from tests.timing import limit
 
 MINI = 2
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=False),
-    dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=True, max_version_lag=1),
-], ids=["stale", "stale+partial+cap"])
-def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs):
-    run_kw = dict(mini_batch_size=MINI, engines=2, step_delays=[0.0, 0.01], concurrent_prompts=2)
+@pytest.mark.parametrize("knobs, episodes", [
+    (dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=False), False),
+    (dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=True, max_version_lag=1), False),
+    (dict(staleness_threshold=0.5, trigger_parameter_sync_step=1, partial_rollout=False), True),
+], ids=["stale", "stale+partial+cap", "multi-turn-episodes"])
+def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs, episodes):
+    """With episodes, a checkpoint falls mid-episode: unfinished episodes restart from their prompt; without
+    partial rollout a weight update waits for running episodes to end (lag ≤ 1)."""
+    run_kw = dict(mini_batch_size=MINI, engines=2, step_delays=[0.0, 0.01], concurrent_prompts=2,
+                  env_setup=echo_runtime if episodes else None, max_new_tokens=24 if episodes else 8)
     batch = MINI * 1  # require_batches 1
 
     # ---- run A: 4 versions, a checkpoint every 2
@@ -75,6 +80,10 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs)
     run_b.queue.request = request
     summary_b = run_b.run()
 
+    if episodes:  # what was trained were whole episodes: three turns with the environment's tokens between them
+        for g in rec_a.groups + rec_b.groups:
+            assert g.info["env"]["turns"] == 3 * len(g.completions), g.info["env"]
+            assert all(c.loss_mask is not None and c.loss_mask.count(False) == 4 for c in g.completions)
     # versions continue from 4
     assert summary_b.versions == run_b.state.version == 8 and len(summary_b.history) == 4
     assert rec_b.steps[0][0] == 4 and [v for v, _ in rec_b.steps] == sorted(v for v, _ in rec_b.steps)
