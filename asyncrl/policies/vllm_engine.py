@@ -36,6 +36,7 @@ How each RL control maps onto vLLM (version-specific calls are the `_vllm_*` fun
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import tempfile
@@ -129,6 +130,8 @@ class VLLMEngine:
         self._paused = self._draining = self._asleep = False
         self._sleeping_tags: set[str] = set()  # GPU: what vLLM's sleep released and has not woken yet
         self._next_id = 0
+        self.stats = collections.Counter()
+        """prompt_tokens (every piece handed to vLLM) and prefix_cached_tokens (those its prefix cache served)."""
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -232,6 +235,8 @@ class VLLMEngine:
         completion.versions.extend([self.version] * len(tokens))
         if not out.finished:
             return None
+        self.stats["prompt_tokens"] += len(out.prompt_token_ids or ())
+        self.stats["prefix_cached_tokens"] += out.num_cached_tokens or 0
         del self._live[out.request_id]
         sample.vllm_id = None
         completion.finish_reason = _FINISH.get(str(result.finish_reason), "abort")

@@ -9,7 +9,8 @@ import asyncio
 import time
 
 from asyncrl.data.scoring import decode_ids
-from asyncrl.envs import EnvRuntime, StepResult, TokenRenderer, Turn
+from asyncrl.envs import EnvRuntime, EpisodeRunner, StepResult, TokenRenderer, Turn
+from asyncrl.policies import SamplingParams
 from asyncrl.types import GenerationOutput, Prompt
 from tests.timing import limit
 
@@ -108,3 +109,38 @@ class Recording:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def run_episodes(runner: EpisodeRunner, engine, prompts: list[Prompt], params: SamplingParams,
+                 between_turns=None) -> dict:
+    """Start every prompt, drive engine and runner until all groups are back; `between_turns(engine)` runs
+    once, after the first turn finished and before its environment step is applied."""
+    for p in prompts:
+        runner.start(f"p{p.index}", p, params)
+    groups, deadline, hooked = {}, time.monotonic() + limit(60), between_turns is None
+    while len(groups) < len(prompts):
+        assert time.monotonic() < deadline, "episodes did not end"
+        for out in engine.step():
+            assert runner.owns(out.request_id)
+            runner.on_output(out)
+            if not hooked:
+                between_turns(engine)
+                hooked = True
+        for group in runner.poll():
+            groups[group.key] = group
+        time.sleep(0.001)
+    assert not runner.busy
+    return groups
+
+
+def echo_episodes(engine, prompt_ids: list[int], n: int, seed: int) -> tuple[list, dict]:
+    """Run one prompt's n Echo episodes on `engine` (in whatever process holds it); return the episodes'
+    completions and every output the engine returned, by request id."""
+    recording = Recording(engine)
+    runner = EpisodeRunner(recording, runtime(Echo, max_turn_tokens=6))
+    try:
+        group = run_episodes(runner, recording, [Prompt(prompt_ids, index=0)],
+                             SamplingParams(n=n, max_new_tokens=40, seed=seed, ignore_eos=True))["p0"]
+    finally:
+        runner.close()
+    return group.completions, recording.outputs

@@ -4,39 +4,14 @@ weights'; the token budget and turn limit hold; a failing environment ends only 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from asyncrl.envs import EpisodeRunner
 from asyncrl.policies import Engine, SamplingParams
 from asyncrl.types import Prompt
 from tests.envs.helpers import (ENV_TOKENS, AsyncEcho, Echo, EvenTurns, Garbage, Hangs, NaNReward, Raises,
-                                Recording, runtime)
+                                Recording, run_episodes, runtime)
 from tests.policies.helpers import small_config, tiny_model
-from tests.timing import limit
-
-
-def run_episodes(runner: EpisodeRunner, engine, prompts: list[Prompt], params: SamplingParams,
-                 between_turns=None) -> dict:
-    """Start every prompt, drive engine and runner until all groups are back; `between_turns(engine)` runs
-    once, after the first turn finished and before its environment step is applied."""
-    for p in prompts:
-        runner.start(f"p{p.index}", p, params)
-    groups, deadline, hooked = {}, time.monotonic() + limit(60), between_turns is None
-    while len(groups) < len(prompts):
-        assert time.monotonic() < deadline, "episodes did not end"
-        for out in engine.step():
-            assert runner.owns(out.request_id)
-            runner.on_output(out)
-            if not hooked:
-                between_turns(engine)
-                hooked = True
-        for group in runner.poll():
-            groups[group.key] = group
-        time.sleep(0.001)
-    assert not runner.busy
-    return groups
 
 
 @pytest.fixture

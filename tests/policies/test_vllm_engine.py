@@ -16,7 +16,10 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 28, 4436, 338, 260, 30794, 30, 2, 198,
           1, 4093, 198, 2683, 253, 1345, 2165, 563, 260, 3264, 30, 2, 198, 1, 520, 9531, 198]
-"""A chat-formatted SmolLM2 prompt of 36 tokens (more than two 16-token KV blocks: the prefix cache holds it)."""
+"""A chat-formatted SmolLM2 prompt of 36 tokens."""
+LONG_PROMPT = PROMPT * 4
+"""144 tokens: more than one of the CPU backend's 128-token KV blocks, so the prefix cache holds its start."""
+BLOCK = 128
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +171,18 @@ def test_an_update_mid_generation_stamps_later_tokens_and_keeps_the_budget(host,
 
 
 def test_the_prefix_cache_never_serves_an_older_version(host, learner):
-    host.call("generate", [PROMPT], _params(seed=12, max_new=4))  # its prefix is now cached
+    cached = lambda: host.call("stats")["prefix_cached_tokens"]  # noqa: E731
+    host.call("generate", [LONG_PROMPT], _params(seed=12, max_new=4))  # its first block is now cached
+    before = cached()
+    host.call("generate", [LONG_PROMPT], _params(seed=13, max_new=4))
+    assert cached() - before == BLOCK  # the same version: served from the cache
     version = host.call("version")
     host.call("update_weights", _scaled_norm(learner, 0.6), version + 1)
-    out = host.call("generate", [PROMPT], _params(seed=12, max_new=8))[0].completions[0]
-    ours = forward_logprobs(learner, PROMPT, out.token_ids)
-    assert (torch.tensor(out.logprobs) - ours).abs().max() < logprob_tol(learner, PROMPT, out.token_ids)
+    before = cached()
+    out = host.call("generate", [LONG_PROMPT], _params(seed=12, max_new=8))[0].completions[0]
+    assert cached() == before  # a new version: nothing cached under the old weights is served
+    ours = forward_logprobs(learner, LONG_PROMPT, out.token_ids)
+    assert (torch.tensor(out.logprobs) - ours).abs().max() < logprob_tol(learner, LONG_PROMPT, out.token_ids)
     host.call("update_weights", _scaled_norm(learner, 1 / 0.6), version + 2)
 
 
@@ -184,6 +193,29 @@ def test_seeded_long_prompts_that_exceed_one_steps_token_budget(host):
     long_prompt = (PROMPT * 6)[:200]
     outs = host.call("generate", [long_prompt] * 12, [_params(seed=s, max_new=3) for s in range(12)])
     assert [len(o.completions[0].token_ids) for o in outs] == [3] * 12
+
+
+def test_a_multi_turn_episode_is_vllms_turns_plus_the_environment_tokens_byte_for_byte(host, learner):
+    """Three turns with two environment tokens after each of the first two: each turn's prompt is the episode
+    so far (never re-encoded), the episode is the concatenation, later turns are served from the prefix cache,
+    and every model token's log-prob is the learner's over the whole episode."""
+    from tests.envs.helpers import ENV_TOKENS, echo_episodes
+    cached_before = host.call("stats")["prefix_cached_tokens"]
+    completions, outputs = host.call(echo_episodes, LONG_PROMPT, 2, 21)
+    assert host.call("stats")["prefix_cached_tokens"] - cached_before >= 2 * 2 * BLOCK  # turns 2 and 3 of both
+    for i, episode in enumerate(completions):
+        turns = [outputs["p0.t0"].completions[i]] + [outputs[f"p0.e{i}.t{t}"].completions[0] for t in (1, 2)]
+        expected = []
+        for t, turn in enumerate(turns):
+            prompt = outputs["p0.t0"].prompt_ids if t == 0 else outputs[f"p0.e{i}.t{t}"].prompt_ids
+            assert prompt == LONG_PROMPT + expected
+            expected += turn.token_ids + ([] if t == 2 else [ENV_TOKENS[0] + t, ENV_TOKENS[1]])
+        assert episode.token_ids == expected and len(expected) == 3 * 6 + 4
+        mask = torch.tensor(episode.loss_mask)
+        assert mask.sum() == 18
+        ours = forward_logprobs(learner, LONG_PROMPT, episode.token_ids)[mask]
+        tol = logprob_tol(learner, LONG_PROMPT, episode.token_ids)
+        assert (torch.tensor(episode.logprobs)[mask] - ours).abs().max() < tol
 
 
 def test_bad_input_gets_our_errors(host):

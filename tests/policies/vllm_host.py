@@ -30,15 +30,19 @@ def _serve(conn, model_path: str, max_slots: int, max_len: int, options) -> None
         if method == "close":
             return
         try:
-            target = getattr(engine, method)
-            result = target(*args, **kwargs) if callable(target) else target
+            if callable(method):  # a module-level function of the test's, run here on the engine
+                result = method(engine, *args, **kwargs)
+            else:
+                target = getattr(engine, method)
+                result = target(*args, **kwargs) if callable(target) else target
             conn.send(("ok", result))
         except Exception as err:  # noqa: BLE001 - raised again in the test
             conn.send(("raised", err))
 
 
 class EngineHost:
-    """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute)."""
+    """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute), or
+    `host.call(fn, *args)`: `fn(engine, *args)` run in the engine's process (`fn` at module level)."""
 
     def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256, options=None):
         from asyncrl.config import VLLMConfig
@@ -56,7 +60,7 @@ class EngineHost:
             raise TimeoutError(f"no answer from the vLLM engine process within {timeout:.0f} s")
         return self.conn.recv()
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, method, *args, **kwargs):
         self.conn.send((method, args, kwargs))
         status, result = self._receive(limit(600))
         if status == "raised":
