@@ -131,5 +131,5 @@ def load_object(spec: str, *, flag: str, kind: str, example: str = "my_file.py:N
     obj = getattr(module, name)
     if not callable(obj):
         raise loader.problem(f"{shown}:{name} is not callable (it is {type(obj).__name__} {short_repr(obj)}); "
-                             f"point {flag} at a {kind}")
+                             f"point {flag} at {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
     return obj, f"{shown}:{name}"

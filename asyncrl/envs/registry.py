@@ -25,6 +25,9 @@ def load_env(spec: str) -> EnvFactory:
         raise ValueError(f"{FLAG} {spec!r}: not a built-in environment ({', '.join(sorted(BUILTIN_ENVS))}) and no "
                          "':NAME' part; write PATH.py:NAME or package.module:NAME (e.g. my_env.py:Guess)")
     factory, _ = load_object(spec, flag=FLAG, kind="environment class", example="my_env.py:Guess")
+    if isinstance(factory, type) and not callable(getattr(factory, "step", None)):
+        raise ValueError(f"{FLAG} {spec!r}: {factory.__name__} has no step method; define "
+                         "`def step(self, turn)` (or `async def step`) returning an asyncrl.envs.StepResult")
     return factory
 
 

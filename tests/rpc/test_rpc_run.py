@@ -17,6 +17,7 @@ import pytest
 from asyncrl.config import GRPO, AsyncConfig, OptimConfig, RolloutConfig, TrainerConfig
 from asyncrl.rpc.launch import launch
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
+from tests.envs.helpers import even_turns_runtime
 from tests.rpc.collective import channel_member
 from tests.rpc.faults import FaultyEngines
 from tests.rpc.helpers import MODEL_CONFIG, MODEL_SEED, scorer, source
@@ -29,17 +30,18 @@ MINI = 4
 
 def make_spec(agents: list[AgentSpec], *, total_versions: int, agent_timeout_s: float = 60.0,
               sync_timeout_s: float = limit(60), rpc_timeout_s: float = limit(60), concurrent_prompts: int | None = None,
-              lr: float = 3e-3, **async_kw) -> RunSpec:
+              lr: float = 3e-3, max_new_tokens: int = 8, env_setup=None, **async_kw) -> RunSpec:
     config = dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True,
                   take_timeout_s=limit(120))
     config.update(async_kw)
     return RunSpec(model=ModelSpec(config=MODEL_CONFIG, seed=MODEL_SEED), algorithm=GRPO(),
                    trainer=TrainerConfig(mini_batch_size=MINI, optim=OptimConfig(lr=lr)),
-                   rollout=RolloutConfig(n=4, max_new_tokens=8, max_slots=32, max_prompt_length=8,
+                   rollout=RolloutConfig(n=4, max_new_tokens=max_new_tokens, max_slots=32, max_prompt_length=8,
                                          max_concurrent_prompts=concurrent_prompts),
                    async_=AsyncConfig(total_versions=total_versions, agent_timeout_s=agent_timeout_s,
                                       sync_timeout_s=sync_timeout_s, **config),
-                   source_factory=source, scorer_factory=scorer, agents=agents, rpc_timeout_s=rpc_timeout_s)
+                   source_factory=source, scorer_factory=scorer, agents=agents, rpc_timeout_s=rpc_timeout_s,
+                   env_setup=env_setup)
 
 
 def assert_books_balance(summary, spec: RunSpec, *, every_version: bool = True) -> None:
@@ -67,6 +69,22 @@ def test_three_process_stale_partial_run_learns_the_toy_task():
     assert all(m["fully_async/static/max_required_samples"] == max_required for m in summary.history)
     assert all(0 <= m["fully_async/count/staleness_samples"] <= max_required for m in summary.history)
     assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
+
+
+def test_multi_turn_episodes_learn_across_processes():
+    """Two agents run two-turn episodes whose environment rewards each turn (the toy task per turn); the
+    environment's tokens travel between turns and the reward rises."""
+    spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3, max_new_tokens=16,
+                     env_setup=even_turns_runtime)
+    summary = launch(spec)
+    assert summary.versions == 10 and summary.dead_agents == []
+    assert_books_balance(summary, spec)
+    scores = [m["critic/score/mean"] for m in summary.history]
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert last > first + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    for m in summary.history:  # every episode had both turns, the environment answered in time, no failures
+        assert m["env/turns_per_episode"] == 2 and m["env/errors"] == m["env/timeouts"] == 0, m
+        assert 0 < m["env/trained_token_share"] < 1, m
 
 
 def test_killed_agent_is_declared_dead_and_its_prompts_readmitted():
