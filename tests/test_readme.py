@@ -1,15 +1,16 @@
 """Every `asyncrl …` command in README.md runs, in the order the README shows them, in a fresh directory.
 
 `asyncrl train` commands are checked with `--dry-run` (every up-front check: config, devices, model, rewards,
-data), except three that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
-checkpoint is what the README's `asyncrl eval` reads), the worked example of a task of your own, and DAPO. `eval`
-runs with a smaller budget appended. Commands that need GPUs, a model you download, or a second running job
-are listed in NOT_RUN with the reason, and the test fails when the README's commands and these lists drift
-apart.
+data), except four that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
+checkpoint is what the README's `asyncrl eval` reads), the worked examples of a task and an environment of
+your own, and DAPO. `eval` runs with a smaller budget appended. Commands that need GPUs, a model you
+download, or a second running job are listed in NOT_RUN with the reason, and the test fails when the README's
+commands and these lists drift apart.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -28,6 +29,8 @@ TRAINED_FOR_REAL = {
     "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "20"],
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
         TINY_TRAIN + ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
+    "asyncrl train cpu-retry --data.path examples/guess_number/data.jsonl --env.fn examples/guess_number/env.py:Guess":
+        TINY_TRAIN[:-2] + ["--async-training.total-versions", "2", "--run-dir", "runs/guess_number"],
     # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget);
     # on the toy task, since a random model scores 0 on every sum and DAPO's dynamic sampling would drop every group
     "asyncrl train cpu-demo algorithm:dapo --algorithm.kl-loss-coef 0.001":
@@ -103,4 +106,6 @@ def test_every_readme_command_runs(workdir):
     assert (workdir / "runs" / "cpu-demo" / "report.md").is_file()
     assert (workdir / "runs" / "word_length" / "summary.json").is_file()
     assert (workdir / "runs" / "dapo" / "summary.json").is_file()
+    last = json.loads((workdir / "runs" / "guess_number" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["env/episodes"] > 0 and last["env/errors"] == 0, last  # the example environment ran its episodes
     assert len(ran) == len(readme_commands()) - len(NOT_RUN)

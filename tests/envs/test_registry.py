@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
-from asyncrl.envs import load_env
+from asyncrl.envs import Turn, load_env
 from asyncrl.envs.builtin import BUILTIN_ENVS
+from asyncrl.types import Prompt
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "guess_number" / "env.py"
 
 
 def write(tmp_path, text: str):
@@ -37,3 +42,11 @@ def test_a_wrong_environment_is_one_message_naming_the_flag(tmp_path, source, na
 def test_an_unknown_name_lists_the_built_ins():
     with pytest.raises(ValueError, match=r"not a built-in environment \(calculator, retry\)"):
         load_env("guess")
+
+
+def test_the_guess_number_example_answers_hints_and_rewards_the_right_guess():
+    guess = load_env(f"{EXAMPLE}:Guess")(Prompt([1, 2], ground_truth="13", index=0))
+    steps = [guess.step(Turn(text, (5,), i, "stop")) for i, text in enumerate(["10", "I say 15", "hmm", "13"])]
+    assert [s.observation for s in steps[:3]] == ["Higher.", "Lower.", "Reply with one whole number from 1 to 20."]
+    assert not any(s.done for s in steps[:3]) and steps[3].done
+    assert steps[3].reward == pytest.approx(0.7 ** 3)
