@@ -76,8 +76,11 @@ class KVCache:
         cache_v[rows, :, positions] = v[:, :, 0]
         return cache_k[:b, :, :self.attend_len], cache_v[:b, :, :self.attend_len]
 
+    @torch.inference_mode()
     def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot(s) `dst` (all layers)."""
+        """Copy the first `length` positions of slot `src` into slot(s) `dst` (all layers). In inference mode
+        whoever calls: a cache allocated in inference mode (an engine woken up mid-step) refuses in-place
+        writes outside it, and a session's end is called from outside the decode step."""
         if length == 0:
             return
         dst_t = torch.as_tensor(dst, device=self.device).reshape(-1)

@@ -121,6 +121,27 @@ def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how):
                                atol=atol, rtol=0)
 
 
+def test_sessions_end_outside_the_decode_step_after_a_wake_up():
+    """After sleep / wake_up the cache is allocated again inside a decode step (in inference mode); ending a
+    session from outside it (the episode runner does) moves a held slot and must not raise."""
+    model = tiny_model(4)
+    engine = Engine(model, small_config())
+    engine.sleep()
+    engine.wake_up()
+    prompts = make_prompts([5, 6], seed=8)
+    params = SamplingParams(n=1, max_new_tokens=3, seed=3)
+    firsts = [_turn(engine, p, params, f"r{i}", f"s{i}") for i, p in enumerate(prompts)]
+    assert engine.num_held == 2
+    engine.end_sessions(["s0"])  # not the held block's bottom: s1's K/V moves into its slot
+    assert engine.num_held == 1
+    nxt = prompts[1] + firsts[1].token_ids + [9]
+    second = _turn(engine, nxt, params, "r2", "s1")
+    assert engine.stats["session_reused_tokens"] == len(nxt) - 2
+    atol = logprob_tol(model, nxt, second.token_ids)
+    torch.testing.assert_close(torch.tensor(second.logprobs), forward_logprobs(model, nxt, second.token_ids),
+                               atol=atol, rtol=0)
+
+
 def test_session_names_must_match_the_samples():
     engine = Engine(tiny_model(0), small_config())
     with pytest.raises(ValueError, match="2 session names for n=3 samples"):

@@ -71,11 +71,23 @@ def test_three_process_stale_partial_run_learns_the_toy_task():
     assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
 
 
-def test_multi_turn_episodes_learn_across_processes():
-    """Two agents run two-turn episodes whose environment rewards each turn (the toy task per turn); the
-    environment's tokens travel between turns and the reward rises."""
+MODES = {  # verl's modes, by their knobs: (RunSpec overrides, the largest version lag a trained token may have)
+    "stale+partial": (dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True), None),
+    "one-step-off": (dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=False), 1),
+    "colocated-sync": (dict(staleness_threshold=0.0, trigger_parameter_sync_step=1, partial_rollout=False,
+                            colocated=True, concurrent_prompts=MINI // 2), 0),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_multi_turn_episodes_learn_across_processes_in_every_mode(mode):
+    """Two-turn episodes whose environment rewards each turn (the toy task per turn): the environment's tokens
+    travel between turns, every mode's lag bound holds with episodes, and the reward rises."""
+    knobs, max_lag = MODES[mode]
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3, max_new_tokens=16,
-                     env_setup=even_turns_runtime)
+                     env_setup=even_turns_runtime, **knobs)
+    if knobs.get("colocated"):
+        spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
     summary = launch(spec)
     assert summary.versions == 10 and summary.dead_agents == []
     assert_books_balance(summary, spec)
@@ -85,6 +97,8 @@ def test_multi_turn_episodes_learn_across_processes():
     for m in summary.history:  # every episode had both turns, the environment answered in time, no failures
         assert m["env/turns_per_episode"] == 2 and m["env/errors"] == m["env/timeouts"] == 0, m
         assert 0 < m["env/trained_token_share"] < 1, m
+        if max_lag is not None:
+            assert m["training/version_lag/max"] <= max_lag, (mode, m["training/version_lag/max"])
 
 
 def test_killed_agent_is_declared_dead_and_its_prompts_readmitted():
