@@ -43,15 +43,20 @@ class GenerationOutput:
     prompt_ids: list[int]
     completions: list[Completion]
     finished: bool
+    cached_prompt_tokens: int = 0
+    """Of the prompt, the tokens whose K/V the engine already had (a held session, vLLM's prefix cache): a
+    multi-turn episode's later turns prefill only the rest."""
 
     @classmethod
-    def snapshot(cls, request_id: str, prompt_ids: list[int], completions: list[Completion]) -> "GenerationOutput":
+    def snapshot(cls, request_id: str, prompt_ids: list[int], completions: list[Completion],
+                 cached_prompt_tokens: int = 0) -> "GenerationOutput":
         """An output holding copies of an engine's live completions (the engine goes on appending to its own)."""
         copies = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                                       versions=list(c.versions),
                                       loss_mask=None if c.loss_mask is None else list(c.loss_mask))
                   for c in completions]
-        return cls(request_id, list(prompt_ids), copies, finished=all(c.finished for c in copies))
+        return cls(request_id, list(prompt_ids), copies, finished=all(c.finished for c in copies),
+                   cached_prompt_tokens=cached_prompt_tokens)
 
 
 @dataclasses.dataclass

@@ -30,6 +30,10 @@ class EpisodeStats:
     """Ended by --env.max-turns or the token budget, not by the environment."""
     model_tokens: int = 0
     env_tokens: int = 0
+    later_turn_prompt_tokens: int = 0
+    """The prompts of turns after the first (the whole episode so far)..."""
+    reused_prompt_tokens: int = 0
+    """...and of those, the tokens whose K/V the engine kept from the previous turn."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

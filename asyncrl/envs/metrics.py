@@ -4,7 +4,9 @@ Per version window:
   env/turns_per_episode, env/step_time_s (mean seconds of an environment step), env/tool_calls_per_episode,
   env/tool_error_share (of tool calls), env/truncated_share (episodes ended by --env.max-turns or the token
   budget), env/trained_token_share (model tokens over all response tokens; the rest are masked environment
-  tokens); over the run: env/errors, env/timeouts, env/tool_errors.
+  tokens), env/reused_prompt_share (of later turns' prompts, the tokens whose K/V the engine kept from the
+  turn before: a held session, vLLM's prefix cache; the rest were prefilled); over the run: env/errors,
+  env/timeouts, env/tool_errors.
 Single-turn runs report none of these.
 """
 
@@ -44,5 +46,7 @@ class EnvTally:
                 "env/tool_error_share": w["tool_errors"] / calls if calls else 0.0,
                 "env/truncated_share": w["truncated"] / episodes,
                 "env/trained_token_share": w["model_tokens"] / tokens,
+                "env/reused_prompt_share": (w["reused_prompt_tokens"] / w["later_turn_prompt_tokens"]
+                                            if w["later_turn_prompt_tokens"] else 0.0),
                 "env/episodes": total.get("episodes", 0), "env/errors": total.get("env_errors", 0),
                 "env/timeouts": total.get("env_timeouts", 0), "env/tool_errors": total.get("tool_errors", 0)}

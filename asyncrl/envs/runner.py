@@ -119,6 +119,9 @@ class EpisodeRunner:
     def on_output(self, output: GenerationOutput) -> None:
         """A turn request finished: record each episode's turn and start its environment step."""
         task, episodes = self._requests.pop(output.request_id)
+        if len(episodes) == 1 and episodes[0].stats.turns:  # a later turn: what its prefill could skip
+            episodes[0].stats.later_turn_prompt_tokens += len(output.prompt_ids)
+            episodes[0].stats.reused_prompt_tokens += output.cached_prompt_tokens
         for episode, completion in zip(episodes, output.completions):
             ids = completion.token_ids
             stopped = completion.finish_reason == "stop"

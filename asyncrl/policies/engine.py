@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.policies.kv_cache import KVCache
-from asyncrl.policies.model import CausalLM, use_fused_kernels
+from asyncrl.policies.model import CacheExtension, CausalLM, use_fused_kernels
 from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
 from asyncrl.types import Completion, GenerationOutput
@@ -111,7 +111,8 @@ class _Request:
     """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples])
+        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples],
+                                         cached_prompt_tokens=self.cached)
 
 
 @dataclasses.dataclass(eq=False)
@@ -240,6 +241,8 @@ class Engine:
             longest_next = max(longest, prefill)
             if admitted and longest_next * (len(admitted) + 1) > self.config.max_prefill_tokens:
                 break
+            if held is not None:
+                self._to_bottom(held)
             if not self._make_room(request.params.n, keep=held):
                 break
             self._waiting.popleft()
@@ -267,17 +270,28 @@ class Engine:
                     self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
                                          len(request.prompt_ids))
             self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
-        for request in (r for r in requests if r.cached):
-            new = request.prompt_ids[request.cached:]
-            slot = torch.tensor([request.samples[0].slot], device=self.model.device)
-            ids = torch.tensor([new], dtype=torch.long, device=self.model.device)
-            rows.append(self.model(ids, cache=self.cache, cache_slots=slot, cache_start=request.cached)[:, -1])
-            self.stats["prefill_tokens"] += len(new)
-            self.stats["session_reused_tokens"] += request.cached
-        order = whole + [r for r in requests if r.cached]
+        continued = [r for r in requests if r.cached]
+        if continued:  # one forward for every continued session: its new tokens over its slot's cached ones
+            rows.append(self._forward_extend(continued))
+        order = whole + continued
         logits = self.model.logits(torch.cat(rows))
         index = torch.tensor([i for i, r in enumerate(order) for _ in r.samples], device=logits.device)
         self._sample_and_append(logits[index], [s for r in order for s in r.samples], finished)
+
+    def _forward_extend(self, requests: list[_Request]) -> Tensor:
+        """The last hidden state of each request's prompt, prefilling only what its held session lacks."""
+        device = self.model.device
+        new = [r.prompt_ids[r.cached:] for r in requests]
+        width = max(map(len, new))
+        ids = torch.tensor([n + [0] * (width - len(n)) for n in new], dtype=torch.long, device=device)
+        slots = torch.tensor([r.samples[0].slot for r in requests], device=device)
+        starts = torch.tensor([r.cached for r in requests], device=device)
+        span = max(r.cached + len(n) for r, n in zip(requests, new))
+        hidden = self.model(ids, cache=self.cache, cache_slots=slots, extension=CacheExtension(starts, span))
+        last = torch.tensor([len(n) - 1 for n in new], device=device)
+        self.stats["prefill_tokens"] += sum(map(len, new))
+        self.stats["session_reused_tokens"] += sum(r.cached for r in requests)
+        return hidden[torch.arange(len(requests), device=device), last]
 
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> _Held | None:
@@ -318,6 +332,16 @@ class Engine:
                 self.cache.copy_slot(lowest, held.slot, len(mover.tokens) - 1)
             mover.slot = held.slot
 
+    def _to_bottom(self, held: _Held) -> None:
+        """With no free slot, swap `held` with the held block's bottom session, so that it can turn into the
+        next running slot where it is (instead of evicting another session to move into a free one)."""
+        bottom = self.config.max_slots - len(self._held)
+        if held.slot == bottom or self._free_slots() > 0:
+            return
+        other = next(h for h in self._held.values() if h.slot == bottom)
+        self.cache.swap_slots(held.slot, bottom, len(held.tokens) - 1, len(other.tokens) - 1)
+        held.slot, other.slot = bottom, held.slot
+
     def _take_held(self, name: str, slot: int) -> int:
         """Move held session `name` into running slot `slot` (a free slot, or its own when it is the block's
         bottom: `_make_room` saw to that); return how many positions it has cached."""
@@ -331,17 +355,27 @@ class Engine:
             self._drop_held(name)
         return cached
 
-    def _hold(self, sample: _Sample) -> None:
-        """Keep a finished session sample's K/V in a free slot at the top of the cache (when one can be had)."""
+    def _hold(self, sample: _Sample, kv: tuple[Tensor, Tensor] | None = None) -> bool:
+        """Keep a finished session sample's K/V in a slot at the top of the cache: from its running slot
+        into a free one (False when none is free, or the cache is freed), or from `kv`, its copy, once its
+        slot was released (evicting least recently used sessions when it must)."""
         name = sample.request.sessions[sample.index]
         if name in self._held:
             self._drop_held(name)
-        if not self.cache.allocated or not self._make_room(1):
-            return
+        if not self.cache.allocated:
+            return True  # nothing to keep
+        if kv is None and self._free_slots() < 1:
+            return False
+        if kv is not None and not self._make_room(1):
+            return True
         slot = self.config.max_slots - len(self._held) - 1
         tokens = sample.request.prompt_ids + sample.completion.token_ids
-        self.cache.copy_slot(sample.slot, slot, len(tokens) - 1)
+        if kv is None:
+            self.cache.copy_slot(sample.slot, slot, len(tokens) - 1)
+        else:
+            self.cache.write_slot(slot, kv)
         self._held[name] = _Held(slot, tokens)
+        return True
 
     def end_sessions(self, names: Iterable[str]) -> None:
         """Free the K/V held for these sessions (unknown names are ignored)."""
@@ -429,10 +463,13 @@ class Engine:
             if c.finished:
                 done.append(sample)
         self.stats["generated_tokens"] += len(samples)
-        for sample in done:
-            if sample.request.sessions is not None:
-                self._hold(sample)
+        # a finished session's K/V goes to a free slot at the top; with none free (a full engine, where every
+        # sample finishes at once) it waits in a copy until the finished samples' own slots are released
+        waiting = [(s, self.cache.read_slot(s.slot, s.cached_len)) for s in done
+                   if s.request.sessions is not None and not self._hold(s)]
         self._release(done)
+        for sample, kv in waiting:
+            self._hold(sample, kv)
         finished.extend({s.request.request_id: s.request for s in done
                          if all(x.completion.finished for x in s.request.samples)}.values())
 

@@ -57,14 +57,18 @@ class KVCache:
         self.k[layer, :, :, :s].index_copy_(0, slots, k)
         self.v[layer, :, :, :s].index_copy_(0, slots, v)
 
-    def write_extend(self, layer: int, slots: Tensor, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write K/V [1, Hkv, S, D] of one row into slot `slots[0]` at positions start..start+S-1; return that
-        slot's keys and values [1, Hkv, start + S, D] (the cached prefix and the new positions)."""
-        end = start + k.shape[2]
-        slot = slots[:1]
-        self.k[layer, :, :, start:end].index_copy_(0, slot, k)
-        self.v[layer, :, :, start:end].index_copy_(0, slot, v)
-        return self.k[layer].index_select(0, slot)[:, :, :end], self.v[layer].index_select(0, slot)[:, :, :end]
+    def write_extend(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
+                     span: int) -> tuple[Tensor, Tensor]:
+        """Write K/V [B, Hkv, S, D] of row b into slot `slots[b]` at `positions[b]` ([B, S]); return the rows'
+        keys and values [B, Hkv, span, D] (their cached prefixes and the new positions).
+
+        A right-padded row's extra positions lie past its sequence: what they write there is written again
+        before a decode step reads it (positions past the slot are clamped to its last, never yet in use)."""
+        rows = slots[:, None].expand_as(positions)
+        at = positions.clamp(max=self.max_len - 1)
+        self.k[layer][rows, :, at] = k.transpose(1, 2)
+        self.v[layer][rows, :, at] = v.transpose(1, 2)
+        return self.k[layer].index_select(0, slots)[:, :, :span], self.v[layer].index_select(0, slots)[:, :, :span]
 
     def append_decode(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`); return the keys and values
@@ -86,3 +90,23 @@ class KVCache:
         dst_t = torch.as_tensor(dst, device=self.device).reshape(-1)
         for cache in (self.k, self.v):
             cache[:, dst_t, :, :length] = cache[:, src:src + 1, :, :length]
+
+    @torch.inference_mode()
+    def read_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """A copy of the first `length` positions of `slot` (all layers): K and V [layers, Hkv, length, D]."""
+        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+
+    @torch.inference_mode()
+    def write_slot(self, slot: int, kv: tuple[Tensor, Tensor]) -> None:
+        """Write what `read_slot` returned into the first positions of `slot`."""
+        k, v = kv
+        self.k[:, slot, :, :k.shape[2]] = k
+        self.v[:, slot, :, :v.shape[2]] = v
+
+    @torch.inference_mode()
+    def swap_slots(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        """Exchange the first `len_a` positions of slot `a` with the first `len_b` of slot `b` (all layers)."""
+        for cache in (self.k, self.v):
+            kept = cache[:, a, :, :len_a].clone()
+            cache[:, a, :, :len_b] = cache[:, b, :, :len_b]
+            cache[:, b, :, :len_a] = kept

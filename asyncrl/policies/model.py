@@ -31,7 +31,7 @@ from asyncrl.policies.kv_cache import KVCache
 
 __all__ = [
     "TransformerConfig", "CausalLM", "RMSNorm", "use_fused_kernels", "token_logprobs", "token_entropy", "packed_attention_mask",
-    "DocumentLayout", "SUPPORTED_MODEL_TYPES",
+    "DocumentLayout", "CacheExtension", "SUPPORTED_MODEL_TYPES",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -246,6 +246,20 @@ def _rope_inv_freq(cfg: TransformerConfig) -> Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheExtension:
+    """Rows that continue the sequences cached in their slots (new turns of conversations whose earlier
+    turns are cached): row b's tokens, right-padded to the longest row's, take positions starts[b].. and
+    attend to the slot's cached positions 0..starts[b]-1 and causally to each other.
+
+    starts: [B] long, on the model's device.
+    span: the key positions any row attends to (max of start + new tokens), on the host.
+    """
+
+    starts: Tensor
+    span: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DocumentLayout:
     """Sequences packed end to end into one row of length L = Σ lengths; each attends causally to itself only.
 
@@ -320,7 +334,7 @@ class Attention(_UsesKernels, nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
                 cache_slots: Tensor | None, positions: Tensor, decode: bool,
-                documents: DocumentLayout | None = None, cache_start: int = 0) -> Tensor:
+                documents: DocumentLayout | None = None, extension: CacheExtension | None = None) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -339,8 +353,8 @@ class Attention(_UsesKernels, nn.Module):
             out = out.reshape(b, self.num_heads, 1, self.head_dim)
         elif documents is not None:
             out = documents.attend(q, k, v)
-        elif cache_start > 0:  # one row continues its slot: attend over the cached positions and its own
-            keys, values = cache.write_extend(self.layer_idx, cache_slots, cache_start, k, v)
+        elif extension is not None:  # rows continue their slots: attend over the cached positions and their own
+            keys, values = cache.write_extend(self.layer_idx, cache_slots, positions, k, v, extension.span)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         else:
@@ -376,9 +390,9 @@ class DecoderLayer(_UsesKernels, nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
                 cache_slots: Tensor | None, positions: Tensor, decode: bool,
                 documents: DocumentLayout | None = None, recompute_mlp: bool = False,
-                cache_start: int = 0) -> Tensor:
+                extension: CacheExtension | None = None) -> Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache, cache_slots, positions, decode,
-                              documents, cache_start)
+                              documents, extension)
         norm = self.post_attention_layernorm
         x, h = self.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
         if recompute_mlp:  # selective checkpointing: keep the attention block's activations, recompute the MLP
@@ -415,7 +429,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor | None = None, *, attn_mask: Tensor | None = None,
                 cache: KVCache | None = None, cache_slots: Tensor | None = None, decode: bool = False,
-                documents: DocumentLayout | None = None, cache_start: int = 0) -> Tensor:
+                documents: DocumentLayout | None = None, extension: CacheExtension | None = None) -> Tensor:
         """Final hidden states [B, S, H].
 
         Args:
@@ -424,20 +438,21 @@ class CausalLM(nn.Module):
           attn_mask: optional bool [B or 1, 1, S, S] (True = attend), e.g. `packed_attention_mask`.
           documents: B == 1 holding sequences end to end: document-causal attention without a mask.
           cache, cache_slots: prefill — write each row's K/V into `cache_slots[b]` from position 0.
-          cache_start: extend — B == 1 continues the sequence cached in slot `cache_slots[0]`: its tokens take
-            positions cache_start.. and attend over the cached positions 0..cache_start-1 and causally to
-            each other (a new turn of a conversation whose earlier turns are cached).
+          extension: extend — row b continues the sequence cached in slot `cache_slots[b]` (`CacheExtension`:
+            new turns of conversations whose earlier turns are cached), one forward for all rows.
           decode: S == 1; row b appends to cache slot b at `positions[b, 0]` and attends over the slot.
         """
         b, s = input_ids.shape
+        if extension is not None:
+            if cache is None or cache_slots is None or decode:
+                raise ValueError("forward: an extension continues cached slots: it needs cache and cache_slots, "
+                                 f"and no decode (cache={'set' if cache is not None else 'None'}, decode={decode})")
+            if positions is None:
+                positions = extension.starts[:, None] + torch.arange(s, device=input_ids.device)
+            seen = torch.arange(extension.span, device=input_ids.device)
+            attn_mask = (seen[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, span]
         if positions is None:
-            positions = torch.arange(cache_start, cache_start + s, device=input_ids.device).expand(b, s)
-        if cache_start > 0:
-            if b != 1 or cache is None or decode:
-                raise ValueError(f"forward: cache_start={cache_start} extends one cached row; got {b} rows, "
-                                 f"cache={'set' if cache is not None else 'None'}, decode={decode}")
-            seen = torch.arange(cache_start + s, device=input_ids.device)
-            attn_mask = (seen[None, :] <= positions[0, :, None])[None, None]  # [1, 1, S, start + S]
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         if decode:  # row b attends to its slot's positions 0..positions[b]; built once for all layers
@@ -447,7 +462,7 @@ class CausalLM(nn.Module):
         whole_layer = checkpointing and self.checkpoint_scope == "layer"
         for layer in self.model.layers:
             args = (x, cos, sin, attn_mask, cache, cache_slots, positions, decode, documents,
-                    checkpointing and not whole_layer, cache_start)
+                    checkpointing and not whole_layer, extension)
             if whole_layer:
                 x = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:

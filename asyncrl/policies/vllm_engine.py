@@ -87,6 +87,8 @@ class _Sample:
     """Its request in vLLM now (None: not in vLLM: held back, or finished)."""
     pieces: int = 0
     """vLLM requests it has had (a sample queued again gets a fresh id)."""
+    cached: int = 0
+    """Prompt tokens vLLM's prefix cache served to its first piece."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,7 +101,8 @@ class _Request:
     samples: list[_Sample]
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples])
+        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples],
+                                         cached_prompt_tokens=max(s.cached for s in self.samples))
 
 
 class VLLMEngine:
@@ -227,6 +230,8 @@ class VLLMEngine:
         if entry is None:  # aborted meanwhile
             return None
         request, sample = entry
+        if sample.pieces == 1 and out.num_cached_tokens:
+            sample.cached = min(out.num_cached_tokens, len(request.prompt_ids))
         result = out.outputs[0]
         tokens = list(result.token_ids)
         completion = sample.completion

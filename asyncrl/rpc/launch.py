@@ -67,6 +67,7 @@ def reserve_port(host: str = "") -> socket.socket:
 def _setup_logging(role: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s",
                         force=True)
+    faulthandler.enable()  # a crash in native code (a segfault) still leaves every thread's Python stack
     dump_every = os.environ.get("ASYNCRL_STACK_DUMP_S")
     if dump_every:  # diagnosing a hang: every process prints every thread's stack to stderr periodically
         faulthandler.dump_traceback_later(float(dump_every), repeat=True)

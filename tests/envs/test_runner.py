@@ -46,8 +46,13 @@ def test_an_episode_is_the_engines_turns_plus_the_environment_tokens_byte_for_by
         assert completion.token_ids == expected
         assert completion.loss_mask == mask
         assert completion.logprobs == logprobs and completion.versions == versions
-    # turns 2 and 3 continued their session's K/V: only the two environment tokens and one token were new
-    assert engine.stats["session_reused_tokens"] > 0
+    # turns 2 and 3 continued their session's K/V: only the last sampled token and the environment's two were new
+    later = [engine.outputs[f"p0.e{i}.t{t}"] for i in (0, 1) for t in (1, 2)]
+    assert all(out.cached_prompt_tokens == len(out.prompt_ids) - 3 for out in later)
+    stats = group.info["env"]
+    assert stats["later_turn_prompt_tokens"] == sum(len(out.prompt_ids) for out in later)
+    assert stats["reused_prompt_tokens"] == engine.stats["session_reused_tokens"] == stats[
+        "later_turn_prompt_tokens"] - 3 * len(later)
     assert engine.num_held == 0  # sessions are freed when their episodes end
 
 

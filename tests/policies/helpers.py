@@ -57,10 +57,10 @@ def small_config(**overrides) -> EngineConfig:
 
 @torch.no_grad()
 def forward_logprobs(model: CausalLM, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> Tensor:
-    """The training side: one forward over prompt + tokens, log-probs of `tokens` at `temperature`."""
-    ids = torch.tensor([prompt + tokens])
+    """The training side: one forward over prompt + tokens, log-probs of `tokens` at `temperature` (on the CPU)."""
+    ids = torch.tensor([prompt + tokens], device=model.device)
     logits = model.logits(model(ids))[0, len(prompt) - 1:-1]
-    return token_logprobs(logits, torch.tensor(tokens), temperature)
+    return token_logprobs(logits, ids[0, len(prompt):], temperature).cpu()
 
 
 @torch.no_grad()
@@ -68,7 +68,7 @@ def logprob_tol(model: CausalLM, prompt: list[int], tokens: list[int], temperatu
     """Tolerance for log-probs of `tokens` computed two ways (engine vs training forward, in a batch vs
     alone): `forward_tol` at the scale of the logits they come from, over prompt + tokens, at `temperature`
     (0, greedy, reports log-probs at 1)."""
-    logits = model.logits(model(torch.tensor([prompt + tokens])))
+    logits = model.logits(model(torch.tensor([prompt + tokens], device=model.device)))
     return forward_tol(logits, model.config, temperature=temperature)
 
 

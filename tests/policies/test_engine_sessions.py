@@ -64,10 +64,12 @@ def test_a_prompt_that_does_not_extend_the_held_sequence_is_prefilled_whole():
                                atol=atol, rtol=0)
 
 
-def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs decode there)"))])
+def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact(device):
     """12 episodes of 3 turns on 6 slots, started at random times: held slots are evicted for running ones,
     continued or prefilled whole; every sampled token's log-prob equals a teacher-forced forward."""
-    model = tiny_model(2)
+    model = tiny_model(2).to(device)
     engine = Engine(model, small_config(max_slots=6))
     rng = random.Random(0)
     prompts = make_prompts([rng.randint(3, 9) for _ in range(12)], seed=5)
@@ -119,6 +121,54 @@ def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how):
     atol = logprob_tol(model, nxt, second.token_ids)
     torch.testing.assert_close(torch.tensor(second.logprobs), forward_logprobs(model, nxt, second.token_ids),
                                atol=atol, rtol=0)
+
+
+def test_a_full_engine_holds_every_session_and_continues_each_without_evicting():
+    """Every slot runs a session and all finish in the same step (turns of equal length): each is held
+    (in a copy until the slots are released), and each next turn continues where it is held, even with no
+    free slot, swapping with the held block's bottom instead of evicting another session."""
+    model = tiny_model(5)
+    engine = Engine(model, small_config(max_slots=4))
+    prompt = make_prompts([6], seed=9)[0]
+    first = SamplingParams(n=4, max_new_tokens=3, seed=4, ignore_eos=True)
+    engine.add_request(prompt, first, request_id="t0", sessions=[f"e{i}" for i in range(4)])
+    turns = drain(engine)["t0"].completions
+    assert engine.num_held == 4
+    for i in (2, 0, 3, 1):  # not in slot order: most continuations are not the block's bottom
+        seq = prompt + turns[i].token_ids + [40, 41]
+        engine.add_request(seq, SamplingParams(n=1, max_new_tokens=3, seed=i), request_id=f"e{i}.t1",
+                           sessions=[f"e{i}"])
+        out = drain(engine)[f"e{i}.t1"]
+        assert out.cached_prompt_tokens == len(seq) - 3  # all but the last sampled token and the two new ones
+        atol = logprob_tol(model, seq, out.completions[0].token_ids)
+        torch.testing.assert_close(torch.tensor(out.completions[0].logprobs),
+                                   forward_logprobs(model, seq, out.completions[0].token_ids), atol=atol, rtol=0)
+    assert "sessions_evicted" not in engine.stats and engine.num_held == 4
+
+
+def test_sessions_continued_together_share_one_forward_of_uneven_rows():
+    """Four sessions of different lengths continue in the same step with 1 to 5 new tokens each: one padded
+    forward over their slots gives each exactly what a whole prefill gives."""
+    model = tiny_model(6)
+    engine = Engine(model, small_config(max_slots=8))
+    prompts = make_prompts([4, 9, 6, 12], seed=10)
+    firsts = [_turn(engine, p, SamplingParams(n=1, max_new_tokens=2 + i, seed=i, ignore_eos=True), f"a{i}", f"s{i}")
+              for i, p in enumerate(prompts)]
+    seqs = [p + f.token_ids + list(range(30, 30 + extra)) for p, f, extra in zip(prompts, firsts, (1, 5, 3, 2))]
+    steps, prefilled = engine.stats["steps"], engine.stats["prefill_tokens"]
+    for i, seq in enumerate(seqs):
+        engine.add_request(seq, SamplingParams(n=1, max_new_tokens=4, seed=10 + i), request_id=f"b{i}",
+                           sessions=[f"s{i}"])
+    engine.step()  # admits all four: one extension forward, each row's first token
+    assert engine.stats["prefill_tokens"] - prefilled == sum(1 + extra for extra in (1, 5, 3, 2))
+    outs = drain(engine)
+    for i, seq in enumerate(seqs):
+        out = outs[f"b{i}"]
+        assert out.cached_prompt_tokens == len(seq) - (1 + (1, 5, 3, 2)[i])
+        tokens = out.completions[0].token_ids
+        torch.testing.assert_close(torch.tensor(out.completions[0].logprobs), forward_logprobs(model, seq, tokens),
+                                   atol=logprob_tol(model, seq, tokens), rtol=0)
+    assert engine.stats["steps"] > steps
 
 
 def test_sessions_end_outside_the_decode_step_after_a_wake_up():

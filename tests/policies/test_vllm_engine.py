@@ -209,6 +209,8 @@ def test_a_multi_turn_episode_is_vllms_turns_plus_the_environment_tokens_byte_fo
         for t, turn in enumerate(turns):
             prompt = outputs["p0.t0"].prompt_ids if t == 0 else outputs[f"p0.e{i}.t{t}"].prompt_ids
             assert prompt == LONG_PROMPT + expected
+            if t:  # the turn's output says what the prefix cache served: the prompt's first, whole block
+                assert outputs[f"p0.e{i}.t{t}"].cached_prompt_tokens == BLOCK
             expected += turn.token_ids + ([] if t == 2 else [ENV_TOKENS[0] + t, ENV_TOKENS[1]])
         assert episode.token_ids == expected and len(expected) == 3 * 6 + 4
         mask = torch.tensor(episode.loss_mask)

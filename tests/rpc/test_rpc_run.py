@@ -97,6 +97,9 @@ def test_multi_turn_episodes_learn_across_processes_in_every_mode(mode):
     for m in summary.history:  # every episode had both turns, the environment answered in time, no failures
         assert m["env/turns_per_episode"] == 2 and m["env/errors"] == m["env/timeouts"] == 0, m
         assert 0 < m["env/trained_token_share"] < 1, m
+        # the second turn continued its held K/V: of its prompt (3 + a turn of up to 4 tokens + 2 from the
+        # environment), only the last sampled token and the environment's 2 were prefilled
+        assert 0.6 <= m["env/reused_prompt_share"] <= 6 / 9 + 1e-9, m
         if max_lag is not None:
             assert m["training/version_lag/max"] <= max_lag, (mode, m["training/version_lag/max"])
 
