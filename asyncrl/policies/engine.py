@@ -403,15 +403,8 @@ class Engine:
         positions = torch.tensor([s.cached_len for s in samples], dtype=torch.long)
         attend = self._attend_len(int(positions.max()) + 1)
         self.stats["decode_steps"] += 1
-        if self._graphs is None:
-            self.cache.attend_len = attend
-            device = self.model.device
-            hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
-                                decode=True)
-            self._sample_and_append(self.model.logits(hidden[:, 0]), samples, finished)
-            return
-        if self._graphs.bucket(len(samples)) > self.config.max_slots - len(self._held):
-            # the graph's padding rows would write into held sessions' slots: run this step eagerly
+        # eager without graphs, or when a graph's padding rows would write into held sessions' slots
+        if self._graphs is None or self._graphs.bucket(len(samples)) > self.config.max_slots - len(self._held):
             self.cache.attend_len = attend
             device = self.model.device
             hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
