@@ -46,6 +46,8 @@ from typing import Iterable, Literal, Sequence
 import torch
 from torch import Tensor
 
+from asyncrl.policies.decode_graphs import DecodeGraphs
+from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.model import CacheExtension, CausalLM, use_fused_kernels
 from asyncrl.policies.protocol import check_request, run_to_completion
@@ -115,14 +117,6 @@ class _Request:
                                          cached_prompt_tokens=self.cached)
 
 
-@dataclasses.dataclass(eq=False)
-class _Held:
-    """A finished session's K/V, kept in `slot` for positions 0..len(tokens)-2 (the last token has none yet)."""
-
-    slot: int
-    tokens: list[int]
-
-
 class Engine:
     """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume."""
 
@@ -145,7 +139,6 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
         self._running: list[_Sample] = []  # index = KV slot
-        self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()  # LRU first; top slots
         self._lock = threading.RLock()
         self._paused = self._draining = self._asleep = False
         self._ids = itertools.count()
@@ -155,9 +148,10 @@ class Engine:
         if on_cuda and config.fused_kernels:
             self.fused = use_fused_kernels(True, model.device, model.dtype, model=model)
             # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
-        self._graphs = _DecodeGraphs(self) if (on_cuda and config.cuda_graphs) else None
+        self._graphs = DecodeGraphs(model, self.cache, config.max_slots) if (on_cuda and config.cuda_graphs) else None
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
         self.stats = collections.Counter()
+        self._held = HeldSessions(self.cache, config.max_slots, self.stats)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
@@ -242,12 +236,12 @@ class Engine:
             if admitted and longest_next * (len(admitted) + 1) > self.config.max_prefill_tokens:
                 break
             if held is not None:
-                self._to_bottom(held)
-            if not self._make_room(request.params.n, keep=held):
+                self._held.to_bottom(held, len(self._running))
+            if not self._held.make_room(request.params.n, len(self._running), keep=held):
                 break
             self._waiting.popleft()
             if held is not None:
-                request.cached = self._take_held(request.sessions[0], len(self._running))
+                request.cached = self._held.take(request.sessions[0], len(self._running))
             for sample in request.samples:
                 sample.slot = len(self._running)
                 self._running.append(sample)
@@ -294,95 +288,22 @@ class Engine:
         return hidden[torch.arange(len(requests), device=device), last]
 
     # ---------------------------------------------------------------- held sessions
-    def _continued(self, request: _Request) -> _Held | None:
+    def _continued(self, request: _Request) -> Held | None:
         """The held session this request continues: one sample, and its prompt extends the held sequence."""
         if request.sessions is None or request.params.n != 1 or not self.cache.allocated:
             return None
-        held = self._held.get(request.sessions[0])
-        tokens = None if held is None else held.tokens
-        if tokens is None or len(request.prompt_ids) < len(tokens) or request.prompt_ids[:len(tokens)] != tokens:
-            return None
-        return held
-
-    def _free_slots(self) -> int:
-        return self.config.max_slots - len(self._running) - len(self._held)
-
-    def _make_room(self, n: int, keep: _Held | None = None) -> bool:
-        """Drop least recently used held sessions (never `keep`) until n slots are free (a continued session
-        may bring its own slot: when it is the held block's bottom, the running slots can grow into it);
-        False when even that cannot make room."""
-        while True:
-            bottom = self.config.max_slots - len(self._held)
-            own = 1 if keep is not None and keep.slot == bottom else 0
-            if self._free_slots() + own >= n:
-                return True
-            victim = next((name for name, h in self._held.items() if h is not keep), None)
-            if victim is None:
-                return False
-            self._drop_held(victim)
-            self.stats["sessions_evicted"] += 1
-
-    def _drop_held(self, name: str) -> None:
-        """Forget a held session; keep the held block contiguous at the top of the cache."""
-        held = self._held.pop(name)
-        lowest = self.config.max_slots - len(self._held) - 1  # the block's bottom slot before the drop
-        if held.slot != lowest:
-            mover = next(h for h in self._held.values() if h.slot == lowest)
-            if self.cache.allocated:
-                self.cache.copy_slot(lowest, held.slot, len(mover.tokens) - 1)
-            mover.slot = held.slot
-
-    def _to_bottom(self, held: _Held) -> None:
-        """With no free slot, swap `held` with the held block's bottom session, so that it can turn into the
-        next running slot where it is (instead of evicting another session to move into a free one)."""
-        bottom = self.config.max_slots - len(self._held)
-        if held.slot == bottom or self._free_slots() > 0:
-            return
-        other = next(h for h in self._held.values() if h.slot == bottom)
-        self.cache.swap_slots(held.slot, bottom, len(held.tokens) - 1, len(other.tokens) - 1)
-        held.slot, other.slot = bottom, held.slot
-
-    def _take_held(self, name: str, slot: int) -> int:
-        """Move held session `name` into running slot `slot` (a free slot, or its own when it is the block's
-        bottom: `_make_room` saw to that); return how many positions it has cached."""
-        held = self._held[name]
-        cached = len(held.tokens) - 1
-        if held.slot != slot:
-            self.cache.copy_slot(held.slot, slot, cached)
-        if held.slot == slot:  # it was the block's bottom: the block just shrinks
-            del self._held[name]
-        else:
-            self._drop_held(name)
-        return cached
+        return self._held.continued(request.sessions[0], request.prompt_ids)
 
     def _hold(self, sample: _Sample, kv: tuple[Tensor, Tensor] | None = None) -> bool:
-        """Keep a finished session sample's K/V in a slot at the top of the cache: from its running slot
-        into a free one (False when none is free, or the cache is freed), or from `kv`, its copy, once its
-        slot was released (evicting least recently used sessions when it must)."""
-        name = sample.request.sessions[sample.index]
-        if name in self._held:
-            self._drop_held(name)
-        if not self.cache.allocated:
-            return True  # nothing to keep
-        if kv is None and self._free_slots() < 1:
-            return False
-        if kv is not None and not self._make_room(1):
-            return True
-        slot = self.config.max_slots - len(self._held) - 1
-        tokens = sample.request.prompt_ids + sample.completion.token_ids
-        if kv is None:
-            self.cache.copy_slot(sample.slot, slot, len(tokens) - 1)
-        else:
-            self.cache.write_slot(slot, kv)
-        self._held[name] = _Held(slot, tokens)
-        return True
+        """Keep a finished session sample's K/V (see `HeldSessions.hold`)."""
+        return self._held.hold(sample.request.sessions[sample.index],
+                               sample.request.prompt_ids + sample.completion.token_ids, len(self._running),
+                               slot=sample.slot, kv=kv)
 
     def end_sessions(self, names: Iterable[str]) -> None:
         """Free the K/V held for these sessions (unknown names are ignored)."""
         with self._lock:
-            for name in names:
-                if name in self._held:
-                    self._drop_held(name)
+            self._held.end(names)
 
     @property
     def num_held(self) -> int:
@@ -404,7 +325,7 @@ class Engine:
         attend = self._attend_len(int(positions.max()) + 1)
         self.stats["decode_steps"] += 1
         # eager without graphs, or when a graph's padding rows would write into held sessions' slots
-        if self._graphs is None or self._graphs.bucket(len(samples)) > self.config.max_slots - len(self._held):
+        if self._graphs is None or self._graphs.bucket(len(samples)) > self._held.bottom:
             self.cache.attend_len = attend
             device = self.model.device
             hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
@@ -575,80 +496,3 @@ class Engine:
             if self._running:
                 self._recompute_kv()
             self._asleep = False
-
-
-class _DecodeGraphs:
-    """CUDA graphs of the decode step — forward, fp32 logits and the unfiltered sampler — keyed by
-    (batch bucket, attend length).
-
-    Static input buffers are filled before each replay; rows past the real batch decode a dummy token in
-    free slots at position 0, which is harmless (those slots are rewritten at their next prefill).
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        n = engine.config.max_slots
-        device = engine.model.device
-        self.tokens = torch.zeros(n, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, 1, dtype=torch.long, device=device)
-        self.temperature = torch.ones(n, device=device)
-        self.uniforms = torch.zeros(n, device=device)
-        self.buckets = sorted({b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
-                                           448, 512) if b < n} | {n})
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor, Tensor]]] = {}
-        self.pool = None
-
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.pool = None
-
-    def _capture(self, batch: int):
-        # streams and graphs belong to the *current* device, which is per thread: make it the engine's
-        with torch.cuda.device(self.tokens.device):
-            return self._capture_on_device(batch)
-
-    def _capture_on_device(self, batch: int):
-        model, cache = self.engine.model, self.engine.cache
-
-        def run() -> tuple[Tensor, Tensor, Tensor]:
-            hidden = model(self.tokens[:batch], self.positions[:batch], cache=cache, decode=True)
-            logits = model.logits(hidden[:, 0])
-            tokens, logprobs = sample_tokens(logits, self.temperature[:batch], self.uniforms[:batch])
-            return logits, tokens, logprobs
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # warm-up: allocations and compilation outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local capture: in a colocated process the trainer's thread keeps using the GPU (a checkpoint's
-        # device-to-host copies, allocations) while this thread captures; the default global mode turns those
-        # calls into "operation not permitted when stream is capturing" and invalidates the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = run()
-        self.pool = graph.pool()
-        return graph, out
-
-    def bucket(self, n: int) -> int:
-        """The captured batch size that runs n rows."""
-        return next(b for b in self.buckets if b >= n)
-
-    def run(self, tokens: Tensor, positions: Tensor, temperature: Tensor, uniforms: Tensor,
-            attend: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        n = tokens.shape[0]
-        batch = self.bucket(n)
-        self.tokens[:n, 0].copy_(tokens, non_blocking=True)
-        self.positions[:n, 0].copy_(positions, non_blocking=True)
-        self.temperature[:n].copy_(temperature, non_blocking=True)
-        self.uniforms[:n].copy_(uniforms, non_blocking=True)
-        if batch > n:
-            self.tokens[n:batch].zero_()
-            self.positions[n:batch].zero_()
-        key = (batch, attend)
-        self.engine.cache.attend_len = attend
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(batch)
-        graph, (logits, tokens_out, logprobs) = self.graphs[key]
-        graph.replay()
-        return logits[:n], (tokens_out[:n], logprobs[:n])
