@@ -12,7 +12,7 @@ import torch
 from asyncrl.config import GRPO
 from asyncrl.learner import build_learner, linear_logprobs, policy_gradients
 from asyncrl.policies import ARCH_PRESETS, random_model
-from asyncrl.policies.model import DocumentLayout, _varlen_attention
+from asyncrl.policies.attention_layouts import DocumentLayout, _varlen_attention
 from tests.learner_helpers import on_policy, synthetic_groups, trainer_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -19,7 +19,7 @@ from asyncrl.config import GRPO, OffPolicyConfig
 from asyncrl.learner import (build_learner, collate, linear_logprobs, plan_micro_batches, policy_gradients,
                              response_logprobs, split_rows, train_step)
 from asyncrl.learner.forward import row_lengths
-from asyncrl.policies.model import DocumentLayout
+from asyncrl.policies.attention_layouts import DocumentLayout
 from asyncrl.types import Completion
 from tests.learner_helpers import ALGORITHM_CASES, frozen_copy, max_rel_diff, on_policy, synthetic_groups, tiny_policy, trainer_config
 from tests.tolerances import close_tol

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.config import TrainerConfig
-from asyncrl.policies.model import DocumentLayout
+from asyncrl.policies.attention_layouts import DocumentLayout
 
 __all__ = ["MicroBatch", "RowLengths", "split_rows", "plan_micro_batches"]
 

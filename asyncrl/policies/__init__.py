@@ -6,9 +6,8 @@ from asyncrl.policies.loading import (
     ARCH_PRESETS, load_gguf, load_model, load_pretrained, load_tokenizer, named_weights, random_model,
     save_pretrained, smollm2_gguf_path,
 )
-from asyncrl.policies.model import (
-    SUPPORTED_MODEL_TYPES, CausalLM, DocumentLayout, TransformerConfig, packed_attention_mask, token_entropy, token_logprobs,
-)
+from asyncrl.policies.attention_layouts import DocumentLayout, packed_attention_mask
+from asyncrl.policies.model import SUPPORTED_MODEL_TYPES, CausalLM, TransformerConfig, token_entropy, token_logprobs
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
 

@@ -49,7 +49,8 @@ from torch import Tensor
 from asyncrl.policies.decode_graphs import DecodeGraphs
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
-from asyncrl.policies.model import CacheExtension, CausalLM, use_fused_kernels
+from asyncrl.policies.attention_layouts import CacheExtension
+from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
 from asyncrl.types import Completion, GenerationOutput

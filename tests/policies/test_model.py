@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.policies import save_pretrained
-from asyncrl.policies.model import packed_attention_mask, token_entropy, token_logprobs
+from asyncrl.policies.attention_layouts import packed_attention_mask
+from asyncrl.policies.model import token_entropy, token_logprobs
 from tests.policies.helpers import VOCAB, make_prompts, tiny_config, tiny_model
 from tests.tolerances import close_tol, forward_tol
 
