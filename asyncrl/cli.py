@@ -10,12 +10,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import tyro
 
 from asyncrl.presets import PRESETS
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
+
+__all__ = ["main", "run_config"]
 
 
 def _presets_help() -> str:
@@ -23,12 +27,22 @@ def _presets_help() -> str:
     width = max(map(len, PRESETS))
     lines += [f"  {name:{width}s}  {description}" for name, (description, _) in PRESETS.items()]
     lines += ["", "`asyncrl train PRESET --help` lists every field; `algorithm:dapo` (grpo, dr-grpo, gspo, cispo,",
-              "rloo, reinforce-pp, ppo) switches the algorithm."]
+              "rloo, reinforce-pp, ppo) switches the algorithm; flags may come before or after it."]
     return "\n".join(lines)
 
 
-def train_main(args: list[str]) -> None:
+def run_config(preset: str, args: list[str]) -> RunConfig:
+    """The RunConfig of `asyncrl train PRESET ARGS...`: the preset with the flags applied (exits on --help or a
+    bad flag, as tyro does). The run's flags may come before or after `algorithm:NAME`, the algorithm's only
+    after it: tyro.conf.CascadeSubcommandArgs (by default tyro gives the flags after a subcommand to that
+    subcommand alone, so `algorithm:dapo --wandb off` was refused)."""
     from asyncrl.config import RunConfig
+    description, default = PRESETS[preset]
+    return tyro.cli(RunConfig, default=default, args=args, prog=f"asyncrl train {preset}", description=description,
+                    config=(tyro.conf.CascadeSubcommandArgs,))
+
+
+def train_main(args: list[str]) -> None:
     from asyncrl.run import train
     if not args or args[0] in ("-h", "--help"):
         print(_presets_help())
@@ -36,9 +50,7 @@ def train_main(args: list[str]) -> None:
     if args[0] not in PRESETS:
         raise SystemExit(f"asyncrl train: unknown preset {args[0]!r}; choose one of {', '.join(PRESETS)}\n\n"
                          + _presets_help())
-    description, default = PRESETS[args[0]]
-    config = tyro.cli(RunConfig, default=default, args=args[1:], prog=f"asyncrl train {args[0]}",
-                      description=description)
+    config = run_config(args[0], args[1:])
     import logging
     from asyncrl.console import phase
     from asyncrl.preflight import preflight
