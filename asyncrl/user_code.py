@@ -5,7 +5,9 @@
 Every failure is one ValueError naming the flag, the spec, what is wrong and the fix: no `:NAME`, no such file
 or module, the import raises (type, message and file:line), no such name (the module's callables are listed,
 with the closest as a suggestion), or not callable. A file is imported under a name unique to its path, with
-its directory on sys.path so that it may import its siblings.
+its directory appended to sys.path so that it may import its siblings (`import helpers` beside `reward.py`).
+Appended, not prepended: a plug-in folder holding a `types.py` or `queue.py` must not shadow the standard
+library or an installed package for the whole process; a sibling named like one of those is found after them.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class _Loader:
             raise self.problem(f"{path} cannot be imported as Python; give a .py file")
         module = importlib.util.module_from_spec(module_spec)
         if str(path.parent) not in sys.path:
-            sys.path.insert(0, str(path.parent))
+            sys.path.append(str(path.parent))  # last: never ahead of the standard library (see the docstring)
         sys.modules[module_name] = module  # before running it: dataclasses and pickle look the module up
         try:
             module_spec.loader.exec_module(module)
