@@ -34,7 +34,7 @@ from tests.learner_helpers import (
     ALGORITHM_CASES, VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
     tiny_policy, trainer_config, weights,
 )
-from tests.tolerances import close_tol, forward_tol
+from tests.tolerances import FORWARD_DEPTH, close_tol, forward_tol
 
 NAN = float("nan")
 GRAD_TOL = 1e-9  # float64 model: observed ~1e-15; the issue asks for <= 1e-6 relative to the gradient's scale
@@ -700,6 +700,119 @@ def test_train_step_advances_the_schedule_once_per_optimizer_step():
     state = build_learner(policy, cfg, GRPO())
     _, metrics = train_step(state, on_policy(policy, synthetic_groups(2, 2, seed=0)))
     assert state.optimizer_steps == 2 and metrics["actor/lr"] == pytest.approx(0.01 * 3 / 5)
+
+
+# ===================================================== 11. memory options on the CPU: checkpointing, bf16 weights
+def _count_forwards(policy) -> dict[str, int]:
+    """Runs of every decoder layer's attention and MLP blocks, a recomputation in the backward pass included
+    (counted by wrapping `forward`: torch's checkpoint recomputes without calling forward hooks)."""
+    calls = {"self_attn": 0, "mlp": 0}
+
+    def counting(block: str, forward):
+        def run(*args, **kwargs):
+            calls[block] += 1
+            return forward(*args, **kwargs)
+        return run
+
+    for layer in policy.model.layers:
+        for block in calls:
+            module = getattr(layer, block)
+            module.forward = counting(block, module.forward)
+    return calls
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("scope", ["mlp", "layer"])
+def test_checkpointing_recomputes_its_scope_and_leaves_loss_and_gradients_unchanged(scope, packed):
+    """`--trainer.gradient-checkpointing` with `--trainer.checkpoint-scope mlp` (the default scope) or `layer`
+    recomputes those blocks in the backward pass and changes nothing else: in float64 the gradient, the loss
+    and the updated weights equal those of no checkpointing to round-off (GRAD_TOL)."""
+    policy = tiny_policy(0).double()
+    groups = _ragged_groups(policy)
+    layout = dict(use_dynamic_bsz=True, max_tokens_per_micro_batch=40, pack_sequences=packed)
+    results = {}
+    for checkpointing in (False, True):
+        model = copy.deepcopy(policy)
+        calls = _count_forwards(model)
+        cfg = trainer_config(gradient_checkpointing=checkpointing, checkpoint_scope=scope, **layout)
+        grads = _grads(GRPO(), groups, policy=model, **layout, gradient_checkpointing=checkpointing,
+                       checkpoint_scope=scope)
+        counted = dict(calls)
+        state, metrics = train_step(build_learner(model, cfg, GRPO()), groups)
+        results[checkpointing] = grads, metrics, weights(state.policy), counted
+    (plain, plain_m, plain_w, plain_calls), (ckpt, ckpt_m, ckpt_w, ckpt_calls) = results[False], results[True]
+    # the scope is what is recomputed: each block ran once more per micro-batch in the backward pass
+    assert plain_calls["mlp"] == plain_calls["self_attn"] > 0
+    assert ckpt_calls["mlp"] == 2 * plain_calls["mlp"]
+    assert ckpt_calls["self_attn"] == (2 if scope == "layer" else 1) * plain_calls["self_attn"]
+    assert max_rel_diff(plain, ckpt) <= GRAD_TOL
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert ckpt_m[name] == pytest.approx(plain_m[name], rel=GRAD_TOL, abs=GRAD_TOL), name
+    assert max_rel_diff(plain_w, ckpt_w) <= GRAD_TOL
+
+
+def _rel_l2(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    """|got − want| / |want| over all tensors together, in float64."""
+    num = sum(float((got[k].double() - want[k].double()).norm() ** 2) for k in want) ** 0.5
+    den = sum(float(want[k].double().norm() ** 2) for k in want) ** 0.5
+    assert den > 0, "the reference is zero: the comparison would be vacuous"
+    return num / den
+
+
+def _step_delta(model, groups: list[Group], lr: float) -> dict[str, torch.Tensor]:
+    """The change of every weight in one train_step (float64)."""
+    before = {k: v.double() for k, v in weights(model).items()}
+    state, metrics = train_step(build_learner(model, trainer_config(lr=lr), GRPO()), groups)
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/skipped_updates"] == 0
+    return {k: v.double() - before[k] for k, v in weights(state.policy).items()}
+
+
+def _bf16_rounding_noise(start: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> float:
+    """The relative L2 error that storing `start + delta` in bf16 gives `delta`: each weight w is rounded to a
+    grid of spacing ulp(w) = 2^floor(log2|w|)·eps, an error uniform in ±ulp/2 (rms ulp/√12)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    squares, size = 0.0, 0.0
+    for k, d in delta.items():
+        new = (start[k].double() + d).abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        squares += float(((2.0 ** torch.floor(torch.log2(new)) * eps) ** 2 / 12).sum())
+        size += float((d ** 2).sum())
+    return (squares / size) ** 0.5
+
+
+def test_bf16_weights_give_the_exact_gradient_to_bf16_accuracy_and_a_step_along_the_fp32_one():
+    """`--trainer.param-dtype bfloat16` on the CPU (what the learner gets is a bf16 model). Against the same
+    weights in float64 (the bf16 values, exactly), the gradient agrees to bf16 accuracy: relative L2 distance
+    ≤ close_tol(bfloat16, 1, depth=FORWARD_DEPTH) = 4·4·eps = 0.125. CPU bf16 matmuls accumulate in fp32, so
+    each op rounds its output once (terms=1); measured 0.014-0.016 (seeds 0-2). A wrong gradient (a dropped
+    term, a wrong normalisation, a lost micro-batch) moves it by O(1), hence a ceiling above the element-wise
+    default of 1e-2. The learner's log-probs stay fp32, and a step keeps the weights bf16."""
+    exact_model = tiny_policy(0).to(torch.bfloat16).double()  # bf16 values, float64 arithmetic
+    groups = _ragged_groups(exact_model)
+    exact = _grads(GRPO(), groups, policy=copy.deepcopy(exact_model))
+    got = _grads(GRPO(), groups, policy=copy.deepcopy(exact_model).to(torch.bfloat16))
+    assert all(g.dtype == torch.bfloat16 for g in got.values()) and got.keys() == exact.keys()
+    assert _rel_l2(exact, got) <= close_tol(torch.bfloat16, 1.0, depth=FORWARD_DEPTH, ceiling=0.5)
+    bf16 = copy.deepcopy(exact_model).to(torch.bfloat16)
+    batch = collate(groups)
+    logp, _ = response_logprobs(bf16, batch, torch.arange(batch.num_rows))
+    assert logp.dtype == torch.float32
+    # one step at the learner tests' lr (1e-3): the weights stay bf16 and move as the fp32 step from the same
+    # weights, up to rounding the new weights to bf16 (measured 0.17-0.18 of the step, expected 0.19; ×2 margin)
+    delta = _step_delta(bf16, groups, lr=1e-3)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    want = _step_delta(copy.deepcopy(exact_model).float(), groups, lr=1e-3)
+    assert _rel_l2(want, delta) <= 2 * _bf16_rounding_noise(weights(exact_model), want)
+
+
+@pytest.mark.xfail(strict=True, reason="bf16 weights lose updates smaller than half their bf16 spacing: at the "
+                   "default --optim.lr 1e-6 a step moves <1% of the weights (cosine 0.07 with the fp32 step); needs "
+                   "fp32 master weights, stochastic rounding or compensated (Kahan) updates in the optimizer")
+def test_bf16_weights_apply_a_step_at_the_default_learning_rate():
+    start = tiny_policy(0).to(torch.bfloat16)
+    groups = _ragged_groups(copy.deepcopy(start).double())
+    lr = OptimConfig().lr
+    want = _step_delta(copy.deepcopy(start).float(), groups, lr=lr)
+    assert _rel_l2(want, _step_delta(copy.deepcopy(start), groups, lr=lr)) < 0.25
 
 
 # ========================================================================= 12. DAPO end to end, with the engine
