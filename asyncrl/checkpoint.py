@@ -7,11 +7,20 @@ resumed run neither loses nor repeats a prompt.
     export_hf(state, "out/policy", tokenizer=tok)     # or export_hf("run/checkpoints/step_00000012", ...)
 
 Layout: `run_dir/checkpoints/step_{step:08d}/` holding `learner.pt` (weights, optimizer, schedule,
-counters, model config, RNG), `extra.json` and `meta.json`.
+counters, model config, RNG), `extra.json`, `meta.json` and `run_config.json` (a copy of the run's
+`run_dir/config.json`, with its data fingerprint, when the run wrote one: what a resume compares against).
 
-A save never leaves a half checkpoint: the files go to `step_….tmp/`, which is renamed once complete and
-removed if anything fails (as are `.tmp` leftovers of a crashed earlier save). A save that cannot fit on
-the disk raises `CheckpointError` before writing, or after the failed write, naming the bytes needed and free.
+A save never leaves a half checkpoint: the files go to `step_….tmp/`, are fsynced, the directory is renamed
+once complete and `checkpoints/` is fsynced after the rename, so a power loss leaves the old or the new
+checkpoint, never a name pointing at missing data. A failed save removes its `.tmp` (as the next save removes
+`.tmp` leftovers of a crashed one). A save that cannot fit on the disk raises `CheckpointError` before
+writing, or after the failed write, naming the bytes needed and free. Re-saving a step renames the old copy
+to `step_N.old` until the new one is in; what an interrupted save leaves, and a checkpoint that does not load,
+are settled at the next resume (`asyncrl.checkpoint_repair`). Pruning to `keep_last` never deletes the
+checkpoint just written.
+
+Loading puts this run's optimizer settings on the restored optimizer (`apply_optim_config`): a resume with
+another `--trainer.optim.lr`, weight decay, betas, eps or schedule trains with them, from the restored step.
 
 `learner.pt` holds only tensors and plain Python values (the model config as a dict, the RNG states as
 tensors and ints), so it loads with `torch.load(weights_only=True)`, which unpickles no arbitrary objects;
@@ -44,14 +53,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from asyncrl.learner import LearnerState
+from asyncrl.learner.state import apply_optim_config
 from asyncrl.policies.loading import save_pretrained
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
-           "list_checkpoints", "export_hf"]
+           "list_checkpoints", "export_hf", "fsync_dir", "RUN_CONFIG"]
 
 _COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
 _MARGIN_BYTES = 16 * 2**20  # zip headers, pickled structure, meta.json: a few KB; the rest is slack
 _MARGIN_FRACTION = 0.02
+_STEP_DIR = re.compile(r"step_\d+")  # step_00000012; not step_….tmp / .old / .corrupt
+RUN_CONFIG = "run_config.json"
+"""The copy of `run_dir/config.json` a checkpoint holds: the config (and data fingerprint) it was trained under."""
 
 
 class CheckpointError(OSError):
@@ -218,8 +231,9 @@ def _free_if_disk_full(exc: BaseException, root: pathlib.Path, tmp: pathlib.Path
 
 # ------------------------------------------------------------------------------------ writing
 def list_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The run's published checkpoints, oldest first (not the `.tmp`, `.old` or `.corrupt` directories)."""
     root = pathlib.Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith((".tmp", ".old"))) \
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)) \
         if root.is_dir() else []
 
 
@@ -235,28 +249,46 @@ def _remove_stale_tmp(root: pathlib.Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str | pathlib.Path) -> None:
+    """Flush a directory's entries (names created, renamed or removed in it) to disk: without it, a power loss
+    after a rename can leave the old name, or no name at all."""
+    _fsync(pathlib.Path(directory))
+
+
 def _sync(directory: pathlib.Path) -> None:
     """Flush the files of `directory` and the directory itself to disk, so a rename publishes full files."""
     for path in [*sorted(p for p in directory.iterdir() if p.is_file()), directory]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
 
 
-def _write_files(tmp: pathlib.Path, payload: dict, extra_text: str, meta: dict) -> None:
+def _write_files(tmp: pathlib.Path, payload: dict, extra_text: str, meta: dict, run_config: str | None) -> None:
+    created = not tmp.parent.is_dir()
     tmp.mkdir(parents=True)
+    if created:  # checkpoints/ itself is a new name in the run directory
+        fsync_dir(tmp.parent.parent)
     torch.save(payload, tmp / "learner.pt")
     (tmp / "extra.json").write_text(extra_text, encoding="utf-8")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    if run_config is not None:
+        (tmp / RUN_CONFIG).write_text(run_config, encoding="utf-8")
     _sync(tmp)
 
 
 def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """Rename the finished `tmp` to `final`; a step saved before is replaced only once the new copy is in."""
+    """Rename the finished `tmp` to `final` and fsync `checkpoints/`; a step saved before is replaced only
+    once the new copy is in (until then it is `final`.old, which a resume restores if this is interrupted)."""
+    root = final.parent
     if not final.exists():
         tmp.rename(final)
+        fsync_dir(root)
         return
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -266,10 +298,12 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
     except BaseException:
         old.rename(final)
         raise
+    fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta: dict) -> None:
+def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta: dict,
+                      run_config: str | None = None) -> None:
     """Write into `final`.tmp and rename; on any failure remove the `.tmp` and re-raise (a full disk as
     `CheckpointError`: ENOSPC in the exception chain, or too little free space left for the rest)."""
     root, tmp = final.parent, final.with_name(final.name + ".tmp")
@@ -280,7 +314,7 @@ def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta:
     if free < needed:
         raise _no_space(final, needed, free)
     try:
-        _write_files(tmp, payload, extra_text, meta)
+        _write_files(tmp, payload, extra_text, meta, run_config)
         _publish(tmp, final)
     except BaseException as exc:
         free = _free_if_disk_full(exc, root, tmp, needed)
@@ -290,11 +324,24 @@ def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta:
         raise
 
 
+def _prune(run_dir: str | pathlib.Path, final: pathlib.Path, keep_last: int) -> None:
+    """Keep `final` (the checkpoint just written) and the newest `keep_last` − 1 others; delete the rest."""
+    others = [p for p in list_checkpoints(run_dir) if p != final]
+    for old in others[:max(len(others) - (keep_last - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _run_config_text(run_dir: str | pathlib.Path) -> str | None:
+    path = pathlib.Path(run_dir) / "config.json"
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
 def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dict | None = None, *,
                     keep_last: int = 3) -> pathlib.Path:
-    """Write a checkpoint of `state` (+ `extra`, JSON data) and keep only the newest `keep_last`. Call it on
-    every rank of the trainer group; rank 0 writes. Raises TypeError naming the first part of `extra` that
-    is not JSON data, `CheckpointError` when the disk is full; nothing is left behind on failure."""
+    """Write a checkpoint of `state` (+ `extra`, JSON data, + a copy of `run_dir/config.json` when there is
+    one) and keep it and the newest `keep_last` − 1 others. Call it on every rank of the trainer group; rank
+    0 writes. Raises TypeError naming the first part of `extra` that is not JSON data, `CheckpointError` when
+    the disk is full; nothing is left behind on failure."""
     if keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last must be >= 1, got {keep_last}")
     extra_text = _extra_json(extra or {})
@@ -303,9 +350,8 @@ def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dic
     if _is_writer(state):
         meta = {"step": state.step, "version": state.version, "time": time.time(),
                 "algorithm": type(state.algorithm).__name__}
-        _write_checkpoint(final, _learner_payload(state, gathered), extra_text, meta)
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        _write_checkpoint(final, _learner_payload(state, gathered), extra_text, meta, _run_config_text(run_dir))
+        _prune(run_dir, final, keep_last)
     if _distributed(state):
         dist.barrier(group=state.group)
     return final
@@ -346,7 +392,8 @@ def _load_extra(path: pathlib.Path) -> dict:
 
 def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
     """Restore `state` in place from a checkpoint directory; return the run's `extra` as parsed JSON (the
-    dict given to `save_checkpoint`, with tuples as lists)."""
+    dict given to `save_checkpoint`, with tuples as lists). The optimizers keep their moments but take this
+    state's settings (lr, betas, eps, weight decay, schedule at the restored step: `apply_optim_config`)."""
     path = pathlib.Path(path)
     saved = _load_learner_file(path, "load_checkpoint")
     extra = _load_extra(path)
@@ -362,6 +409,7 @@ def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
         state.critic_scheduler.load_state_dict(saved["critic_scheduler"])
     for key, value in saved["counters"].items():
         setattr(state, key, value)
+    apply_optim_config(state)
     _set_rng_state(saved["rng"])
     return extra
 

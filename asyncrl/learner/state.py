@@ -15,7 +15,7 @@ from asyncrl.learner.sharding import shard_model
 from asyncrl.policies.model import use_fused_kernels
 from asyncrl.policies.value import ValueModel
 
-__all__ = ["LearnerState", "build_learner", "make_scheduler"]
+__all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config"]
 
 
 @dataclasses.dataclass
@@ -56,6 +56,32 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_sche
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _set_optim(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg,
+               lr: float) -> None:
+    """Put `cfg`'s AdamW settings and peak `lr` on every parameter group, and the lr its schedule gives at the
+    scheduler's (restored) step."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=lr, lr=lr * factor(scheduler.last_epoch), betas=tuple(cfg.betas), eps=cfg.eps,
+                     weight_decay=cfg.weight_decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def apply_optim_config(state: LearnerState) -> None:
+    """After a checkpoint's optimizer and schedule states were loaded into `state`: its optimizers keep their
+    moments and step counts but take this state's configured lr, betas, eps and weight decay
+    (`state.config.optim`; the critic's lr from `state.algorithm.critic`), the lr being the one this run's
+    schedule (warmup, constant or cosine, total steps) gives at the restored step; a fixed KL-in-reward β
+    (`kl_in_reward_coef` > 0 without `kl_target`) is the configured one (an adaptive β is the controller's
+    state and stays restored). Unchanged settings give exactly the values that were saved."""
+    optim = state.config.optim
+    _set_optim(state.optimizer, state.scheduler, optim, optim.lr)
+    if state.critic_optimizer is not None and state.critic_scheduler is not None:
+        _set_optim(state.critic_optimizer, state.critic_scheduler, optim, state.algorithm.critic.lr)
+    if state.algorithm.kl_target is None and state.algorithm.kl_in_reward_coef > 0:
+        state.kl_coef = state.algorithm.kl_in_reward_coef
 
 
 def _adamw(model: nn.Module, lr: float, config: TrainerConfig) -> torch.optim.AdamW:

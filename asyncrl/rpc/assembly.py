@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.algos.staleness import verl_max_required_samples
-from asyncrl.checkpoint import latest_checkpoint
+from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
 from asyncrl.learner import LearnerState, build_learner, shard_model
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.rpc.queue import SampleQueue
@@ -69,14 +69,21 @@ def build_engine(spec: RunSpec, agent: AgentSpec, slot: int, name: str) -> Rollo
 
 
 # -------------------------------------------------------------------------------------------- resume
-def resume_checkpoint(spec: RunSpec) -> pathlib.Path | None:
+def resume_checkpoint(spec: RunSpec, *, repair: bool = True) -> pathlib.Path | None:
     """The checkpoint this run resumes from, or None for a fresh start. Checked before any process starts:
-    `resume` on a run directory without a checkpoint is an error unless `resume_or_start`."""
+    `resume` on a run directory without a checkpoint is an error unless `resume_or_start`. It is the newest
+    checkpoint that verifies, after the leftovers of an interrupted save are settled (`repair`; without it
+    nothing on disk changes and the path may be a `step_N.old` a repair would restore): see
+    `asyncrl.checkpoint_repair`. A newer checkpoint that does not verify is moved aside, logged in one line."""
     if not (spec.resume or spec.resume_or_start):
         return None
+    flag = "--resume" if spec.resume else "--resume-or-start"
     if spec.run_dir is None:
-        raise ValueError("--resume needs --run-dir: the directory whose checkpoints/ to resume from")
-    path = latest_checkpoint(spec.run_dir)
+        raise ValueError(f"{flag} needs --run-dir: the directory whose checkpoints/ to resume from")
+    try:
+        path = choose_checkpoint(spec.run_dir, repair=repair).path
+    except ChooseError as err:
+        raise ValueError(f"{flag}: {err}; start a new run with --overwrite or another --run-dir") from None
     if path is None and not spec.resume_or_start:
         raise ValueError(f"--resume: {pathlib.Path(spec.run_dir) / 'checkpoints'} holds no checkpoint; drop --resume "
                          "to start a new run there, or pass --resume-or-start to resume when one exists")
