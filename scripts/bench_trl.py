@@ -17,7 +17,9 @@ over all processes) and `completions/mean_length` (gathered over all processes).
 
 (torchrun takes `--n` for an abbreviation of its own options, hence `--num-generations` there.)
 
-Needs `trl` (not a project dependency). TRL-specific choices are commented where the config is built.
+Needs `trl` (not an asyncrl dependency, so this is a script outside the test suite: without TRL it stops at
+once, saying how to install it). TRL-specific choices are commented where the config is built;
+tests/test_bench_trl.py checks what needs no TRL (arguments, batch geometry, prompts, reward, summary).
 """
 
 from __future__ import annotations
@@ -64,6 +66,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps <= args.warmup_steps_excluded:
         p.error("--steps must exceed --warmup-steps-excluded")
     return args
+
+
+def require_trl() -> None:
+    """Stop with the fix when TRL (or the `datasets` it brings) is not installed."""
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(f"scripts/bench_trl.py needs TRL, which asyncrl does not depend on ({err}); install it "
+                         f"into this environment: {sys.executable} -m pip install trl") from None
+
+
+def step_geometry(args: argparse.Namespace, world: int) -> tuple[int, int, int]:
+    """(completions per optimizer step, completions per micro-batch and process, micro-batches per step): the
+    step's prompts-per-step × n completions split evenly over `world` processes and whole micro-batches."""
+    completions_per_step = args.prompts_per_step * args.n
+    if completions_per_step % world:
+        raise SystemExit(f"prompts-per-step × n = {completions_per_step} is not divisible by {world} processes")
+    per_process = completions_per_step // world
+    micro = min(args.per_device_batch_size, per_process)
+    if per_process % micro:
+        raise SystemExit(f"{per_process} completions per process are not divisible by micro-batch {micro}")
+    return completions_per_step, micro, per_process // micro
 
 
 def load_prompts(path: str, tokenizer, max_prompt_length: int) -> list[dict]:
@@ -194,19 +219,12 @@ def _summary(args: argparse.Namespace, timer, world: int, completions_per_step: 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    completions_per_step, micro, accumulation = step_geometry(args, world)
+    require_trl()
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOTrainer
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    completions_per_step = args.prompts_per_step * args.n
-    if completions_per_step % world:
-        raise SystemExit(f"prompts-per-step × n = {completions_per_step} is not divisible by {world} processes")
-    per_process = completions_per_step // world
-    micro = min(args.per_device_batch_size, per_process)
-    if per_process % micro:
-        raise SystemExit(f"{per_process} completions per process are not divisible by micro-batch {micro}")
-    accumulation = per_process // micro
 
     if torch.cuda.is_available():
         # on torch 2.11 (H200), TRL's masked, left-padded batches got NaN gradients from the cuDNN SDPA backward

@@ -1,56 +1,118 @@
-"""scripts/bench_trl.py: a 2-step TRL GRPO run of a tiny random Llama on GSM8K writes its JSON summary.
-Skipped where TRL is not installed (it is not a project dependency)."""
+"""scripts/bench_trl.py without TRL: TRL is not an asyncrl dependency, so the TRL run itself is a script outside
+the suite (its docstring gives the smoke command). Checked here: the arguments, the batch geometry and its
+refusals, the prompts and the reward TRL is given, the per-step timer, the JSON summary's arithmetic (with a
+stand-in `trl` module for its version), and the refusal, with the fix, when TRL is missing."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import statistics
 import sys
+import types
 
 import pytest
 
-from tests.run_helpers import ROOT
+from scripts import bench_trl
 
-pytest.importorskip("trl")
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A random 2-layer Llama with SmolLM2's tokenizer (and chat template), saved as an HF directory."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from asyncrl.policies.loading import smollm2_gguf_path
-
-    gguf = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+SMOKE = ["--model", "m", "--data", "d.jsonl", "--steps", "3", "--prompts-per-step", "2", "--n", "2"]
 
 
-@pytest.mark.slow
-def test_bench_trl_smoke(tiny_model_dir, gsm8k_test_file, tmp_path):
-    target = tmp_path / "trl.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_trl.py"), "--model", str(tiny_model_dir),
-           "--data", str(gsm8k_test_file), "--steps", "2", "--prompts-per-step", "2", "--n", "2",
-           "--max-completion-length", "16", "--out", str(target)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(target.read_text())
-    assert result["tool"] == "trl" and result["world_size"] == 1 and result["device"] == "cpu"
-    assert len(result["steps"]) == 2 and result["time_per_step_s"] == result["steps"][1] > 0
-    assert result["config"]["completions_per_step"] == 4 and result["config"]["gradient_accumulation_steps"] == 1
-    for length, tokens, total in zip(result["mean_completion_length"], result["completion_tokens"],
-                                     result["total_tokens"]):
-        assert 0 < length <= 16 and tokens == round(4 * length) and total > tokens
-    assert result["completion_tokens_per_s"] > 0 and result["total_tokens_per_s"] > result["completion_tokens_per_s"]
-    assert all(0.0 <= r <= 1.0 for r in result["reward_mean"])
-    assert "s/step" in out.stdout
+class WordTokenizer:
+    """What load_prompts uses of an HF tokenizer: a chat template and token counts (one token per word)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": text.split()}
+
+
+def test_arguments_and_their_refusals():
+    args = bench_trl.parse_args(SMOKE + ["--num-generations", "4"])  # torchrun's spelling of --n
+    assert args.n == 4 and args.steps == 3 and args.warmup_steps_excluded == 1 and not args.bf16
+    with pytest.raises(SystemExit) as exit_:
+        bench_trl.parse_args(SMOKE + ["--steps", "1"])  # nothing left to time after the excluded warm-up step
+    assert exit_.value.code == 2
+
+
+def test_a_step_is_one_generation_round_split_evenly_over_processes_and_micro_batches():
+    args = bench_trl.parse_args(["--model", "m", "--data", "d", "--prompts-per-step", "32", "--n", "8",
+                                 "--per-device-batch-size", "8"])
+    assert bench_trl.step_geometry(args, world=1) == (256, 8, 32)  # 32 × 8 = 256 = 8 per micro-batch × 32
+    assert bench_trl.step_geometry(args, world=2) == (256, 8, 16)  # 128 per process
+    small = bench_trl.parse_args(SMOKE + ["--per-device-batch-size", "8"])
+    assert bench_trl.step_geometry(small, world=1) == (4, 4, 1)  # the micro-batch is capped at the step's share
+    with pytest.raises(SystemExit, match="= 4 is not divisible by 3 processes"):
+        bench_trl.step_geometry(small, world=3)
+    odd = bench_trl.parse_args(SMOKE + ["--prompts-per-step", "3", "--per-device-batch-size", "4"])
+    with pytest.raises(SystemExit, match="6 completions per process are not divisible by micro-batch 4"):
+        bench_trl.step_geometry(odd, world=1)
+
+
+def test_prompts_are_phrased_as_convert_gsm8k_and_long_ones_are_dropped(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "Add 2 and 3.", "answer": "2+3=5\n#### 5"},
+            {"question": "word " * 50 + "?", "answer": "#### 1,000"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    [kept] = bench_trl.load_prompts(str(data), WordTokenizer(), max_prompt_length=40)
+    assert kept == {"prompt": [{"role": "user", "content": f"Add 2 and 3. {bench_trl.GSM8K_INSTRUCTION}"}],
+                    "ground_truth": "5"}
+    both = bench_trl.load_prompts(str(data), WordTokenizer(), max_prompt_length=100)
+    assert [r["ground_truth"] for r in both] == ["5", "1000"]
+    with pytest.raises(SystemExit, match="no prompt fits in 3 tokens"):
+        bench_trl.load_prompts(str(data), WordTokenizer(), max_prompt_length=3)
+
+
+def test_the_reward_scores_conversational_and_plain_completions():
+    completions = [[{"role": "assistant", "content": "2+3=5 #### 5"}], "#### 4", "The answer is 5"]
+    assert bench_trl.gsm8k(completions, ["5", "5", "5"], prompts=None) == [1.0, 0.0, 0.0]
+
+
+class _State:
+    def __init__(self, tokens: int):
+        self.num_input_tokens_seen = tokens
+
+
+def test_the_step_timer_times_each_step_and_keeps_trls_completion_logs():
+    timer = bench_trl._step_timer()
+    timer.on_step_begin(None, _State(10), None)
+    timer._gen += 0.25  # what the wrapped generate adds within the step
+    timer.on_step_end(None, _State(50), None)
+    timer.on_log(None, None, None, logs={"loss": 0.1})  # a log without completions is not a step's log
+    timer.on_log(None, None, None, logs={"completions/mean_length": 6.0, "reward": 0.5})
+    assert len(timer.seconds) == 1 and timer.seconds[0] >= 0
+    assert timer.total_tokens == [40] and timer.generate_s == [0.25]
+    assert timer.logs == [{"completions/mean_length": 6.0, "reward": 0.5}]
+
+
+def test_the_summary_medians_and_rates_leave_out_the_warmup_step(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(__version__="0.0-stand-in"))
+    args = bench_trl.parse_args(SMOKE + ["--out", "x.json"])
+    timer = types.SimpleNamespace(
+        seconds=[3.0, 1.0, 2.0], total_tokens=[100, 120, 90], generate_s=[2.0, 0.5, 1.0],
+        logs=[{"completions/mean_length": m, "reward": r, "grad_norm": 1.0} for m, r in ((8.0, 0.0), (6.0, 0.5),
+                                                                                            (4.0, 1.0))])
+    result = bench_trl._summary(args, timer, world=1, completions_per_step=4, prompts=7, micro=4, accumulation=1)
+    assert result["tool"] == "trl" and result["trl_version"] == "0.0-stand-in" and result["world_size"] == 1
+    assert result["time_per_step_s"] == statistics.median([1.0, 2.0]) == 1.5  # step 0 is the warm-up
+    assert result["completion_tokens"] == [32, 24, 16]  # mean length × 4 completions
+    assert result["completion_tokens_per_s"] == pytest.approx((24 + 16) / (1.0 + 2.0))
+    assert result["total_tokens_per_s"] == pytest.approx((120 + 90) / (1.0 + 2.0))
+    assert result["reward_mean"] == [0.0, 0.5, 1.0] and result["grad_norm"] == [1.0, 1.0, 1.0]
+    config = result["config"]
+    assert "out" not in config and config["completions_per_step"] == 4 and config["prompts_in_dataset"] == 7
+    assert config["loss_type"] == "dapo" and config["gradient_accumulation_steps"] == 1
+    out = capsys.readouterr().out
+    assert "1.50 s/step (median of 2)" in out and "mean reward 0.750" in out
+
+
+def test_without_trl_the_script_stops_at_once_saying_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` fails, whether or not TRL is installed
+    with pytest.raises(SystemExit) as exit_:
+        bench_trl.main(SMOKE)
+    assert "scripts/bench_trl.py needs TRL" in str(exit_.value.code)
+    assert f"{sys.executable} -m pip install trl" in str(exit_.value.code)
+    # the batch geometry is refused first, without TRL
+    with pytest.raises(SystemExit, match="not divisible by micro-batch"):
+        bench_trl.main(SMOKE + ["--prompts-per-step", "3", "--per-device-batch-size", "4"])
