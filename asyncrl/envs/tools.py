@@ -16,24 +16,26 @@ about them the way it was trained. Two call formats are read:
 A malformed call (bad JSON, no name, arguments that are not an object, an unknown tool, wrong arguments, a
 tool that raises) becomes an error message the model reads as the tool's answer and is counted in
 `tool_errors`; it never ends the run. A turn without calls ends the episode: it is the final answer, scored
-by the data source's reward function.
+by the data source's reward function. Hostile text is answered too, never raised: JSON nested past Python's
+recursion limit or holding a 5000-digit number is a malformed call, and an error message quotes at most 200
+characters of what the model wrote.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
-import operator
 import re
 from typing import Any, Callable, ClassVar, Sequence
 
 from asyncrl.envs.protocol import StepResult, Turn
+from asyncrl.rewards.bounded_arithmetic import evaluate_arithmetic
 from asyncrl.types import Prompt
 
 __all__ = ["ToolCall", "parse_tool_calls", "tool_schemas", "ToolEnv", "calculator"]
 
 _TAGGED = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_QUOTE_CHARS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +44,38 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
+def _short(text: str) -> str:
+    """`text` cut to _QUOTE_CHARS characters, for an error message the model reads."""
+    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
+
+
+def _json(text: str, what: str) -> Any:
+    """json.loads, with every failure (bad syntax, nesting past the recursion limit, a number of more digits
+    than int() takes) as one ValueError naming `what`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} is not valid JSON ({err.msg} at character {err.pos})") from None
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply to be read") from None
+    except ValueError as err:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ValueError(f"{what} cannot be read: {_short(str(err))}") from None
+
+
 def _call_from_json(text: str) -> ToolCall:
     """One call from its JSON text; ValueError saying what is wrong."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"the tool call is not valid JSON ({err.msg} at character {err.pos})") from None
+    raw = _json(text, "the tool call")
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise ValueError('a tool call must be a JSON object with a "name" string')
+    name = _short(raw["name"])
     arguments = raw.get("arguments", raw.get("parameters", {}))
     if isinstance(arguments, str):  # some templates carry the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ValueError(f'the "arguments" of {raw["name"]!r} are not a JSON object') from None
+            arguments = _json(arguments, "the arguments")
+        except ValueError:
+            raise ValueError(f'the "arguments" of {name!r} are not a JSON object') from None
     if not isinstance(arguments, dict):
-        raise ValueError(f'the "arguments" of {raw["name"]!r} must be a JSON object')
+        raise ValueError(f'the "arguments" of {name!r} must be a JSON object')
     return ToolCall(raw["name"], arguments)
 
 
@@ -117,31 +135,13 @@ class ToolEnv:
         """(what the tool answered or why it failed, whether it succeeded)."""
         tool = self._by_name.get(call.name)
         if tool is None:
-            return f"error: no tool named {call.name!r}; the tools are {sorted(self._by_name)}", False
+            return f"error: no tool named {_short(call.name)!r}; the tools are {sorted(self._by_name)}", False
         try:
             return str(tool(**call.arguments)), True
-        except TypeError as err:
-            return f"error: wrong arguments for {call.name}: {err}", False
+        except TypeError as err:  # the message may quote an argument name the model made up: shortened
+            return f"error: wrong arguments for {call.name}: {_short(str(err))}", False
         except Exception as err:  # noqa: BLE001 - a tool's failure is the model's observation, not a crash
-            return f"error: {call.name} raised {type(err).__name__}: {err}", False
-
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-              ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def _evaluate(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponents above 64 are not computed")
-        return _OPERATORS[type(node.op)](left, right)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
-    raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
+            return f"error: {call.name} raised {type(err).__name__}: {_short(str(err))}", False
 
 
 def calculator(expression: str) -> str:
@@ -150,11 +150,11 @@ def calculator(expression: str) -> str:
     Args:
         expression: Numbers with + - * / // % ** and parentheses, e.g. "(12 + 30) * 4".
     """
-    try:
-        tree = ast.parse(expression.replace(",", "").strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse {expression!r} as arithmetic") from None
-    value = _evaluate(tree.body)
+    if not isinstance(expression, str):
+        raise ValueError(f"the expression must be a string, not {type(expression).__name__}")
+    # bounded and eval-free (asyncrl.rewards.bounded_arithmetic): at most 1000 characters, 50 levels of nesting,
+    # results below 2**1024; what it refuses raises ValueError, which ToolEnv.run answers as an error message
+    value = evaluate_arithmetic(expression.replace(",", ""))
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(round(value, 6) if isinstance(value, float) else value)

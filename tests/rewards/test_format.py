@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from asyncrl.rewards import GSM8K_FORMAT, THINK_ANSWER_FORMAT, format_reward
 
@@ -53,3 +55,12 @@ def test_custom_score_and_pattern():
 def test_invalid_regex_raises_value_error(pattern):
     with pytest.raises(ValueError, match="pattern"):
         format_reward("anything", pattern)
+
+
+FORMER_THINK_ANSWER = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"  # quadratic on hostile responses
+
+
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "x", "<"]), max_size=12))
+def test_the_linear_think_answer_pattern_matches_what_the_former_one_did(parts):
+    response = "".join(parts)
+    assert format_reward(response, THINK_ANSWER_FORMAT) == format_reward(response, FORMER_THINK_ANSWER)

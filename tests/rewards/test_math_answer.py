@@ -143,3 +143,37 @@ def test_fraction_forms_match_their_decimal(num, den):
 def test_thousands_separators_property(n):
     assert answers_match(f"{n:,}", str(n))
     assert normalize_answer(f"{n:,}") == str(n)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bounded numbers: long or huge answers are compared as strings, never built
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_long_numbers_are_compared_exactly_up_to_the_caps():
+    big = "9" * 300  # 10**300 - 1: compared as an exact rational, relative tolerance 1e-6
+    assert answers_match(big, big + ".0") and answers_match(big, "1e300")  # |difference| = 1 <= 1e-6 * 1e300
+    assert not answers_match(big, "5" + "0" * 299)  # half of it
+    assert not answers_match("9" * 4000, "1e4000")  # formerly float() of both raised OverflowError
+    assert answers_match("9" * 4000, "9" * 4000)  # equal strings
+    assert not answers_match("9" * 4000, "9" * 3999 + "8")  # over MAX_NUMBER_CHARS (400): strings only
+    assert answers_match("1e1000", "10e999")  # exponents up to MAX_EXPONENT (1000): parsed
+    assert not answers_match("1e1001", "10e1000")  # over it: strings only (never 10 ** 100000000)
+    assert math_reward(r"\boxed{1e100000000}", "1e100000000") == 1.0  # the same string still matches
+    assert math_reward(r"\boxed{1e100000000}", "1e100000001") == 0.0
+    assert answers_match("2.5e-3", "0.0025") and answers_match("-1e2", "-100")
+
+
+@pytest.mark.parametrize("pred, truth", [
+    ("٣", "3"),  # Arabic-Indic three
+    (r"\frac{١}{٢}", "0.5"),
+    ("١/٢", "0.5"),
+    ("３", "3"),  # full-width three
+])
+def test_non_ascii_digits_are_not_numbers(pred, truth):
+    assert not answers_match(pred, truth)
+
+
+def test_brace_less_fraction_and_root_need_ascii_digits():
+    assert normalize_answer(r"\frac٣٤") == r"\frac٣٤"  # left alone: not \frac{٣}{٤}
+    assert normalize_answer(r"\sqrt٣") == r"\sqrt٣"
