@@ -271,9 +271,11 @@ def _engine_config(args: EngineBenchArgs, work: Workload):
 
 @torch.inference_mode()
 def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
-    """Engine behaviour log-probs vs a training forward of the same tokens (the first `max_rows` samples)."""
+    """Engine behaviour log-probs vs a training forward of the same tokens (the first `max_rows` samples): the
+    mean and the largest |difference| per token, the largest |logit| they come from (the scale a tolerance
+    for rounding differences is relative to; tests/tolerances.py) and a k1 estimate of the KL."""
     from asyncrl.policies import token_logprobs
-    diffs, kls = [], []
+    diffs, kls, worst, scale = [], [], 0.0, 0.0
     samples = [(out.prompt_ids, c) for out in outs for c in out.completions if c.token_ids][:max_rows]
     for prompt_ids, c in samples:
         seq = torch.tensor([prompt_ids + c.token_ids], device=model.device)
@@ -282,7 +284,9 @@ def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
         engine = torch.tensor(c.logprobs, device=model.device)
         diffs.append((engine - train).abs().mean().item())
         kls.append((engine - train).mean().item())  # k1 estimate of KL(engine ‖ train) on engine samples
-    return {"mean_abs_dlogp": sum(diffs) / len(diffs), "kl_engine_train": sum(kls) / len(kls)}
+        worst, scale = max(worst, (engine - train).abs().max().item()), max(scale, logits.abs().max().item())
+    return {"mean_abs_dlogp": sum(diffs) / len(diffs), "max_abs_dlogp": worst, "max_abs_logit": scale,
+            "kl_engine_train": sum(kls) / len(kls)}
 
 
 _RATIOS = {"ratio": "hf_tok_s", "ratio_vs_vllm": "vllm_tok_s", "ratio_vs_vllm_llm": "vllm_llm_tok_s"}
@@ -325,7 +329,8 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
         if "vllm" in args.backends:
             vllm_outs, row["vllm_tok_s"] = _in_own_process(_vllm_worker, args, work)
             row["vllm_mean_len"] = _generated(vllm_outs)[0] / work.sequences
-            row["vllm_mean_abs_dlogp"] = logprob_mismatch(model, vllm_outs)["mean_abs_dlogp"]
+            vllm_mismatch = logprob_mismatch(model, vllm_outs)
+            row.update({f"vllm_{k}": vllm_mismatch[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "max_abs_logit")})
         if "vllm-llm" in args.backends:
             row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = _in_own_process(_vllm_llm_worker, args, work)
         _ratios(row)
