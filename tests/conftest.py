@@ -22,6 +22,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """pyproject's hang guard for every test (`timeout = 900`) scaled like every other deadline of the suite
+    (tests/timing.py); tests with their own `timeout` marker keep it (they derive it from timing.py too)."""
+    from tests.timing import limit
+    ini = float(config.getini("timeout") or 0)
+    for item in items:
+        if ini > 0 and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit(ini)))
+
+
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory):
     """ASYNCRL_CACHE pointed at one fresh directory for the whole session (subprocesses inherit it): the

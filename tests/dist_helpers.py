@@ -24,6 +24,7 @@ from asyncrl.config import GRPO, PPO, CriticConfig, OptimConfig, TrainerConfig
 from asyncrl.learner import build_learner, full_weights, grad_norm_, policy_gradients, shard_model, train_step
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.types import Group
+from tests.timing import limit
 
 VOCAB = ARCH_PRESETS["tiny-qwen2"]["vocab_size"]  # 256
 STOP_IDS = tuple(range(3, 20))  # ~7% of the vocabulary: responses end at varied lengths
@@ -127,7 +128,7 @@ def free_port() -> int:
 def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=limit(60)))
     try:
         worker(rank, world_size, pathlib.Path(out_dir), *args)
     except BaseException:
@@ -138,7 +139,7 @@ def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tu
         dist.destroy_process_group()
 
 
-def run_distributed(worker, out_dir: str | os.PathLike, *args, world_size: int = 2, timeout: float = 60.0) -> None:
+def run_distributed(worker, out_dir: str | os.PathLike, *args, world_size: int = 2, timeout: float = limit(60)) -> None:
     """Run `worker(rank, world_size, out_dir, *args)` on `world_size` spawned CPU processes joined in a gloo
     process group. Raises the first worker's exception; kills the workers and fails after `timeout` s."""
     ctx = mp.spawn(_entry, args=(worker, world_size, free_port(), str(out_dir), args), nprocs=world_size,

@@ -7,10 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+from tests.timing import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> subprocess.CompletedProcess:
     """`asyncrl ARGS...` in a subprocess (through `python -m asyncrl.cli`, so PATH does not matter), with one
     intra-op thread like the rest of the suite (two OpenMP threads on a 2-core box make the tiny models'
     matmuls ~30x slower)."""
@@ -26,6 +28,6 @@ def tiny_run(tmp_path_factory) -> pathlib.Path:
     if not (run_dir / "summary.json").is_file():
         out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
                   "--async-training.total-versions", "3", "--checkpoint-every", "3", "--wandb", "off",
-                  "--run-dir", str(run_dir), timeout=240)
+                  "--run-dir", str(run_dir), timeout=limit(240))
         assert out.returncode == 0, out.stderr[-3000:]
     return run_dir

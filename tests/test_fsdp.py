@@ -8,7 +8,8 @@ collectives line up), and the one-group mini-batches of a train_step (mini_batch
 with no rows at all.
 
 All sharded scenarios run in one launch of two workers (`dist_helpers.fsdp_worker`; a launch costs two
-torch imports), under a hard time limit and with a 60 s collective timeout, so a hang fails the tests.
+torch imports), under a hard time limit and with a 60 s collective timeout (both × the suite's time scale,
+tests/timing.py), so a hang fails the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.dist_helpers import (
     build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, sample_groups, tiny_policy,
     trainer_config, weights,
 )
+from tests.timing import limit
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +60,7 @@ def sharded(groups, next_groups, single, tmp_path_factory):
     out, run_dir, export_dir = root / "out", root / "run", root / "export"
     out.mkdir()
     run_distributed(fsdp_worker, out, groups, next_groups, MODES, str(single["path"]), str(run_dir),
-                    str(export_dir), world_size=WORLD, timeout=90)
+                    str(export_dir), world_size=WORLD, timeout=limit(90))
     return dict(ranks=[torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)], run_dir=run_dir,
                 export_dir=export_dir)
 

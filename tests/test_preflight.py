@@ -15,13 +15,14 @@ from asyncrl.config import RunConfig
 from asyncrl.flags import as_flags
 from asyncrl.preflight import check_devices, check_model_path, check_run_dir, preflight
 from asyncrl.presets import PRESETS
+from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
 TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off"]
 
 
-def asyncrl(*args, cwd=ROOT, timeout=300):
+def asyncrl(*args, cwd=ROOT, timeout=limit(300)):
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 

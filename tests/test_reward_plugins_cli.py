@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.timing import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
         "--rollout.n", "2", "--rollout.max-new-tokens", "4", "--trainer.mini-batch-size", "6",
@@ -62,7 +64,7 @@ def _setup(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
     return data, specs
 
 
-def _train(*args, timeout=600):
+def _train(*args, timeout=limit(600)):
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 

@@ -9,6 +9,7 @@ from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, Engine, EngineConfig, random_model
 from asyncrl.rpc.local import LocalRun
 from asyncrl.types import Prompt
+from tests.timing import limit
 
 
 def _flaky(text: str, ground_truth: str) -> float:
@@ -25,7 +26,7 @@ def test_reward_errors_reach_the_run_metrics_and_the_run_continues():
     source = GeneratedSource(lambda i: Prompt([5 + i % 20, 9, 11], data_source="x", index=i))
     rows = []
     run = LocalRun(state, [engine], source, Scorer({"x": _flaky}), RolloutConfig(n=4, max_new_tokens=6, max_slots=16),
-                   AsyncConfig(staleness_threshold=0.0, total_versions=3, take_timeout_s=60),
+                   AsyncConfig(staleness_threshold=0.0, total_versions=3, take_timeout_s=limit(60)),
                    log_metrics=lambda m, v: rows.append(m))
     summary = run.run()
     assert summary.versions == 3

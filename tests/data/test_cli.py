@@ -8,10 +8,12 @@ import pathlib
 import subprocess
 import sys
 
+from tests.timing import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _asyncrl(*args, timeout=120):
+def _asyncrl(*args, timeout=limit(120)):
     # the environment (ASYNCRL_CACHE from the session fixture) is inherited
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)

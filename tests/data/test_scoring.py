@@ -18,6 +18,7 @@ from asyncrl.data.scoring import MAX_ERROR_EXAMPLES, RewardError, ScoredGroup, S
 from asyncrl.rewards import even_token_reward
 from asyncrl.rewards.plugin import RewardTable
 from asyncrl.types import Completion, Prompt
+from tests.timing import limit
 
 
 def _completions(*ids_per_completion) -> list[Completion]:
@@ -169,7 +170,7 @@ def test_the_concurrency_limit_holds_across_groups(scorers):
     reward = _Overlap()
     scorer = scorers({"x": reward}, max_concurrency=3)
     futures = [scorer.submit_group(Prompt([1], data_source="x"), _completions([1], [2])) for _ in range(4)]
-    assert [f.result(timeout=30).rewards for f in futures] == [[1.0, 1.0]] * 4
+    assert [f.result(timeout=limit(30)).rewards for f in futures] == [[1.0, 1.0]] * 4
     assert reward.most == 3 and scorer.calls == 8
 
 
@@ -185,7 +186,7 @@ def test_submit_group_returns_before_an_async_reward_finishes(scorers):
     future = scorer.submit_group(Prompt([1], data_source="x"), _completions([1], [2]))
     assert not future.done()  # the judge is still waiting: the caller may go on generating
     gate.set()
-    assert future.result(timeout=30).rewards == [0.5, 0.5]
+    assert future.result(timeout=limit(30)).rewards == [0.5, 0.5]
 
 
 def test_a_timeout_scores_zero_and_counts(scorers):
@@ -227,7 +228,7 @@ def test_close_stops_the_loop_thread_and_a_later_async_call_starts_another():
     assert scorer.score_group(Prompt([1], data_source="x"), _completions([1])).rewards == [1.0]
     assert len(loop_threads()) == before + 1
     scorer.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + limit(10)
     while len(loop_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(loop_threads()) == before

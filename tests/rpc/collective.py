@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from tests.timing import limit
+
 
 def channel_member(rank: int, port: int, results) -> None:
     """Three processes; rank 0 opens a weight channel (3 s timeout) to each of the others, as rank 0 of a run
@@ -16,7 +18,7 @@ def channel_member(rank: int, port: int, results) -> None:
     from asyncrl.rpc.channels import WeightChannel
     from asyncrl.rpc.store import RunStore
     torch.set_num_threads(1)
-    store = RunStore("127.0.0.1", port, serve=rank == 0, timeout_s=30)
+    store = RunStore("127.0.0.1", port, serve=rank == 0, timeout_s=limit(30))
     device = torch.device("cpu")
     if rank == 0:
         channels = {peer: WeightChannel(store.raw, f"peer{peer}", 0, backend="gloo", device=device, timeout_s=3)
@@ -30,7 +32,7 @@ def channel_member(rank: int, port: int, results) -> None:
         mine.broadcast(torch.zeros(8))
         if rank == 1:
             os._exit(0)  # gone without a word
-        time.sleep(120)  # alive but silent: only the channel's timeout can end the wait
+        time.sleep(limit(120))  # alive but silent: only the channel's timeout can end the wait
         os._exit(0)
     time.sleep(0.5)
     for case, peer in (("gone peer, sending", 1), ("hung peer, sending", 2)):

@@ -105,7 +105,7 @@ class Job:
         pids = self.all_pids()
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(limit(10))
         for pid in pids:
             if alive(pid):
                 try:

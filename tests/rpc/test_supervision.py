@@ -202,16 +202,25 @@ def test_a_new_agent_joins_a_running_job_gets_prompts_and_leaves_cleanly(tmp_pat
 
 
 def test_max_run_time_stops_the_job_like_sigterm_and_no_cap_is_imposed_by_default(tmp_path, jobs):
-    capped = Job(tmp_path, *TOY, *ENDLESS, "--placement.max-run-time-s", "8", name="capped")
+    # The cap counts from the launcher's start, start-up included (it bounds the whole job, as an operator's
+    # wall-clock limit does). So that it falls while the job trains whatever the machine's speed, it is a
+    # start-up allowance (scaled like every deadline here) plus a few seconds of training.
+    cap = limit(20) + 4
+    capped = Job(tmp_path, *TOY, *ENDLESS, "--placement.max-run-time-s", f"{cap:g}", name="capped")
     jobs.append(capped)
-    assert capped.finish() == 124, capped.tail()
-    assert capped.wait_for(r"interrupted \(max_run_time_s=8 reached\) at version \d+; checkpoint step_\d+ written")
-    books_balance(capped.summary())
+    assert capped.finish(cap + limit(120)) == 124, capped.tail()
+    stopped = capped.wait_for(rf"interrupted \(max_run_time_s={cap:g} reached\) at version (\d+); "
+                              r"checkpoint (step_\d+) written")
+    summary = capped.summary()
+    assert summary["interrupted"] == f"max_run_time_s={cap:g} reached", summary
+    assert int(stopped.group(1)) == summary["versions"] >= 1, stopped.group(0)  # it stopped training, not starting
+    assert (capped.run_dir / "checkpoints" / stopped.group(2) / "learner.pt").is_file()
+    books_balance(summary)
     # the same job without the cap runs past it (a time budget ends it)
-    uncapped = Job(tmp_path, *TOY, *ENDLESS, "--async-training.time-budget-s", "12", name="uncapped")
+    uncapped = Job(tmp_path, *TOY, *ENDLESS, "--async-training.time-budget-s", f"{cap:g}", name="uncapped")
     jobs.append(uncapped)
-    assert uncapped.finish() == 0, uncapped.tail()
-    assert uncapped.summary()["wall_s"] > 12 and uncapped.summary()["interrupted"] is None
+    assert uncapped.finish(cap + limit(120)) == 0, uncapped.tail()
+    assert uncapped.summary()["wall_s"] > cap and uncapped.summary()["interrupted"] is None
 
 
 def test_resume_without_a_checkpoint_is_refused_before_anything_starts_unless_resume_or_start(tmp_path, jobs):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 from asyncrl.rpc.param_server import SyncRunner, late_after
+from tests.timing import limit
 
 
 class FakeRoster:
@@ -35,7 +36,7 @@ def test_a_silent_agent_is_left_behind_and_its_sync_settles_later():
     assert late == 1 and [r.name for r in results] == ["agent0"] and results[0].seconds == 0.5
     assert runner.busy() == {"agent1"}  # no new sync to it while the old one runs
     release.set()
-    runner.unfinished["agent1"].done.wait(5)
+    assert runner.unfinished["agent1"].done.wait(limit(5))
     roster.silent["agent1"] = 0.0
     results, late = runner.run({"agent0": lambda: 0.1}, version=4)
     assert late == 0 and {r.name: r.version for r in results} == {"agent0": 4, "agent1": 3}
@@ -47,6 +48,6 @@ def test_a_sync_of_an_agent_that_heartbeats_is_waited_for():
     slow = threading.Event()
     threading.Timer(0.2, slow.set).start()
     results, late = SyncRunner(roster, late_after_s=5.0, poll_s=0.001).run(
-        {"agent0": lambda: float(slow.wait(5))}, version=1)
+        {"agent0": lambda: float(slow.wait(limit(5)))}, version=1)
     assert late == 0 and results[0].seconds == 1.0 and results[0].error is None
     assert late_after(120.0) == 5.0 and late_after(3.0) == 3.0

@@ -6,10 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+from tests.timing import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _run(*args, timeout=240):
+def _run(*args, timeout=limit(240)):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
