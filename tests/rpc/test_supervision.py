@@ -121,7 +121,7 @@ def test_a_hung_agent_is_named_and_fenced_the_trainer_steps_on_then_sigterm_chec
 def test_an_agent_stopped_forever_does_not_keep_the_command_from_returning(tmp_path, jobs):
     timeout = agent_timeout()
     job = Job(tmp_path, *TOY, *TWO_AGENTS, *ENDLESS, *timeouts(timeout),
-              "--async-training.time-budget-s", str(timeout + detection_margin() + 5))
+              "--async-training.time-budget-s", str(timeout + detection_margin() + limit(5)))
     jobs.append(job)
     job.wait_versions(3)
     agent1 = job.processes()["agent1"]
