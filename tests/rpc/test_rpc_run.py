@@ -142,7 +142,8 @@ def test_hung_agent_is_reported_within_about_the_agent_timeout(capfd):
     faults = FaultyEngines(mode="hang", after=3, delay_s=0.02, agents=("agent1",))
     # the run goes on (agent0 feeds it) until some time after the death: a time budget, not a version count
     spec = make_spec([AgentSpec(engine_factory=faults), AgentSpec(engine_factory=faults)], total_versions=100_000,
-                     agent_timeout_s=timeout, concurrent_prompts=4, time_budget_s=timeout + detection_margin() + limit(5))
+                     agent_timeout_s=timeout, concurrent_prompts=4,
+                     time_budget_s=timeout + detection_margin() + limit(5))
     summary = launch(spec)
     err = capfd.readouterr().err  # the child processes log to the inherited stderr
     assert summary.dead_agents == ["agent1"]
