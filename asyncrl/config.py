@@ -493,6 +493,15 @@ class RunConfig:
     """Continue from the newest checkpoint in run_dir (refused when there is none)."""
     resume_or_start: bool = False
     """Continue from the newest checkpoint in run_dir when there is one, start fresh otherwise."""
+    overwrite: bool = False
+    """Start a new run in a run_dir that already holds one by first deleting what asyncrl wrote there
+    (config.json, metrics.jsonl, samples.jsonl, summary.json, processes.json, report.md, report/, wandb/,
+    checkpoints/) and nothing else: refused when run_dir holds anything more, and with --resume. Without it a
+    new run into a used run_dir is refused. --dry-run deletes nothing."""
+    resume_allow_data_change: bool = False
+    """Resume although the data differs from the checkpoint's (another prompt file content, --data.* values,
+    or --rollout.max-prompt-length for a prompt file): the run goes on with the new data and keeps the data
+    cursor, clamped to it (a position past its end starts the next epoch)."""
     seed: int = 0
     """Seed of prompts' sampling seeds and shuffling."""
     strict_rewards: bool = False

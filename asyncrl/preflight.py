@@ -192,6 +192,8 @@ class _Checks:
         model_ok = self._model()
         if (problem := check_run_dir(cfg.run_dir)) is not None:
             self.report.problems.append(problem)
+        else:
+            self._run_dir()
         table = self._rewards()
         if model_ok and valid:
             self._data(table)
@@ -397,16 +399,40 @@ class _Checks:
         self.report.facts.append(f"data: the {cfg.data.task} task (prompt 0 has {len(prompt.prompt_ids)} tokens)")
         return {prompt.data_source: f"the {cfg.data.task} task"}
 
+    def _run_dir(self) -> None:
+        """One run per run directory (`asyncrl.run_dir`): a new run into a used one is refused."""
+        from asyncrl.run_dir import overwrite_note, run_dir_problem
+        problem = run_dir_problem(self.cfg)
+        if problem is not None:
+            self.report.problems.append(problem)
+        elif (note := overwrite_note(self.cfg)) is not None:
+            self.report.notes.append(note)
+
     def _resume(self) -> None:
+        """The checkpoint a resume loads (nothing on disk is repaired here) and what the resume changes
+        (`asyncrl.resume_check`): refused changes are problems, the allowed ones one note."""
+        from asyncrl.checkpoint import list_checkpoints
+        from asyncrl.resume_check import check_resume
         from asyncrl.rpc.assembly import resume_checkpoint
         from asyncrl.run import build_spec
+        from asyncrl.run_dir import owns_run_dir
+        if not owns_run_dir(self.cfg):
+            return
         try:
-            found = resume_checkpoint(build_spec(self.cfg))
+            found = resume_checkpoint(build_spec(self.cfg), repair=False)
         except ValueError as err:
             self.report.problems.append(str(err))
             return
-        if found is not None:
-            self.report.facts.append(f"resume: from {found}")
+        if found is None:
+            return
+        check = check_resume(self.cfg, found)
+        self.report.problems += check.problems
+        self.report.notes += check.notes + ([check.line] if check.line and not check.problems else [])
+        newest = list_checkpoints(self.cfg.run_dir)[-1:]
+        skipped = [p.name for p in newest if p.name > check.name]
+        self.report.facts.append(f"resume: from {found.with_name(check.name)}" + (
+            f" (restored from {found.name})" if found.name != check.name else "")
+            + (f"; the newer {skipped[0]} does not verify and is moved aside" if skipped else ""))
 
 
 def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None) -> Preflight:

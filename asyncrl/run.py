@@ -24,6 +24,7 @@ from asyncrl.data.scoring import Scorer, decode_ids
 from asyncrl.data.files import load_prompt_file
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
+from asyncrl.resume_check import config_record
 from asyncrl.rewards.plugin import absolute_reward_spec
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resume_checkpoint
@@ -218,34 +219,47 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
                    max_run_time_s=cfg.placement.max_run_time_s)
 
 
-def _config_dict(cfg: RunConfig) -> dict:
-    def plain(obj):
-        if dataclasses.is_dataclass(obj):
-            return {"_type": type(obj).__name__, **{f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
-        if isinstance(obj, (list, tuple)):
-            return [plain(x) for x in obj]
-        return obj
-    return plain(cfg)
+def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> pathlib.Path:
+    """Before anything starts (rank 0 of a torchrun job only): refuse a new run into a used run directory
+    (`asyncrl.run_dir`), delete the old run with --overwrite, settle the checkpoints a resume reads (and refuse
+    a resume without one), and write config.json: the config and its data fingerprint (`asyncrl.resume_check`),
+    which each checkpoint copies."""
+    from asyncrl.console import phase
+    from asyncrl.resume_check import run_record
+    from asyncrl.run_dir import clear_run_dir, owns_run_dir, run_dir_problem
+    run_dir = pathlib.Path(cfg.run_dir)
+    if not owns_run_dir(cfg):
+        return run_dir
+    problem = run_dir_problem(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    if cfg.overwrite and (removed := clear_run_dir(run_dir)):
+        phase(f"--overwrite: deleted {', '.join(removed)} from {run_dir}")
+    resume_checkpoint(spec)  # a resume without a checkpoint is refused before anything starts
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(run_record(cfg), indent=2))
+    return run_dir
 
 
 def train(cfg: RunConfig, *, preflight_done: bool = False) -> RunSummary | None:
     """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json.
 
     Every up-front check (`asyncrl.preflight`) runs first unless the caller ran it: a bad config raises
-    ValueError listing the problems and leaves no run directory behind."""
+    ValueError listing the problems and leaves no run directory behind. A new run into a run directory that
+    holds one is refused unless `cfg.overwrite` (`asyncrl.run_dir`); a resume that changes what cannot change
+    is refused (`asyncrl.resume_check`)."""
     if not preflight_done:
         from asyncrl.preflight import preflight
         report = preflight(cfg)
         if not report.ok:
             raise ValueError("\n  ".join(["the run cannot start:", *report.problems]))
+        for note in report.notes:
+            log.info("note: %s", note)
     spec = build_spec(cfg)
-    resume_checkpoint(spec)  # a resume without a checkpoint is refused before anything starts
-    run_dir = pathlib.Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, default=str))
+    run_dir = _prepare_run_dir(cfg, spec)
     console = Console(total=cfg.async_training.total_versions, time_budget_s=cfg.async_training.time_budget_s,
                       warn_share=cfg.reward.error_warn_share)
-    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=_config_dict(cfg),
+    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=config_record(cfg),
                       console=console)
     _announce(spec, cfg.placement.launcher)
     spec = dataclasses.replace(spec, log_fn=tracker)

@@ -91,8 +91,11 @@ def test_every_readme_command_runs(workdir):
         args = shlex.split(command)[1:]
         if command in TRAINED_FOR_REAL:
             args[2:2] = TRAINED_FOR_REAL[command]  # before a subcommand such as algorithm:dapo
-        elif args[0] == "train" and "--dry-run" not in args:
-            args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
+        elif args[0] == "train":
+            if "--dry-run" not in args:
+                args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
+            if "--run-dir" not in args:  # the preset's run dir holds the run trained above: a new run there is
+                args[2:2] = ["--run-dir", "runs/dry-run"]  # refused (a dry run creates nothing in its own)
         args += SMALLER.get(args[0], [])
         out = _run(args, workdir)
         if NEEDS_DOWNLOAD in command:

@@ -51,7 +51,9 @@ class DatasetSource:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """Continue at the saved cursor; a position past the end (the data shrank: a resume with
+        --resume-allow-data-change) is clamped to it, so the next prompt starts the next epoch."""
+        self.epoch, self.position = int(state["epoch"]), min(int(state["position"]), len(self.prompts))
         self._order = self._make_order()
 
 

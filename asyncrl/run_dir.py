@@ -1,0 +1,124 @@
+"""One run per run directory: a new run never writes into a directory that holds another.
+
+    problem = run_dir_problem(cfg)    # preflight: None, or the message naming the directory and the fixes
+    note = overwrite_note(cfg)        # what --overwrite will delete (for the preflight's notes)
+    removed = clear_run_dir(path)     # --overwrite, in train(): delete what asyncrl wrote there
+
+A run directory is *used* as soon as anything is in it. A new run (no `--resume` / `--resume-or-start`) into
+a used one is refused before anything starts, because everything would mix: `metrics.jsonl` and
+`samples.jsonl` are appended to, `config.json` replaced, and a later `--resume` could pick the other run's
+checkpoint. The fixes: `--resume` (continue that run), `--overwrite` (delete it first) or another `--run-dir`.
+
+`--overwrite` deletes exactly what asyncrl writes into a run directory (`RUN_FILES`) and nothing else: when
+the directory holds anything more (a file of yours, another program's output), it is refused before anything
+is deleted. Symbolic links among those names are removed, never followed. `--dry-run` deletes nothing.
+
+Under torchrun every rank runs `asyncrl train`; only rank 0 checks and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+from asyncrl.config import RunConfig
+
+__all__ = ["RUN_FILES", "run_dir_problem", "overwrite_note", "clear_run_dir", "owns_run_dir"]
+
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "processes.json", "report.md",
+             "report", "wandb", "checkpoints")
+"""What asyncrl writes into a run directory: its config, metrics, samples, summary, process list, `asyncrl
+report` output, wandb's files and the checkpoints. `--overwrite` deletes these and only these."""
+
+_SHOWN = 6
+
+
+def owns_run_dir(cfg: RunConfig) -> bool:
+    """Whether this process checks and writes the run directory: always, but under torchrun only rank 0."""
+    return cfg.placement.launcher != "torchrun" or os.environ.get("RANK", "0") == "0"
+
+
+def _entries(path: pathlib.Path) -> list[str]:
+    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in path.iterdir()) \
+        if path.is_dir() else []
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - _SHOWN
+    return ", ".join(names[:_SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _foreign(names: list[str]) -> list[str]:
+    return [n for n in names if n.rstrip("/") not in RUN_FILES]
+
+
+def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
+    from asyncrl.checkpoint import list_checkpoints
+    return list_checkpoints(path)
+
+
+def _contents(path: pathlib.Path, names: list[str]) -> str:
+    found = _checkpoints(path)
+    described = (f"checkpoints/ with {len(found)} checkpoint{'s' * (len(found) != 1)}"
+                 + (f", newest {found[-1].name}" if found else ""))
+    return _listed([described if n == "checkpoints/" else n for n in names])
+
+
+def run_dir_problem(cfg: RunConfig) -> str | None:
+    """Why this run may not start in --run-dir (None when it may): --overwrite with a resume, a new run into
+    a used directory, or --overwrite of a directory holding more than asyncrl's files."""
+    path = pathlib.Path(cfg.run_dir)
+    if cfg.overwrite and (cfg.resume or cfg.resume_or_start):
+        resume = "--resume" if cfg.resume else "--resume-or-start"
+        return (f"--overwrite deletes the run in --run-dir {cfg.run_dir} that {resume} continues: pass {resume} "
+                "to continue it, or --overwrite to delete it and start a new run, not both")
+    names = _entries(path) if owns_run_dir(cfg) else []
+    if not names or cfg.resume:
+        return None  # --resume: the checkpoint is checked with the resume
+    foreign = _foreign(names)
+    if cfg.overwrite:
+        return None if not foreign else (
+            f"--overwrite: --run-dir {cfg.run_dir} also holds {_listed(foreign)}, which asyncrl did not write, so "
+            "nothing will be deleted: move that out of it, or choose another --run-dir")
+    if cfg.resume_or_start:
+        if _checkpoints(path) or any((path / "checkpoints").glob("step_*.old")):
+            return None
+        return (f"--resume-or-start: --run-dir {cfg.run_dir} holds no checkpoint to resume from but is not empty "
+                f"({_contents(path, names)}); a new run there would mix with it: pass --overwrite instead of "
+                "--resume-or-start to delete it first, or choose another --run-dir")
+    if len(foreign) == len(names):
+        return (f"--run-dir {cfg.run_dir} is not empty ({_listed(names)}) and holds no asyncrl run; a run there "
+                "would mix with what is in it: choose another --run-dir (or an empty one)")
+    overwrite = ("--overwrite to delete it and start over" if not foreign else
+                 f"--overwrite once you have moved out what asyncrl did not write ({_listed(foreign)})")
+    return (f"--run-dir {cfg.run_dir} already holds a run ({_contents(path, names)}); a new run would mix with it: "
+            f"pass --resume to continue it, {overwrite}, or another --run-dir")
+
+
+def overwrite_note(cfg: RunConfig) -> str | None:
+    """What --overwrite will delete, for the preflight's notes (None when nothing)."""
+    path = pathlib.Path(cfg.run_dir)
+    names = _entries(path)
+    if not cfg.overwrite or not names or not owns_run_dir(cfg):
+        return None
+    return (f"--overwrite: the run starts by deleting {_contents(path, names)} from {cfg.run_dir}"
+            + (" (not with --dry-run: nothing is deleted now)" if cfg.dry_run else ""))
+
+
+def clear_run_dir(path: str | pathlib.Path) -> list[str]:
+    """Delete what asyncrl wrote into `path` (`RUN_FILES`; links unlinked, not followed) and return the names
+    deleted. Raises ValueError, deleting nothing, when `path` holds anything else."""
+    path = pathlib.Path(path)
+    names = _entries(path)
+    foreign = _foreign(names)
+    if foreign:
+        raise ValueError(f"--overwrite: --run-dir {path} also holds {_listed(foreign)}, which asyncrl did not "
+                         "write, so nothing was deleted: move that out of it, or choose another --run-dir")
+    for name in names:
+        entry = path / name.rstrip("/")
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return names
