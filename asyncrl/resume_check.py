@@ -77,7 +77,8 @@ def config_record(cfg: RunConfig) -> dict:
     """Every field of `cfg` as JSON data, each dataclass with its "_type" (the form of run_dir/config.json)."""
     def plain(obj):
         if dataclasses.is_dataclass(obj):
-            return {"_type": type(obj).__name__, **{f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+            fields = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            return {"_type": type(obj).__name__, **fields}
         if isinstance(obj, (list, tuple)):
             return [plain(x) for x in obj]
         return obj
@@ -247,8 +248,8 @@ def _compare_data(old: dict, new: dict, saved: dict, now: dict, paths: list[str]
         check.data.extend(items)
         return
     check.problems.append(
-        f"{_resume_flag(cfg)}: the data differs from {check.name}'s: {'; '.join(items)}; its data cursor would point into "
-        f"other prompts: give the run {check.name}'s data back, or pass --resume-allow-data-change to go on with "
+        f"{_resume_flag(cfg)}: the data differs from {check.name}'s: {'; '.join(items)}; its data cursor would point "
+        f"into other prompts: give the run {check.name}'s data back, or pass --resume-allow-data-change to go on with "
         "this data (the cursor is kept, clamped to the new data: past its end the next epoch starts)")
 
 

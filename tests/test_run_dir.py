@@ -2,13 +2,14 @@
 starts, by `asyncrl train` and by `train()`, naming the directory, what is in it and the fixes (--resume,
 --overwrite, another --run-dir); --overwrite deletes exactly asyncrl's files (refused when there is more, and
 with --resume; --dry-run deletes nothing); and, through the command with real processes, a resume that
-changes the lr lists it and trains with it."""
+changes the lr lists it and trains with it, falling back from a damaged newer checkpoint."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -126,9 +127,17 @@ def test_through_the_command_refused_then_resumed_with_a_new_lr_then_overwritten
         "--resume to continue it, --overwrite to delete it and start over, or another --run-dir")
     assert _stamps(run) == before
 
+    # a newer checkpoint that a power loss cut short: the resume falls back to step 2, saying why in one line
+    damaged = run / "checkpoints" / "step_00000009"
+    shutil.copytree(run / "checkpoints" / "step_00000002", damaged)
+    os.truncate(damaged / "learner.pt", 1000)
     resumed = cli(*common, "--resume", "--async-training.total-versions", "3", "--checkpoint-every", "3",
                   "--trainer.optim.lr", "1e-4", timeout=limit(240))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [line] = [line for line in resumed.stderr.splitlines() if "does not load" in line]
+    assert line.endswith("WARNING step_00000009 does not load: learner.pt is damaged (File is not a zip file); "
+                         "resuming from step_00000002 instead"), line
+    assert (run / "checkpoints" / "step_00000009.corrupt").is_dir()
     assert ("[asyncrl] note: resume from step_00000002 changes applied from here: --trainer.optim.lr 2e-05 -> "
             "0.0001; harmless: --async-training.total-versions 2 -> 3, --checkpoint-every 2 -> 3") in resumed.stderr
     assert _lr_in(run / "checkpoints" / "step_00000003") == [1e-4]  # trained with the new lr, not the saved one
