@@ -1,11 +1,15 @@
-"""Every `asyncrl …` command in README.md runs, in the order the README shows them, in a fresh directory.
+"""The `asyncrl …` commands of README.md, in the order the README shows them, in a fresh directory, and what
+the README says of them (`command_kinds`; the README states each count, and a test holds it to them):
 
-`asyncrl train` commands are checked with `--dry-run` (every up-front check: config, devices, model, rewards,
-data), except four that train for real with a tiny model: the plain `asyncrl train cpu-demo` (its final
-checkpoint is what the README's `asyncrl eval` reads), the worked examples of a task and an environment of
-your own, and DAPO. `eval` runs with a smaller budget appended. Commands that need GPUs, a model you
-download, or a second running job are listed in NOT_RUN with the reason, and the test fails when the README's
-commands and these lists drift apart.
+- run for real: four `asyncrl train` commands with a tiny model and budget appended at the end (after
+  `algorithm:NAME` too, where flags may follow it) — the plain `asyncrl train cpu-demo` (its final checkpoint
+  is what the README's `asyncrl eval` reads), the worked examples of a task and an environment of your own,
+  and DAPO — and every other command but `train` (`eval` with a smaller budget appended);
+- dry-run: the other `asyncrl train` commands, with `--dry-run` (every up-front check: config, devices, model,
+  rewards, data; nothing starts);
+- refused: commands naming a model you download (`/models/…`) run until they are refused up front, naming
+  that path alone;
+- not run: NOT_RUN, with the reason (GPUs, minutes, a second running job, a synopsis).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import sys
 
 import pytest
 
+from tests.timing import limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_TRAIN = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
               "--rollout.max-new-tokens", "2"]
-TINY_TOY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
+TINY_TOY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy"]
 TRAINED_FOR_REAL = {
     "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "20"],
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
@@ -33,8 +39,9 @@ TRAINED_FOR_REAL = {
         TINY_TRAIN[:-2] + ["--async-training.total-versions", "2", "--run-dir", "runs/guess_number"],
     # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget);
     # on the toy task, since a random model scores 0 on every sum and DAPO's dynamic sampling would drop every group
-    "asyncrl train cpu-demo algorithm:dapo --algorithm.kl-loss-coef 0.001":
-        TINY_TOY + ["--async-training.total-versions", "2", "--run-dir", "runs/dapo"],
+    # flags on both sides of algorithm:dapo, the run's included (`--wandb off`), as a user appends them
+    "asyncrl train cpu-demo --run-dir runs/dapo algorithm:dapo --algorithm.kl-loss-coef 0.001 --wandb off":
+        TINY_TOY + ["--async-training.total-versions", "2"],
 }
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
 NOT_RUN = {
@@ -59,11 +66,36 @@ def readme_commands() -> list[str]:
     return commands
 
 
+def command_kinds() -> dict[str, list[str]]:
+    """The README's commands by what test_every_readme_command_runs does with them."""
+    kinds = {"real": [], "dry": [], "refused": [], "not": []}
+    for command in readme_commands():
+        if command in NOT_RUN:
+            kinds["not"].append(command)
+        elif NEEDS_DOWNLOAD in command:
+            kinds["refused"].append(command)
+        elif command in TRAINED_FOR_REAL or not command.startswith("asyncrl train "):
+            kinds["real"].append(command)
+        else:
+            kinds["dry"].append(command)
+    return kinds
+
+
 def test_the_lists_match_the_readme():
     commands = readme_commands()
     assert len(commands) >= 12
     for listed in [*TRAINED_FOR_REAL, *NOT_RUN]:
         assert listed in commands, f"{listed!r} is no longer in README.md: update tests/test_readme.py"
+
+
+def test_the_readme_says_exactly_which_of_its_commands_run():
+    kinds, text = command_kinds(), " ".join((ROOT / "README.md").read_text().split())
+    claims = [f"runs this README's {len(readme_commands())} `asyncrl` commands in order",
+              f"{len(kinds['real'])} for real (the {len(TRAINED_FOR_REAL)} CPU trainings",
+              f"{len(kinds['dry'])} `train` commands with `--dry-run`",
+              f"{len(kinds['refused'])} naming `{NEEDS_DOWNLOAD}…`", f"{len(kinds['not'])} not at all"]
+    for claim in claims:
+        assert claim in text, f"README.md no longer says {claim!r} of tests/test_readme.py: update the sentence"
 
 
 @pytest.fixture
@@ -77,7 +109,7 @@ def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
     return tmp_path
 
 
-def _run(args: list[str], cwd: pathlib.Path, timeout: float = 600):
+def _run(args: list[str], cwd: pathlib.Path, timeout: float = limit(600)):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
@@ -90,7 +122,7 @@ def test_every_readme_command_runs(workdir):
             continue
         args = shlex.split(command)[1:]
         if command in TRAINED_FOR_REAL:
-            args[2:2] = TRAINED_FOR_REAL[command]  # before a subcommand such as algorithm:dapo
+            args += TRAINED_FOR_REAL[command]  # at the end: after a subcommand such as algorithm:dapo too
         elif args[0] == "train":
             if "--dry-run" not in args:
                 args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
