@@ -11,6 +11,7 @@ magnitude.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 
@@ -34,6 +35,7 @@ from tests.learner_helpers import (
     ALGORITHM_CASES, VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
     tiny_policy, trainer_config, weights,
 )
+from tests.run_helpers import cli
 from tests.tolerances import FORWARD_DEPTH, close_tol, forward_tol
 
 NAN = float("nan")
@@ -813,6 +815,25 @@ def test_bf16_weights_apply_a_step_at_the_default_learning_rate():
     lr = OptimConfig().lr
     want = _step_delta(copy.deepcopy(start).float(), groups, lr=lr)
     assert _rel_l2(want, _step_delta(copy.deepcopy(start), groups, lr=lr)) < 0.25
+
+
+@pytest.mark.slow
+def test_a_short_run_with_bf16_weights_trains_and_checkpoints_bf16_weights(tmp_path):
+    """`asyncrl train` with `--trainer.param-dtype bfloat16` (trainer process, rollout agent, weight publication,
+    checkpoint) on the toy task: every version trains with finite metrics and no skipped update, and the
+    checkpoint holds bf16 weights."""
+    run_dir = tmp_path / "bf16"
+    out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
+              "--trainer.param-dtype", "bfloat16", "--async-training.total-versions", "3", "--checkpoint-every", "3",
+              "--run-dir", str(run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        for name in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert math.isfinite(row[name]) and row["actor/skipped_updates"] == 0, (name, row)
+    payload = torch.load(run_dir / "checkpoints" / "step_00000003" / "learner.pt", weights_only=True)
+    assert {v.dtype for v in payload["policy"].values()} == {torch.bfloat16}
 
 
 # ========================================================================= 12. DAPO end to end, with the engine
