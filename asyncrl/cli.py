@@ -102,6 +102,9 @@ def agent_main(args: list[str]) -> None:
         """Device of this agent's engine (cuda:N, or cpu)."""
         threads: int = 1
         """torch intra-op threads (CPU)."""
+        token_file: str | None = None
+        """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
+        (its join line shows it); a loopback run on this host hands it over by itself."""
 
     parsed = tyro.cli(AgentArgs, args=args, prog="asyncrl agent")
     host, _, port = parsed.join.rpartition(":")
@@ -113,7 +116,12 @@ def agent_main(args: list[str]) -> None:
     import torch
     torch.set_num_threads(parsed.threads)
     from asyncrl.rpc.launch import run_agent_process
-    run_agent_process(host, int(port), device=parsed.device)
+    from asyncrl.rpc.exposure import read_token
+    try:
+        token = read_token(parsed.token_file, flag="--token-file")
+    except ValueError as err:
+        raise SystemExit(f"asyncrl agent: {err}") from None
+    run_agent_process(host, int(port), device=parsed.device, token=token)
 
 
 def _lazy(module: str, function: str):

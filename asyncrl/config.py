@@ -386,7 +386,12 @@ class PlacementConfig:
     agent_devices: tuple[str, ...] = ("cpu",)
     """One device per rollout agent (ranks after the trainers); 'cuda' = cuda:LOCAL_RANK."""
     master_addr: str = "127.0.0.1"
-    """Address the run's RPC and process groups bind to (loopback: RPC uses pickle, keep it private)."""
+    """Address every listener of the run binds (its stores, RPC, gloo, NCCL). Loopback (the default) keeps the
+    run on this host; any other address exposes RPC, which unpickles what it receives: use it only on a network
+    you trust (agents must also present the run's token)."""
+    token_file: str | None = None
+    """File whose first line is the run's token, which agents joining from other hosts must present (else
+    $ASYNCRL_RUN_TOKEN; else a token is made for the run and shown in its join line). Never stored in the run dir."""
     threads_per_process: int = 1
     """torch intra-op threads per process (CPU)."""
     join_port: int | None = None
@@ -399,8 +404,14 @@ class PlacementConfig:
     max_run_time_s: float | None = None
     """Wall-clock cap of the whole job: when it passes, the job stops as on SIGTERM (a checkpoint, then exit
     with status 124). None: no cap (bound the training itself with --async-training.time-budget-s)."""
+    user_code_workers: int = 2
+    """Processes per rollout agent that run your synchronous code (--reward.fn plug-ins, --env.fn steps), so that
+    a call past its timeout (--reward.timeout-s, --env.step-timeout-s) is cut off by killing its process while
+    the agent goes on. 0: run it in the agent's own threads, where a call that hangs cannot be stopped."""
 
     def validate(self) -> None:
+        if self.user_code_workers < 0:
+            _fail("placement", "user_code_workers", self.user_code_workers, "must be >= 0 (0: in the agent's threads)")
         if self.restart_agents < 0:
             _fail("placement", "restart_agents", self.restart_agents, "must be >= 0")
         if self.restart_backoff_s < 0:

@@ -188,6 +188,7 @@ class _Checks:
             self.report.problems.append(str(err))
             valid = False  # the data checks read the values validate refused: they wait for a fix
         self._devices()
+        self._network()
         self._backend()
         model_ok = self._model()
         if (problem := check_run_dir(cfg.run_dir)) is not None:
@@ -209,6 +210,29 @@ class _Checks:
         if not problems:
             self.report.facts.append(f"devices: trainer {' '.join(placement.trainer_devices)}; "
                                      f"agents {' '.join(placement.agent_devices)}")
+
+    def _network(self) -> None:
+        from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
+        placement = self.cfg.placement
+        if placement.launcher == "local":
+            return
+        try:
+            token = read_token(placement.token_file, flag="--placement.token-file")
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return
+        torchrun = placement.launcher == "torchrun"
+        host = os.environ.get("MASTER_ADDR", placement.master_addr) if torchrun else placement.master_addr
+        if is_loopback(host):
+            self.report.facts.append(f"network: every listener on loopback ({bind_address(host)}); nothing exposed")
+        elif token is None and torchrun:
+            self.report.problems.append(
+                f"MASTER_ADDR={host} is not loopback: a torchrun job across hosts needs the same run "
+                f"token on every node; export {TOKEN_ENV}=<16+ random characters> or give --placement.token-file")
+        else:
+            self.report.facts.append(
+                f"network: listening on {bind_address(host) or 'every interface'} ({host}); agents must present the "
+                "run's token; RPC unpickles what it receives, so only on a network you trust")
 
     def _backend(self) -> None:
         if self.cfg.rollout.backend != "vllm":

@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.config import DataConfig, EnvConfig, RunConfig
 from asyncrl.console import Console
-from asyncrl.data.scoring import Scorer, decode_ids
+from asyncrl.data.scoring import Scorer, Workers, decode_ids
 from asyncrl.data.files import load_prompt_file
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
@@ -155,10 +155,12 @@ class ScorerFactory:
     timeout_s: float = 60.0
     max_concurrency: int = 16
 
-    def __call__(self) -> Scorer:
+    def __call__(self, workers: Workers | None = None) -> Scorer:
+        """`workers`: where sync plug-ins run (the agent's worker processes; None: in the calling thread)."""
         from asyncrl.rewards.plugin import RewardTable
         return Scorer(RewardTable.from_specs(self.reward_fns), tokenizer=run_tokenizer(self.model_path),
-                      strict=self.strict, timeout_s=self.timeout_s, max_concurrency=self.max_concurrency)
+                      strict=self.strict, timeout_s=self.timeout_s, max_concurrency=self.max_concurrency,
+                      workers=workers)
 
 
 @dataclasses.dataclass
@@ -169,8 +171,10 @@ class EnvSetup:
     model_path: str
     """Where the tokenizer comes from (observations are rendered with its chat template)."""
 
-    def __call__(self):
+    def __call__(self, workers: Workers | None = None):
+        """`workers`: where the episodes of an environment of your own with a sync step live (None: here)."""
         from asyncrl.envs import ChatRenderer, EnvRuntime, TokenRenderer, env_tool_schemas, load_env
+        from asyncrl.envs.isolated import runs_isolated
         factory = load_env(self.env.fn)
         tokenizer = run_tokenizer(self.model_path)
         if tokenizer is None:
@@ -180,7 +184,8 @@ class EnvSetup:
             decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         return EnvRuntime(factory, renderer, decode, max_turns=self.env.max_turns,
                           max_turn_tokens=self.env.max_turn_tokens, step_timeout_s=self.env.step_timeout_s,
-                          max_concurrency=self.env.max_concurrency, observation_role=self.env.observation_role)
+                          max_concurrency=self.env.max_concurrency, observation_role=self.env.observation_role,
+                          isolated_spec=self.env.fn if runs_isolated(self.env.fn, factory) else None, workers=workers)
 
 
 def _engine_dtype(cfg: RunConfig, device: str) -> str:
@@ -216,7 +221,8 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
                    join_port=cfg.placement.join_port, threads_per_process=cfg.placement.threads_per_process,
                    colocate=cfg.async_training.colocated and cfg.placement.launcher != "local",
                    restart_agents=cfg.placement.restart_agents, restart_backoff_s=cfg.placement.restart_backoff_s,
-                   max_run_time_s=cfg.placement.max_run_time_s)
+                   max_run_time_s=cfg.placement.max_run_time_s, token_file=cfg.placement.token_file,
+                   user_code_workers=cfg.placement.user_code_workers)
 
 
 def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> pathlib.Path:

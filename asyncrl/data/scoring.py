@@ -9,10 +9,14 @@
 from `data_source` to a `(response_text, ground_truth) -> float` function. Without a tokenizer the
 response text is the token ids joined by spaces ("5 17 2"), which is what token-level toy tasks score.
 
-Sync rewards run in the calling thread. Async rewards run on one event loop in a daemon thread of the
-scorer (started on first use, stopped by `close()`): a group's completions are scored concurrently, at most
-`max_concurrency` calls at once over all groups, each call cut off after `timeout_s` seconds (it then
-scores 0 and counts in `timeouts`; sync calls cannot be cut off).
+Async rewards run on one event loop in a daemon thread of the scorer (started on first use, stopped by
+`close()`): a group's completions are scored concurrently, at most `max_concurrency` calls at once over all
+groups, each call cut off after `timeout_s` seconds (it then scores 0 and counts in `timeouts`); a coroutine
+that blocks the loop is named in the log (`BackgroundLoop`). Sync rewards loaded from a `--reward.fn` spec
+run in worker processes when the scorer is given `workers` (a run's agents are): a call past `timeout_s` is
+cut off by killing its worker, scores 0, counts in `timeouts`, and is named once in the log, while the agent
+goes on. Built-in rewards (bounded, eval-free) and functions passed as Python objects run in the calling
+thread.
 
 A reward that raises, or returns NaN, inf or something that is not a number, scores 0 and counts in
 `errors` (the run logs `reward/errors`; `error_examples` keeps the first few distinct messages); with
@@ -25,16 +29,37 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import threading
-from typing import Any, Callable, Mapping, Sequence
+import logging
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from asyncrl.background_loop import BackgroundLoop
-from asyncrl.rewards.plugin import RewardFunction, RewardTable, RewardValueError, normalize_result
+from asyncrl.rewards.plugin import (
+    RewardFunction, RewardTable, RewardValueError, load_reward, normalize_result, parse_reward_spec,
+)
 from asyncrl.types import Completion, Prompt
 
-__all__ = ["RewardFn", "RewardError", "ScoredGroup", "Scorer", "decode_ids"]
+__all__ = ["RewardFn", "RewardError", "ScoredGroup", "Scorer", "Workers", "decode_ids", "call_reward"]
+
+log = logging.getLogger("asyncrl.scoring")
 
 RewardFn = Callable[[str, str], float]
 MAX_ERROR_EXAMPLES = 5
+
+
+class Workers(Protocol):
+    """Where calls that may hang run (`asyncrl.rpc.worker_pool.WorkerPool`): `fn(state, *args)` in another
+    process, cut off after `timeout_s` (the future then raises a TimeoutError)."""
+
+    def submit(self, fn: Callable, args: tuple, *, timeout_s: float, pin: str | None = None
+               ) -> concurrent.futures.Future: ...
+
+
+def call_reward(state: dict, spec: str, text: str, prompt: Prompt) -> Any:
+    """In a worker process: the raw result of the `--reward.fn` item `spec` for `text` (loaded once per worker)."""
+    loaded = state.setdefault("rewards", {})
+    if spec not in loaded:
+        loaded[spec] = load_reward(parse_reward_spec(spec)[1])
+    return loaded[spec].call(text, prompt)
 
 
 def decode_ids(token_ids: list[int]) -> str:
@@ -80,8 +105,32 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _failure(fn: RewardFunction, prompt: Prompt, error: BaseException) -> str:
     if isinstance(error, RewardValueError):
         return _one_line(str(error))
-    return _one_line(f"{fn.name} raised {type(error).__name__}: {error} for data_source={prompt.data_source!r}, "
-                     f"row {prompt.index}")
+    kind = getattr(error, "type_name", type(error).__name__)  # raised in a worker process: its own type's name
+    return _one_line(f"{fn.name} raised {kind}: {error} for data_source={prompt.data_source!r}, row {prompt.index}")
+
+
+def _outcome_of(future: concurrent.futures.Future) -> _Outcome:
+    """A worker call's outcome (its future is done)."""
+    error = future.exception()
+    if isinstance(error, TimeoutError):
+        return _Outcome(timed_out=True)
+    return _Outcome(error=error) if error is not None else _Outcome(raw=future.result())
+
+
+def _when_all(futures: Sequence[concurrent.futures.Future], then: Callable[[], None]) -> None:
+    """Call `then()` once, when every one of `futures` is done (on the thread that completes the last)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _fold_outcomes(fn: RewardFunction, prompt: Prompt, texts: list[str],
@@ -122,13 +171,15 @@ class Scorer:
       tokenizer: decodes completions (None: token ids joined by spaces).
       default: the data source whose reward scores data sources that have none.
       strict: a failing reward raises RewardError instead of scoring 0.
-      timeout_s: longest an async reward call may take (it then scores 0 and counts as a timeout).
+      timeout_s: longest a reward call may take (async, or sync in `workers`; it then scores 0 and counts as
+        a timeout).
       max_concurrency: async reward calls in flight at once, over all groups.
+      workers: where sync `--reward.fn` plug-ins run (None: in the calling thread, where they cannot be cut off).
     """
 
     def __init__(self, rewards: RewardTable | Mapping[str, RewardFn | RewardFunction], *, tokenizer=None,
                  default: str | None = None, strict: bool = False, timeout_s: float = 60.0,
-                 max_concurrency: int = 16):
+                 max_concurrency: int = 16, workers: Workers | None = None):
         table = rewards if isinstance(rewards, RewardTable) else RewardTable.from_specs((), builtins=rewards)
         if not (table.plugins or table.default_plugin or table.builtins):
             raise ValueError("Scorer: no reward functions given; map each data_source to a reward function")
@@ -137,7 +188,8 @@ class Scorer:
         if max_concurrency < 1:
             raise ValueError(f"Scorer: max_concurrency={max_concurrency} must be >= 1")
         self.table, self.tokenizer, self.default, self.strict = table, tokenizer, default, strict
-        self.timeout_s, self.max_concurrency = timeout_s, max_concurrency
+        self.timeout_s, self.max_concurrency, self.workers = timeout_s, max_concurrency, workers
+        self._named_timeouts: set[str] = set()  # reward functions whose timeout the log has named
         self._lock = threading.Lock()
         self._loop: BackgroundLoop | None = None
         self._errors = self._timeouts = self._calls = 0
@@ -192,6 +244,8 @@ class Scorer:
         if fn.is_async:
             loop = self._async_loop()
             return loop.submit(self._score_async(fn, prompt, texts, loop.semaphore))
+        if self.workers is not None and fn.spec:
+            return self._score_in_workers(fn, prompt, texts)
         future: concurrent.futures.Future[ScoredGroup] = concurrent.futures.Future()
         try:
             future.set_result(self._finish(fn, prompt, texts, [_call(fn, t, prompt) for t in texts]))
@@ -237,6 +291,21 @@ class Scorer:
                 self._loop = BackgroundLoop(self.max_concurrency, name="asyncrl-rewards")
             return self._loop
 
+    def _score_in_workers(self, fn: RewardFunction, prompt: Prompt, texts: list[str]
+                          ) -> concurrent.futures.Future[ScoredGroup]:
+        calls = [self.workers.submit(call_reward, (fn.spec, text, prompt), timeout_s=self.timeout_s)
+                 for text in texts]
+        group: concurrent.futures.Future[ScoredGroup] = concurrent.futures.Future()
+
+        def finish() -> None:
+            try:
+                group.set_result(self._finish(fn, prompt, texts, [_outcome_of(c) for c in calls]))
+            except RewardError as err:
+                group.set_exception(err)
+
+        _when_all(calls, finish)
+        return group
+
     async def _score_async(self, fn: RewardFunction, prompt: Prompt, texts: list[str],
                            semaphore: asyncio.Semaphore) -> ScoredGroup:
         outcomes = await asyncio.gather(*(self._call_async(fn, t, prompt, semaphore) for t in texts))
@@ -262,6 +331,15 @@ class Scorer:
             for key, message, _ in failures:
                 if len(self._examples) < MAX_ERROR_EXAMPLES:
                     self._examples.setdefault(key, message)
+            first_timeout = group.timeouts > 0 and fn.name not in self._named_timeouts
+            if first_timeout:
+                self._named_timeouts.add(fn.name)
+        if first_timeout:
+            cut = "its worker process was killed and replaced" if self.workers is not None and not fn.is_async \
+                else "the call was cancelled"
+            log.warning("reward %s did not return within %g s for data_source=%r, row %d: scored 0, %s; the run "
+                        "goes on (timeouts are counted in reward/timeouts, not shown again)", fn.name, self.timeout_s,
+                        prompt.data_source, prompt.index, cut)
         if failures and self.strict:
             _, message, error = failures[0]
             raise RewardError(message) from error

@@ -6,8 +6,10 @@
     for group in runner.poll():               # environment steps that came back: next turns queued,
         ...                                   # EpisodeGroup of every prompt whose n episodes all ended
 
-After each model turn the environment's `step` runs on a background event loop (a sync `step` in a worker
-thread), cut off after `step_timeout_s`; the observation is rendered there too. The generation loop only
+After each model turn the environment's `step` runs on a background event loop, cut off after
+`step_timeout_s`; the observation is rendered there too. An environment of your own with a sync `step` lives
+in a worker process (`runtime.workers`, see `asyncrl.envs.isolated`): a step past its timeout is cut off by
+killing that process. A built-in environment's sync `step` runs in a thread (they are bounded). The generation loop only
 polls finished futures, so a slow tool never stalls the other episodes' decoding. The next turn is queued
 as a request of the episode's session: the embedded engine continues from the held K/V, vLLM from its
 prefix cache, and the turn prefills only its new tokens. A weight update may land between turns or within
@@ -23,18 +25,22 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
+import logging
 import math
 import time
 from typing import Any, Callable
 
 from asyncrl.background_loop import BackgroundLoop
 from asyncrl.envs.episode import Episode, EpisodeStats
+from asyncrl.envs.isolated import close_env, open_env, step_env
 from asyncrl.envs.protocol import EnvFactory, StepResult, Turn
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.types import Completion, GenerationOutput, Prompt
 
 __all__ = ["EnvRuntime", "EpisodeGroup", "EpisodeRunner"]
+
+log = logging.getLogger("asyncrl.episodes")
 
 
 @dataclasses.dataclass
@@ -51,6 +57,14 @@ class EnvRuntime:
     step_timeout_s: float = 30.0
     max_concurrency: int = 64
     observation_role: str = "user"
+    isolated_spec: str | None = None
+    """The `--env.fn` whose episodes live in `workers` (`asyncrl.envs.isolated.runs_isolated`); None: here."""
+    workers: Any = None
+    """Worker processes (`asyncrl.data.scoring.Workers`) for `isolated_spec`."""
+
+    @property
+    def isolated(self) -> bool:
+        return self.isolated_spec is not None and self.workers is not None
 
 
 @dataclasses.dataclass
@@ -91,6 +105,7 @@ class EpisodeRunner:
         self._requests: dict[str, tuple[_Task, list[Episode]]] = {}  # engine request id -> its episodes
         self._stepping: list[tuple[_Task, Episode, concurrent.futures.Future]] = []
         self._ready: list[EpisodeGroup] = []  # prompts whose episodes have all ended, for the next poll
+        self._timeout_named = False
 
     @property
     def busy(self) -> bool:
@@ -137,7 +152,10 @@ class EpisodeRunner:
         start = time.monotonic()
         try:
             async with self._loop.semaphore:
-                result = await asyncio.wait_for(self._call(prompt, episode, turn), self.runtime.step_timeout_s)
+                if self.runtime.isolated:  # the pool times each call from when a worker takes it (start-up excluded)
+                    result = await self._call_isolated(prompt, episode, turn)
+                else:
+                    result = await asyncio.wait_for(self._call(prompt, episode, turn), self.runtime.step_timeout_s)
             problem = _invalid(result)
             if problem is not None:
                 return _Outcome(error=problem, seconds=time.monotonic() - start)
@@ -147,10 +165,11 @@ class EpisodeRunner:
                     result.observation if not isinstance(result.observation, str) else
                     [{"role": self.runtime.observation_role, "content": result.observation}])
             return _Outcome(result=result, tokens=tokens, seconds=time.monotonic() - start)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, TimeoutError):  # TimeoutError: a worker's call past its deadline
             return _Outcome(timed_out=True, seconds=time.monotonic() - start)
         except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, not the run
-            return _Outcome(error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - start)
+            kind = getattr(err, "type_name", type(err).__name__)  # raised in a worker process: its own type's name
+            return _Outcome(error=f"{kind}: {err}", seconds=time.monotonic() - start)
 
     async def _call(self, prompt: Prompt, episode: Episode, turn: Turn) -> Any:
         if episode.env is None:  # made here, off the decode loop: a constructor may load data or start a sandbox
@@ -160,6 +179,14 @@ class EpisodeRunner:
             return await step(turn)
         result = await asyncio.to_thread(step, turn)
         return await result if inspect.isawaitable(result) else result
+
+    async def _call_isolated(self, prompt: Prompt, episode: Episode, turn: Turn) -> Any:
+        workers, timeout, key = self.runtime.workers, self.runtime.step_timeout_s, episode.key
+        if episode.env is None:
+            episode.env = _Isolated(key)  # before the call: an episode ended mid-open still closes its worker state
+            await asyncio.wrap_future(workers.submit(open_env, (self.runtime.isolated_spec, key, prompt),
+                                                     timeout_s=timeout, pin=key))
+        return await asyncio.wrap_future(workers.submit(step_env, (key, turn), timeout_s=timeout, pin=key))
 
     def poll(self) -> list[EpisodeGroup]:
         """Apply the environment steps that came back; return the prompts whose episodes have all ended."""
@@ -177,6 +204,13 @@ class EpisodeRunner:
         stats.env_steps += 1
         stats.env_time_s += outcome.seconds
         if outcome.timed_out or outcome.error is not None:
+            if outcome.timed_out and not self._timeout_named:
+                self._timeout_named = True
+                log.warning("an environment step did not return within %g s (data_source=%r, row %d): the episode "
+                            "ends untrained, %s; the run goes on (counted in env/timeouts, not shown again)",
+                            self.runtime.step_timeout_s, task.prompt.data_source, task.prompt.index,
+                            "its worker process was killed and replaced" if self.runtime.isolated
+                            else "its thread cannot be stopped and runs on")
             stats.env_timeouts += outcome.timed_out
             stats.env_errors += outcome.error is not None
             episode.failed = True
@@ -204,13 +238,31 @@ class EpisodeRunner:
             episode.finish_reason = "abort"
         self.engine.end_sessions([episode.key])
         close = getattr(episode.env, "close", None)
-        if callable(close):
+        if isinstance(episode.env, _Isolated):
+            self._close_isolated(episode.key)
+        elif callable(close):
             try:
                 close()
             except Exception:  # noqa: BLE001 - the episode is over; a failing close must not end the run
                 episode.stats.env_errors += 1
         if all(e.done for e in task.episodes):
             self._ready.append(self._collect(task))
+
+    def _close_isolated(self, key: str) -> None:
+        """Close the episode's environment in its worker, then forget where it lived (a failed close is logged:
+        the episode is over)."""
+        workers = self.runtime.workers
+        try:
+            closing = workers.submit(close_env, (key,), timeout_s=self.runtime.step_timeout_s, pin=key)
+        except RuntimeError:  # the pool is closed: the run is ending
+            return
+
+        def forget(future: concurrent.futures.Future) -> None:
+            if future.exception() is not None:
+                log.debug("closing the environment of %s failed: %r", key, future.exception())
+            workers.release(key)
+
+        closing.add_done_callback(forget)
 
     def _collect(self, task: _Task) -> EpisodeGroup:
         key = next(k for k, t in self._tasks.items() if t is task)
@@ -225,6 +277,13 @@ class EpisodeRunner:
     def close(self) -> None:
         """Stop the environment loop (cancelling steps still running)."""
         self._loop.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Isolated:
+    """Stands in an Episode for an environment that lives in a worker process, under the episode's key."""
+
+    key: str
 
 
 def _invalid(result: Any) -> str | None:

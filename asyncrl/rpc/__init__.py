@@ -8,11 +8,19 @@ launchers), `launch` (process bodies, torchrun), `supervise` (the launcher's sup
 `store` and `membership` (the run's control plane), `lifecycle` (signals, parent death).
 """
 
-from asyncrl.rpc.agent import RolloutAgent
-from asyncrl.rpc.controller import Controller, RunSummary
-from asyncrl.rpc.local import LocalRun
-from asyncrl.rpc.queue import Ledger, QueueTimeout, SampleQueue, Task
-from asyncrl.rpc.roster import Fenced, Roster
+import importlib
+
+_HOMES = {"RolloutAgent": "agent", "Controller": "controller", "RunSummary": "controller", "LocalRun": "local",
+          "Ledger": "queue", "QueueTimeout": "queue", "SampleQueue": "queue", "Task": "queue", "Fenced": "roster",
+          "Roster": "roster"}
 
 __all__ = ["SampleQueue", "Ledger", "Task", "QueueTimeout", "RolloutAgent", "Controller", "RunSummary", "LocalRun",
            "Roster", "Fenced"]
+
+
+def __getattr__(name: str):
+    """The package's names, imported when first used: a process that needs one module of the package (a
+    user-code worker needs `worker_pool`) does not pay for all of them."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'asyncrl.rpc' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"asyncrl.rpc.{_HOMES[name]}"), name)

@@ -30,6 +30,10 @@ from asyncrl.rpc.membership import leave_rpc
 from asyncrl.rpc.roster import Fenced
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
+from asyncrl.rpc.worker_pool import WorkerPool
+
+USER_CODE_MODULES = ("asyncrl.data.scoring", "asyncrl.envs.isolated")
+"""What a user-code worker imports before it takes calls (start-up never counts against a call's deadline)."""
 
 __all__ = ["AgentServer", "RemoteRoster", "heartbeat_period"]
 
@@ -81,10 +85,13 @@ class AgentServer:
         backend = getattr(engine, "backend", type(engine).__name__)
         phase(f"{name}: {backend} engine ready in {time.monotonic() - loading:.1f} s")
         colocated = spec.async_.colocated and spec.async_.colocated_sleep
-        self.agent = RolloutAgent(name, engine, spec.scorer_factory(), spec.rollout,
+        # your synchronous rewards and environment steps run here, where a call that hangs can be killed
+        self.workers = WorkerPool(spec.user_code_workers, name=f"{name}-user-code", preload=USER_CODE_MODULES) \
+            if spec.user_code_workers > 0 else None
+        self.agent = RolloutAgent(name, engine, spec.scorer_factory(self.workers), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
                                   heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended,
-                                  env=spec.env_setup() if spec.env_setup is not None else None)
+                                  env=spec.env_setup(self.workers) if spec.env_setup is not None else None)
         self.channel: WeightChannel | None = None
         self._leaving = threading.Event()
 
@@ -108,6 +115,8 @@ class AgentServer:
         """Stop the loop (end of the run, or leaving it); report what the agent did."""
         self._leaving.set()
         self.agent.stop()
+        if self.workers is not None:
+            self.workers.close()
         return {"versions_seen": self.agent.versions_seen, "submitted": self.agent.submitted,
                 "error": repr(self.agent.error) if self.agent.error else None}
 

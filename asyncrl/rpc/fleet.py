@@ -6,7 +6,8 @@ and `asyncrl agent --join HOST:PORT`):
 
 1. the agent process reaches the run's store at HOST:PORT, takes a slot (its configured one, or the next free
    one) and an incarnation (restarts count up: `agent1`, `agent1_r1`, ...), joins the RPC group under that
-   name, and announces itself in the store (name, slot, device, pid);
+   name, and announces itself in the store (name, slot, device, pid, and an HMAC of its name proving it knows
+   the run's token: `asyncrl.rpc.exposure`); an agent without it is refused and told so;
 2. rank 0's admissions thread sees the announcement and, in a thread of its own, creates the agent's
    `AgentServer` in that process with `rpc.remote` (the agent builds its engine on its device), connects the
    agent's weight channel (a fresh two-member process group over the store), and enters it in the roster as
@@ -32,6 +33,7 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.channels import WeightChannel, channel_backend
+from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.roster import Roster
 from asyncrl.rpc.spec import RunSpec
@@ -96,8 +98,9 @@ class Admissions:
     """Rank 0's door: polls the store for agent processes that joined the RPC group and admits them."""
 
     def __init__(self, spec: RunSpec, store: RunStore, fleet: Fleet, roster: Roster, roster_rref: rpc.RRef,
-                 trainer_device: str, *, poll_s: float = 0.2):
+                 trainer_device: str, *, token: RunToken, nonce: str, poll_s: float = 0.2):
         self.spec, self.store, self.fleet, self.roster = spec, store, fleet, roster
+        self.token, self.nonce = token, nonce
         self.payload = dataclasses.replace(spec, log_fn=None)  # what an agent process needs (no open files)
         self.roster_rref, self.trainer_device, self.poll_s = roster_rref, trainer_device, poll_s
         self.failed: dict[str, str] = {}  # agents whose admission failed, and why (start-up reports them)
@@ -126,6 +129,9 @@ class Admissions:
         joins = self.store.announcements(self._joins)
         self._joins += len(joins)
         for record in joins:
+            if not self.token.admits(str(record.get("name")), self.nonce, record.get("proof")):
+                self.refuse(record)
+                continue
             threading.Thread(target=self.admit, args=(record,), name=f"admit-{record['name']}", daemon=True).start()
         leaves = self.store.leave_requests(self._leaves)
         self._leaves += len(leaves)
@@ -143,6 +149,19 @@ class Admissions:
         if self.fleet.membership is not None:
             alive = set(self.fleet.membership.members())
             self.fleet.membership.release_stuck_token(alive, self._token_watch, grace_s=2 * self.spec.rpc_timeout_s)
+
+    def refuse(self, record: dict) -> None:
+        """An agent without the run's token: it gets nothing (no server, weights or prompts), leaves the RPC
+        group, and is told why (its process exits)."""
+        name = str(record.get("name"))
+        why = "it did not present the run's token (give the same ASYNCRL_RUN_TOKEN or --token-file as the run)"
+        log.error("refused agent %s from host %s (pid %s): %s", name, record.get("host"), record.get("pid"), why)
+        self.store.refuse(name, why)
+        if self.fleet.membership is not None:
+            try:
+                self.fleet.membership.evict(name)
+            except Exception as err:  # noqa: BLE001 - refused either way
+                log.warning("could not evict the refused agent %s from the RPC group: %r", name, err)
 
     def admit(self, record: dict) -> None:
         """Build the announced agent's server and weight channel; enter it in the roster as joining."""

@@ -2,7 +2,7 @@
 roster and the parameter server, creates the other ranks' role objects with `rpc.remote`, admits agents, and
 shuts the run down.
 
-    summary = run_head(spec, store, stop)     # in trainer rank 0, after the trainer group and RPC are up
+    summary = run_head(spec, store, stop, token, nonce)  # in trainer rank 0, after the trainer group and RPC are up
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
 from asyncrl.rpc.roster import Roster
 from asyncrl.rpc.spec import RunSpec
+from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.store import RunStore
 
 __all__ = ["run_head"]
@@ -37,8 +38,9 @@ class _Head:
     """What rank 0 builds, in the order it must: followers and the command group (collective with them), its
     own learner shard, the resume, then agents and the publisher."""
 
-    def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest):
+    def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str):
         self.spec, self.store, self.stop = spec, store, stop
+        self.token, self.nonce = token, nonce
         self.queue = build_queue(spec)
         self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
         self.roster = Roster(self.queue, agent_timeout_s=spec.async_.agent_timeout_s,
@@ -102,7 +104,8 @@ class _Head:
                                                                                            version))
 
     def _collective_publisher(self) -> CollectivePublisher:
-        self.admissions = Admissions(self.spec, self.store, self.fleet, self.roster, self.roster_rref, self.device)
+        self.admissions = Admissions(self.spec, self.store, self.fleet, self.roster, self.roster_rref, self.device,
+                                     token=self.token, nonce=self.nonce)
         self.admissions.start()
         self.admissions.wait_for(self.spec.num_agent_processes, self.spec.startup_timeout_s, self.stop)
         return CollectivePublisher(self.fleet, self.roster, partial_rollout=self.spec.async_.partial_rollout,
@@ -189,5 +192,6 @@ class _Head:
         self.store.shut_down()
 
 
-def run_head(spec: RunSpec, store: RunStore, stop: StopRequest) -> RunSummary:
-    return _Head(spec, store, stop).run()
+def run_head(spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str) -> RunSummary:
+    """Rank 0's run; agents are admitted when they prove `token` over `nonce` (the nonce of the store's info)."""
+    return _Head(spec, store, stop, token, nonce).run()

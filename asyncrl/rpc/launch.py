@@ -11,8 +11,9 @@ roster, parameter server. Rollout agents are processes of their own that join th
 RPC (`asyncrl.rpc.fleet` describes the protocol); each builds its engine on its device. Control and samples
 travel by RPC, weights over each agent's own weight channel (NCCL on GPU, gloo on CPU).
 
-RPC uses pickle: the run binds to loopback (127.0.0.1) unless `master_addr` says otherwise — never expose it to
-an untrusted network.
+RPC uses pickle: every listener of the run binds loopback (127.0.0.1) unless `master_addr` says otherwise, and
+an agent is admitted only with the run's token (`asyncrl.rpc.exposure`) — never expose a run to an untrusted
+network.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from asyncrl.rpc.assembly import local_device, resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, new_token, read_token
 from asyncrl.rpc.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
@@ -75,12 +77,13 @@ def _setup_logging(role: str) -> None:
 
 # -------------------------------------------------------------------------------------- trainer ranks
 def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
-                parent_pid: int | None = None) -> RunSummary | None:
+                parent_pid: int | None = None, token: RunToken | None = None) -> RunSummary | None:
     """The body of trainer rank `rank`: the trainer group and RPC, then rank 0 runs the head and the others wait
     for the end (their role object, a `FollowerHost`, is created and driven by rank 0). Returns the summary on
-    rank 0 (also put on `results` when given)."""
+    rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it)."""
     role = f"trainer{rank}"
     _setup_logging(role)
+    confine_to_loopback(host)
     if parent_pid is not None:
         die_with_parent(parent_pid)
         name_process(f"asyncrl-{role}")
@@ -99,12 +102,16 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         dist.init_process_group(backend, store=store.prefix("asyncrl/trainers"), rank=rank,
                                 world_size=spec.num_trainers,
                                 timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
+        nonce = new_nonce()
         if rank == 0:
-            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s})
+            if token is None:
+                raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
+            if is_loopback(host):  # before the info, which joining agents wait for
+                store.leave_token(token)
+            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce})
             store.reserve_slots(len(spec.agents))
             store.set_restarts_left(spec.restart_agents)
-            print(f"[asyncrl] more rollout agents can join this run: asyncrl agent --join {host}:{store_port} "
-                  "--device DEVICE", flush=True)
+            print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
         join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s)
         if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
             store.raw.wait([f"asyncrl/joined/trainer{r}" for r in range(1, spec.num_trainers)],
@@ -118,7 +125,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     try:
         if rank == 0:
             from asyncrl.rpc.head import run_head
-            summary = run_head(spec, store, stop)
+            summary = run_head(spec, store, stop, token, nonce)
             _report(results, summary)
         else:
             _wait_for_end(store, poll_s=0.5)
@@ -133,6 +140,17 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary
+
+
+def _join_line(host: str, port: int, token: RunToken) -> str:
+    """How to start one more agent: on loopback the token waits in the store; elsewhere the agent needs it (shown
+    when this run made it; a token the user gave is theirs and is not echoed)."""
+    command = f"asyncrl agent --join {host}:{port} --device DEVICE"
+    if is_loopback(host):
+        return command
+    if token.generated:
+        return f"{TOKEN_ENV}={token.value} {command}"
+    return f"{command} (with the run's token in ${TOKEN_ENV} or --token-file FILE)"
 
 
 def _report(results, outcome) -> None:
@@ -153,18 +171,29 @@ def _wait_for_end(store: RunStore, poll_s: float) -> None:
 
 # --------------------------------------------------------------------------------------------- agents
 def run_agent(host: str, port: int, *, device: str, slot: int | None = None, parent_pid: int | None = None,
-              leave_grace_s: float = 60.0, connect_timeout_s: float = 600.0) -> int:
-    """The body of a rollout agent process: reach the run's store, join the RPC group, announce itself, and
-    wait; rank 0 creates its `AgentServer` (engine, loop) and ends the process at the end of the run, or when it
-    leaves (first SIGTERM / SIGINT: it asks rank 0 to let it go; a second one exits at once). Returns the exit
-    status."""
+              leave_grace_s: float = 60.0, connect_timeout_s: float = 600.0, token: RunToken | None = None,
+              token_file: str | None = None) -> int:
+    """The body of a rollout agent process: reach the run's store, join the RPC group, announce itself with
+    proof of the run's token, and wait; rank 0 creates its `AgentServer` (engine, loop) and ends the process at
+    the end of the run, or when it leaves (first SIGTERM / SIGINT: it asks rank 0 to let it go; a second one
+    exits at once). Returns the exit status.
+
+    The token: `token`, else `token_file` or $ASYNCRL_RUN_TOKEN, else (a loopback run) the one rank 0 left in
+    the store."""
     managed = parent_pid is not None
     if managed:
         die_with_parent(parent_pid)
+    confine_to_loopback(host)
     stop = StopRequest()
     on_signals(stop.set)
+    token = token or read_token(token_file, flag="--token-file")
     store = RunStore(host, port, serve=False, timeout_s=connect_timeout_s)
     info = store.info()
+    token = token or store.left_token()
+    if token is None:
+        log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE; the run "
+                  "printed its join line at start-up)", host, port, TOKEN_ENV)
+        return 2
     slot = store.new_slot() if slot is None else slot
     for attempt in range(1, 4):  # a member that just died may still be listed until rank 0 evicts it
         name = agent_name(slot, store.next_incarnation(slot))  # a fresh name: a failed join may have left its own
@@ -178,7 +207,8 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
             log.warning("%s: joining failed (%s); trying again in 5 s", name, err)
             time.sleep(5.0)
     name_process(f"asyncrl-{name}")
-    store.announce({"name": name, "slot": slot, "device": device, "pid": os.getpid(), "host": socket.gethostname()})
+    store.announce({"name": name, "slot": slot, "device": device, "pid": os.getpid(), "host": socket.gethostname(),
+                    "proof": token.proof(name, info.get("nonce", ""))})
     log.info("%s joined the run at %s:%d on %s; waiting to be admitted", name, host, port, device)
     asked_at = None
     try:
@@ -186,9 +216,13 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
             try:
                 if store.is_shut_down():
                     return 0
+                refused = store.refusal(name)
             except Exception:  # noqa: BLE001 - the run's head is gone
                 log.error("%s: the run's store at %s:%d is gone; exiting", name, host, port)
                 return 1
+            if refused is not None:
+                log.error("%s: the run refused this agent: %s", name, refused)
+                return 2
             if stop.is_set() and asked_at is None:
                 asked_at = time.monotonic()
                 if not managed:  # a launcher-managed agent is stopped by rank 0 with the whole run
@@ -246,10 +280,15 @@ def run_torchrun(spec: RunSpec) -> RunSummary | None:
                          "--nnodes or --placement.trainer-devices / --placement.agent-devices")
     host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"])
     spec = dataclasses.replace(spec, master_addr=host)
+    token = read_token(spec.token_file, flag="--placement.token-file")
+    if token is None and not is_loopback(host):
+        raise ValueError(f"a torchrun job with MASTER_ADDR={host} (not loopback) needs the run's token on every node: "
+                         f"export {TOKEN_ENV}=<at least 16 random characters> (the same on each node) or give "
+                         "--placement.token-file FILE")
     parent = os.getppid()  # torchrun's agent: if it is killed, so is this rank
     if rank < spec.num_trainers:
         if rank == 0:
             resume_checkpoint(spec)
-        return run_trainer(rank, spec, host, port + 1, port + 2, parent_pid=parent)
+        return run_trainer(rank, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token())
     slot = rank - spec.num_trainers
-    run_agent_process(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent)
+    run_agent_process(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent, token=token)

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api as rpc_api
 
+from asyncrl.rpc.store import serve_store
+
 __all__ = ["join_rpc", "leave_rpc", "RpcMembership"]
 
 log = logging.getLogger("asyncrl.membership")
@@ -39,6 +41,9 @@ def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, th
     # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does
     # not listen on this port): the group's store is served by rank 0 here
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # rank 0 serves the group's store on the master address only; init_rpc's own (multi-tenant) store of the
+    # same port shares that server instead of listening on every interface
+    served = serve_store(host, port, timeout_s, multi_tenant=True) if rank == 0 else None
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     except Exception as err:
@@ -48,6 +53,7 @@ def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, th
     finally:
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+        del served  # the RPC agent's store holds the server from here on
 
 
 def _release_own_token(name: str, host: str, port: int) -> None:

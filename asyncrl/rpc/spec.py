@@ -100,6 +100,10 @@ class RunSpec:
     """Seconds before the first restart; doubled for each further restart of the same agent."""
     max_run_time_s: float | None = None
     """Stop the job like a SIGTERM (checkpoint, then exit) after this many seconds of wall-clock; None: never."""
+    user_code_workers: int = 2
+    """Worker processes per agent for synchronous user code (`asyncrl.rpc.worker_pool`); 0: in the agent's threads."""
+    token_file: str | None = None
+    """File holding the run's token (else $ASYNCRL_RUN_TOKEN, else one made for the run): `asyncrl.rpc.exposure`."""
 
     def __post_init__(self):
         if self.colocate and len(self.agents) != len(self.trainer_devices):

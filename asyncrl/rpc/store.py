@@ -8,7 +8,10 @@ run reaches at `master_addr:join_port`. It is the run's control plane for what R
   exits           the launcher saw an agent's process end: rank 0 declares it dead at once;
   dead reports    rank 0 names the agents it declared dead (pid included), so the launcher can end and restart
                   them;
-  shutdown        rank 0 marks the end of the run; every other process exits when it sees it.
+  shutdown        rank 0 marks the end of the run; every other process exits when it sees it;
+  refusals        rank 0 names an agent it refused (no valid run token); that process exits when it sees it.
+
+The store listens on the master address only (`asyncrl.rpc.exposure`): loopback stays on this host.
 
 Sequences (announcements, leave requests, dead reports) are an append-only list: a counter key and one key per
 entry, so each reader keeps its own cursor and nothing is lost between polls.
@@ -21,7 +24,9 @@ import json
 
 import torch.distributed as dist
 
-__all__ = ["RunStore", "agent_name"]
+from asyncrl.rpc.exposure import RunToken, is_loopback, listening_socket
+
+__all__ = ["RunStore", "agent_name", "serve_store"]
 
 _RPC_RANK_BASE = 1_000  # trainers are RPC ranks 0 .. T-1; agents get ranks from here on
 
@@ -32,11 +37,20 @@ def agent_name(slot: int, incarnation: int) -> str:
     return f"agent{slot}" if incarnation == 0 else f"agent{slot}_r{incarnation}"
 
 
+def serve_store(host: str, port: int, timeout_s: float, *, multi_tenant: bool = False) -> dist.TCPStore:
+    """A TCPStore served at `host:port` from a socket bound to that address only (torch's own server would
+    listen on every interface). `multi_tenant`: a later TCPStore of this process on the same port (the RPC
+    group's, made inside `rpc.init_rpc`) shares this server instead of starting one of its own."""
+    listener = listening_socket(host, port)
+    return dist.TCPStore(host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=listener.detach())
+
+
 class RunStore:
     def __init__(self, host: str, port: int, *, serve: bool, timeout_s: float):
         self.host, self.port = host, port
-        self.raw = dist.TCPStore(host, port, is_master=serve, timeout=datetime.timedelta(seconds=timeout_s),
-                                 wait_for_workers=False)
+        self.raw = serve_store(host, port, timeout_s) if serve else dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
     def prefix(self, name: str) -> dist.PrefixStore:
         return dist.PrefixStore(name, self.raw)
@@ -47,6 +61,19 @@ class RunStore:
 
     def info(self) -> dict:
         return json.loads(self.raw.get("asyncrl/info"))  # waits (up to the store timeout) until rank 0 set it
+
+    def leave_token(self, token: RunToken) -> None:
+        """Rank 0 of a loopback run: the token, for `asyncrl agent --join` on this host (the store is reachable
+        from this host only). Never on a run other hosts can reach."""
+        if not is_loopback(self.host):
+            raise ValueError(f"the run token is not stored on a run at {self.host}, which other hosts can reach")
+        self.raw.set("asyncrl/token", token.value)
+
+    def left_token(self) -> RunToken | None:
+        """The token rank 0 left in a loopback run's store, or None."""
+        if not is_loopback(self.host) or not self.raw.check(["asyncrl/token"]):
+            return None
+        return RunToken(self.raw.get("asyncrl/token").decode(), generated=True)
 
     # -------------------------------------------------------------------------------------------- ids
     def next_rpc_rank(self) -> int:
@@ -101,6 +128,14 @@ class RunStore:
 
     def dead_reports(self, start: int) -> list[dict]:
         return self._read("dead", start)
+
+    def refuse(self, name: str, why: str) -> None:
+        self.raw.set(f"asyncrl/refused/{name}", why)
+
+    def refusal(self, name: str) -> str | None:
+        """Why rank 0 refused agent `name`, or None."""
+        key = f"asyncrl/refused/{name}"
+        return self.raw.get(key).decode() if self.raw.check([key]) else None
 
     # ------------------------------------------------------------------------------------- run end
     def shut_down(self) -> None:

@@ -29,6 +29,7 @@ import socket
 import time
 
 from asyncrl.rpc.controller import RunSummary
+from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
 from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
 from asyncrl.rpc.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
@@ -47,15 +48,15 @@ class RunKilled(RuntimeError):
         self.signal_name = signal_name
 
 
-def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int) -> None:
+def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken) -> None:
     os.setpgid(0, 0)  # terminal signals reach the launcher only, which forwards them once
-    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid)
+    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token)
 
 
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
-                   parent_pid: int) -> None:
+                   parent_pid: int, token: RunToken) -> None:
     os.setpgid(0, 0)
-    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid)
+    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token)
 
 
 @dataclasses.dataclass
@@ -87,9 +88,10 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
         self.host = spec.master_addr
+        self.token = read_token(spec.token_file, flag="--placement.token-file") or new_token()
         # held until the run ends, so that no other run on this host is given them (a --placement.join-port
         # the user chose is theirs to keep free)
-        self.reserved = [reserve_port() for _ in range(1 if spec.join_port else 2)]
+        self.reserved = [reserve_port(bind_address(self.host)) for _ in range(1 if spec.join_port else 2)]
         ports = [s.getsockname()[1] for s in self.reserved]
         self.store_port = spec.join_port or ports.pop()
         self.rpc_port = ports.pop()
@@ -106,14 +108,14 @@ class Supervisor:
     def _spawn_trainer(self, rank: int) -> None:
         p = self.ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
                              args=(rank, self.spec, self.host, self.store_port, self.rpc_port,
-                                   self.results if rank == 0 else None, os.getpid()))
+                                   self.results if rank == 0 else None, os.getpid(), self.token))
         p.start()
         self.children.append(_Child(f"trainer{rank}", rank, p))
 
     def _spawn_agent(self, slot: int, restarts: int = 0) -> None:
         device = self.spec.agent_spec(slot).device
         p = self.ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
-                             args=(self.host, self.store_port, device, slot, os.getpid()))
+                             args=(self.host, self.store_port, device, slot, os.getpid(), self.token))
         p.start()
         self.children.append(_Child(f"agent{slot}", slot, p, restarts))
         self._write_processes()

@@ -42,14 +42,6 @@ def no_process_left(job: Job) -> None:
                f"every process of the run to be gone ({job.all_pids()})")
 
 
-@pytest.fixture
-def jobs():
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.kill()
-
-
 def test_a_hung_agent_is_named_and_fenced_the_trainer_steps_on_then_sigterm_checkpoints_and_resume_continues(
         tmp_path, jobs):
     timeout = agent_timeout()

@@ -1,0 +1,238 @@
+"""What a run exposes: on loopback every listening socket of every process of a running job is a loopback one;
+an agent must prove the run's token before it gets anything; tokens are read, checked and never shown by repr.
+
+The listening sockets are read from /proc (each process's socket inodes, matched against the kernel's TCP
+tables), so the test sees what the kernel sees, including what torch, TensorPipe and gloo open on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import pathlib
+import signal
+import socket
+
+import pytest
+
+from asyncrl.rpc.exposure import RunToken, bind_address, is_loopback, listening_socket, new_token, read_token
+from asyncrl.rpc.launch import free_port
+from tests.rpc.jobs import TOY, Job
+from tests.timing import limit
+
+ENDLESS = ("--async-training.total-versions", "1000000")
+
+
+# ------------------------------------------------------------------------------------- reading /proc
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid and child not in found]
+        found.update(children)
+        frontier += children
+    return found
+
+
+def _socket_inodes(pids: set[int]) -> dict[int, int]:
+    inodes = {}
+    for pid in pids:
+        try:
+            fds = list(pathlib.Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[int(target[8:-1])] = pid
+    return inodes
+
+
+def _address(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # four host-order 32-bit words
+    return str(ipaddress.IPv6Address(words))
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket in LISTEN state that one of `pids` holds."""
+    inodes = _socket_inodes(pids)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                found.append((_address(address), int(port, 16), inodes[int(fields[9])]))
+    return found
+
+
+def _is_loopback_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def _outward_address() -> str | None:
+    """An address of this machine that other hosts could reach, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route's source address
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+# ------------------------------------------------------------------------------------------- tests
+def test_the_reader_sees_a_socket_listening_on_every_interface():
+    """The reader has power: a socket bound to 0.0.0.0 is listed as such."""
+    with socket.socket() as wide:
+        wide.bind(("0.0.0.0", 0))
+        wide.listen(1)
+        port = wide.getsockname()[1]
+        listed = [row for row in listening_sockets({os.getpid()}) if row[1] == port]
+    assert listed == [("0.0.0.0", port, os.getpid())]
+    assert not _is_loopback_address("0.0.0.0") and _is_loopback_address("::ffff:127.0.0.1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(limit(300))
+def test_every_listener_of_a_running_job_is_on_loopback(tmp_path, jobs):
+    port = free_port()
+    job = Job(tmp_path, *TOY, *ENDLESS, "--placement.agent-devices", "cpu", "cpu", "--placement.join-port", str(port))
+    jobs.append(job)
+    job.wait_versions(3)
+    pids = _descendants(job.proc.pid)
+    assert set(job.processes().values()) <= pids
+    listeners = listening_sockets(pids)
+    ports = {p for _, p, _ in listeners}
+    assert port in ports, f"the run's store on {port} is not among the listeners {sorted(ports)}"
+    assert len({pid for _, _, pid in listeners}) >= 3, "trainer and both agents listen (RPC, gloo)"
+    exposed = [row for row in listeners if not _is_loopback_address(row[0])]
+    assert not exposed, f"listening beyond loopback (address, port, pid): {exposed}"
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM, job.tail()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(limit(300))
+def test_an_agent_with_a_wrong_token_is_refused_and_told_and_the_run_goes_on(tmp_path, jobs, monkeypatch):
+    port = free_port()
+    job = Job(tmp_path, *TOY, *ENDLESS, "--placement.join-port", str(port))
+    jobs.append(job)
+    job.wait_for(rf"asyncrl agent --join 127.0.0.1:{port} --device DEVICE\n")  # loopback: no token to show
+    job.wait_versions(2)
+    monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "not-the-token-of-this-run")
+    intruder = Job(tmp_path, "--join", f"127.0.0.1:{port}", name="intruder", command="agent", preset=None)
+    jobs.append(intruder)
+    assert intruder.finish() == 2, intruder.tail()
+    assert "the run refused this agent: it did not present the run's token" in intruder.text()
+    job.wait_for(r"refused agent agent1 from host .* it did not present the run's token")
+    versions = len(job.metrics())
+    job.wait_versions(versions + 3)  # the run goes on
+    assert "agent agent1 is live" not in job.text() and "token-of-this-run" not in job.text()
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM, job.tail()
+    assert "agent1" not in job.summary()["agents"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(limit(360))
+def test_a_run_on_a_network_address_needs_the_token_its_join_line_shows(tmp_path, jobs, monkeypatch):
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address")
+    port = free_port()
+    monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
+    job = Job(tmp_path, *TOY, *ENDLESS, "--placement.master-addr", address, "--placement.join-port", str(port))
+    jobs.append(job)
+    line = job.wait_for(rf"ASYNCRL_RUN_TOKEN=(\w+) asyncrl agent --join {address}:{port} --device DEVICE")
+    store = [row for row in listening_sockets(_descendants(job.proc.pid)) if row[1] == port]
+    assert [row[0] for row in store] == [address], "the store listens on the address it was given, nowhere else"
+    stranger = Job(tmp_path, "--join", f"{address}:{port}", name="stranger", command="agent", preset=None)
+    jobs.append(stranger)
+    assert stranger.finish() == 2, stranger.tail()
+    assert "is not on loopback: give its token" in stranger.text()
+    monkeypatch.setenv("ASYNCRL_RUN_TOKEN", line.group(1))
+    member = Job(tmp_path, "--join", f"{address}:{port}", name="member", command="agent", preset=None)
+    jobs.append(member)
+    job.wait_for(r"agent agent\d+ is live", timeout=limit(180))
+    job.signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM, job.tail()
+    assert member.finish() == 0, member.tail()
+    metrics_text = (job.run_dir / "metrics.jsonl").read_text() + (job.run_dir / "config.json").read_text()
+    assert line.group(1) not in metrics_text
+
+
+def test_tokens_are_read_from_a_file_or_the_environment_and_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
+    assert read_token(None, flag="--token-file") is None
+    monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "0123456789abcdef")
+    assert read_token(None, flag="--token-file") == RunToken("0123456789abcdef")
+    file = tmp_path / "token"
+    file.write_text("fedcba9876543210fedcba\nignored\n")
+    assert read_token(str(file), flag="--token-file").value == "fedcba9876543210fedcba"  # the file wins
+    file.write_text("short\n")
+    with pytest.raises(ValueError, match=r"--token-file .*token: the run token has 5 characters; use at least 16"):
+        read_token(str(file), flag="--token-file")
+    with pytest.raises(ValueError, match=r"--placement.token-file .*missing: cannot read the run token"):
+        read_token(str(tmp_path / "missing"), flag="--placement.token-file")
+
+
+def test_a_token_proves_a_name_without_travelling_and_is_never_shown():
+    token, other = new_token(), new_token()
+    proof = token.proof("agent1", "nonce")
+    assert token.admits("agent1", "nonce", proof)
+    assert not token.admits("agent2", "nonce", proof)  # bound to the name
+    assert not token.admits("agent1", "another", proof)  # and to the run's nonce
+    assert not other.admits("agent1", "nonce", proof)
+    assert not token.admits("agent1", "nonce", None) and not token.admits("agent1", "nonce", 5)
+    assert token.value not in proof and token.value not in repr(token) and token.value not in str(token)
+
+
+def test_loopback_addresses_bind_loopback_and_others_bind_what_they_name():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.0.0.2")
+    assert not is_loopback("10.1.2.3") and not is_loopback("0.0.0.0")
+    assert bind_address("127.0.0.1") == bind_address("localhost") == "127.0.0.1"
+    assert bind_address("10.1.2.3") == "10.1.2.3" and bind_address("0.0.0.0") == "0.0.0.0"
+    with listening_socket("localhost", 0) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
+
+
+def _toy_config(tmp_path, **placement):
+    from asyncrl.presets import PRESETS
+    base = PRESETS["cpu-demo"][1]
+    return dataclasses.replace(
+        base, model=dataclasses.replace(base.model, path="random:tiny-qwen2"),
+        data=dataclasses.replace(base.data, task="toy"), run_dir=str(tmp_path / "run"),
+        placement=dataclasses.replace(base.placement, **placement))
+
+
+def test_the_checks_before_launch_say_what_is_exposed_and_refuse_a_bad_token(tmp_path, monkeypatch):
+    from asyncrl.preflight import preflight
+    monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
+    report = preflight(_toy_config(tmp_path))
+    assert report.ok and "network: every listener on loopback (127.0.0.1); nothing exposed" in report.facts
+    (tmp_path / "short").write_text("abc\n")
+    report = preflight(_toy_config(tmp_path, master_addr="10.9.8.7", token_file=str(tmp_path / "short")))
+    assert any(p.startswith("--placement.token-file ") and "use at least 16" in p for p in report.problems)
+    monkeypatch.setenv("MASTER_ADDR", "10.9.8.7")
+    report = preflight(_toy_config(tmp_path, launcher="torchrun"))
+    assert any("MASTER_ADDR=10.9.8.7 is not loopback" in p and "ASYNCRL_RUN_TOKEN" in p for p in report.problems)
+    monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "0123456789abcdef0123")
+    report = preflight(_toy_config(tmp_path, launcher="torchrun"))
+    assert not any("MASTER_ADDR" in p for p in report.problems)
+    assert any("agents must present the run's token" in f for f in report.facts)
