@@ -33,10 +33,10 @@ TINY_TRAIN = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smoll
 TINY_TOY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy"]
 TRAINED_FOR_REAL = {
     "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "20"],
-    "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score":
-        TINY_TRAIN + ["--async-training.total-versions", "2", "--run-dir", "runs/word_length"],
-    "asyncrl train cpu-retry --data.path examples/guess_number/data.jsonl --env.fn examples/guess_number/env.py:Guess":
-        TINY_TRAIN[:-2] + ["--async-training.total-versions", "2", "--run-dir", "runs/guess_number"],
+    "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score"
+    " --run-dir runs/word_length": TINY_TRAIN + ["--async-training.total-versions", "2"],
+    "asyncrl train cpu-retry --data.path examples/guess_number/data.jsonl --env.fn examples/guess_number/env.py:Guess"
+    " --run-dir runs/guess_number": TINY_TRAIN[:-2] + ["--async-training.total-versions", "2"],
     # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget);
     # on the toy task, since a random model scores 0 on every sum and DAPO's dynamic sampling would drop every group
     # flags on both sides of algorithm:dapo, the run's included (`--wandb off`), as a user appends them
@@ -123,11 +123,9 @@ def test_every_readme_command_runs(workdir):
         args = shlex.split(command)[1:]
         if command in TRAINED_FOR_REAL:
             args += TRAINED_FOR_REAL[command]  # at the end: after a subcommand such as algorithm:dapo too
-        elif args[0] == "train":
-            if "--dry-run" not in args:
-                args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo
-            if "--run-dir" not in args:  # the preset's run dir holds the run trained above: a new run there is
-                args[2:2] = ["--run-dir", "runs/dry-run"]  # refused (a dry run creates nothing in its own)
+        elif args[0] == "train" and "--dry-run" not in args:
+            args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo; a command whose run dir
+            # another one used before it is refused, as it would be for a reader running them in order
         args += SMALLER.get(args[0], [])
         out = _run(args, workdir)
         if NEEDS_DOWNLOAD in command:
