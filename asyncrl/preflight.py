@@ -195,6 +195,12 @@ class _Checks:
             self.report.problems.append(problem)
         else:
             self._run_dir()
+        if cfg.trainer.param_dtype == "bfloat16":
+            self.report.notes.append(
+                f"--trainer.param-dtype bfloat16 keeps no fp32 copy of the weights: an update smaller than half a "
+                f"bf16 step of its weight is lost (at --trainer.optim.lr 1e-6 a step moves under 1% of the weights: "
+                f"tests/test_learner.py); --trainer.optim.lr is {cfg.trainer.optim.lr:g}; float32 (the default) "
+                "keeps every update")
         table = self._rewards()
         if model_ok and valid:
             self._data(table)

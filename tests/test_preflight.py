@@ -218,3 +218,15 @@ def test_the_vllm_backend_without_vllm_names_the_install(tmp_path, monkeypatch):
     problems = preflight(cfg).problems
     assert any(p.startswith("--rollout.backend vllm: vLLM is not installed: pip install 'asyncrl[vllm]'")
                for p in problems), problems
+
+
+def test_bf16_weights_are_noted_with_what_they_lose(tmp_path):
+    base = PRESETS["cpu-demo"][1]
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, path="random:tiny-qwen2"),
+                              data=dataclasses.replace(base.data, task="toy"), run_dir=str(tmp_path / "run"),
+                              trainer=dataclasses.replace(base.trainer, param_dtype="bfloat16"))
+    report = preflight(cfg)
+    assert report.ok
+    assert any(n.startswith("--trainer.param-dtype bfloat16 keeps no fp32 copy") and "--trainer.optim.lr is 2e-05"
+               in n for n in report.notes), report.notes
+    assert not any("param-dtype" in n for n in preflight(dataclasses.replace(cfg, trainer=base.trainer)).notes)
