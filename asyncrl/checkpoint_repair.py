@@ -17,7 +17,10 @@ What is found, and what happens to it (with `repair`; without it the choice is t
 A checkpoint verifies when meta.json and extra.json parse and learner.pt is a complete zip archive (the format
 of torch.save) whose every member matches the CRC-32 recorded for it. `torch.load` checks no checksum, so a
 flipped bit would load as a wrong weight; a truncated or zero-filled file fails here instead of in the middle
-of a load. The cost is one read of learner.pt at disk speed, with constant memory.
+of a load. The cost is one read of learner.pt at disk speed, with constant memory, once: a repairing choice
+leaves `learner.pt.verified` (the file's size and modification time) beside a checkpoint it verified, and
+later checks of the same unchanged file within the hour (the launcher's, rank 0's: one launch checks it up to
+four times) take that stamp instead of reading an 8B model's tens of GB again; a later resume reads it anew.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import logging
 import pathlib
 import re
 import shutil
+import time
 import zipfile
 import zlib
 
@@ -65,8 +69,36 @@ def _archive_problem(file: pathlib.Path) -> str | None:
     return None
 
 
-def checkpoint_problem(path: pathlib.Path) -> str | None:
-    """Why the checkpoint directory `path` does not verify (see the module docstring), or None."""
+_STAMP_VALID_S = 3600.0
+
+
+def _stamp_of(file: pathlib.Path) -> dict:
+    stat = file.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _archive_problem_once(file: pathlib.Path, remember: bool) -> str | None:
+    """`_archive_problem`, skipped when a stamp says this very file (size, mtime) verified before; with
+    `remember`, a file that verifies is stamped."""
+    stamp = file.with_name(file.name + ".verified")
+    try:
+        seen = json.loads(stamp.read_text())
+        if seen.pop("verified_at", 0) > time.time() - _STAMP_VALID_S and seen == _stamp_of(file):
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    problem = _archive_problem(file)
+    if problem is None and remember:
+        try:
+            stamp.write_text(json.dumps({**_stamp_of(file), "verified_at": time.time()}))
+        except OSError:  # a read-only run dir: verified again next time
+            pass
+    return problem
+
+
+def checkpoint_problem(path: pathlib.Path, *, remember: bool = False) -> str | None:
+    """Why the checkpoint directory `path` does not verify (see the module docstring), or None. `remember`:
+    stamp a learner.pt that verifies, so that the next check of the unchanged file does not read it again."""
     if not path.is_dir():
         return "it is not a directory"
     for name in ("meta.json", "extra.json"):
@@ -80,7 +112,7 @@ def checkpoint_problem(path: pathlib.Path) -> str | None:
             return f"its {name} does not parse ({err})"
     if not (path / "learner.pt").is_file():
         return "it holds no learner.pt"
-    return _archive_problem(path / "learner.pt")
+    return _archive_problem_once(path / "learner.pt", remember)
 
 
 @dataclasses.dataclass
@@ -150,7 +182,7 @@ def _verify_step(root: pathlib.Path, name: str, dirs: list[pathlib.Path], repair
     """(the copy of step N that verifies, settled on disk with `repair`; None and why when none does)."""
     reasons = {}
     for path in dirs:
-        reasons[path] = checkpoint_problem(path)
+        reasons[path] = checkpoint_problem(path, remember=repair)
         if reasons[path] is None:
             break
     chosen = next((path for path, reason in reasons.items() if reason is None), None)

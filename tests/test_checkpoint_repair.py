@@ -140,8 +140,8 @@ def test_an_interrupted_resave_is_restored_from_step_old_when_the_new_copy_is_no
     with caplog.at_level(logging.INFO, logger="asyncrl.checkpoint"):
         choice = choose_checkpoint(tmp_path)
     assert choice.path == path and checkpoint_problem(path) is None
-    assert _tree(tmp_path) == ["step_00000004", *(f"step_00000004/{n}" for n in ("extra.json", "learner.pt",
-                                                                                "meta.json"))]
+    assert _tree(tmp_path) == ["step_00000004", *(f"step_00000004/{n}" for n in (
+        "extra.json", "learner.pt", "learner.pt.verified", "meta.json"))]
     assert "restored step_00000004 from step_00000004.old (its re-save was interrupted)" in caplog.text
     assert "removed step_00000004.tmp" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing was lost: no fallback line
@@ -212,3 +212,27 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     _saved(tmp_path, 8, 9)
     [path] = _saved(tmp_path, 3, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000009"]
+
+
+def test_a_verified_checkpoint_is_read_once_per_launch_and_a_changed_or_old_stamp_reads_it_again(tmp_path,
+                                                                                                monkeypatch):
+    import json
+    import time
+
+    from asyncrl import checkpoint_repair
+    (newest,) = _saved(tmp_path, 4)
+    stamp = newest / "learner.pt.verified"
+    choose_checkpoint(tmp_path, repair=False)
+    assert not stamp.exists()  # a check that repairs nothing writes nothing
+    assert choose_checkpoint(tmp_path).path == newest and stamp.is_file()
+    reads = []
+    monkeypatch.setattr(checkpoint_repair, "_archive_problem", lambda file: reads.append(file))
+    assert choose_checkpoint(tmp_path).path == newest and reads == []  # the launcher's and rank 0's checks
+    os.utime(newest / "learner.pt", ns=(1, 1))  # the file changed since
+    choose_checkpoint(tmp_path, repair=False)
+    assert reads == [newest / "learner.pt"]
+    choose_checkpoint(tmp_path)  # stamped anew
+    record = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**record, "verified_at": time.time() - 2 * 3600}))  # a resume hours later
+    choose_checkpoint(tmp_path)
+    assert len(reads) == 3
