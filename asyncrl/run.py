@@ -155,7 +155,7 @@ class ScorerFactory:
     timeout_s: float = 60.0
     max_concurrency: int = 16
 
-    def __call__(self, workers: Workers | None = None) -> Scorer:
+    def __call__(self, *, workers: Workers | None = None) -> Scorer:
         """`workers`: where sync plug-ins run (the agent's worker processes; None: in the calling thread)."""
         from asyncrl.rewards.plugin import RewardTable
         return Scorer(RewardTable.from_specs(self.reward_fns), tokenizer=run_tokenizer(self.model_path),
@@ -171,7 +171,7 @@ class EnvSetup:
     model_path: str
     """Where the tokenizer comes from (observations are rendered with its chat template)."""
 
-    def __call__(self, workers: Workers | None = None):
+    def __call__(self, *, workers: Workers | None = None):
         """`workers`: where the episodes of an environment of your own with a sync step live (None: here)."""
         from asyncrl.envs import ChatRenderer, EnvRuntime, TokenRenderer, env_tool_schemas, load_env
         from asyncrl.envs.isolated import runs_isolated

@@ -3,9 +3,8 @@
     python scripts/soak.py --minutes 120 --out runs/soak                      # cpu-demo, SmolLM2, 2 agents
     python scripts/soak.py --minutes 3 --warmup-minutes 1 -- --model.path random:tiny-qwen2 --data.task toy
 
-It starts `asyncrl train cpu-demo` (two rollout agents by default; options after `--` go to it) with a time
-budget, reads the run's
-processes.json every `--every-s` seconds and records each process's RSS from /proc. At the end it writes
+It starts `asyncrl train cpu-demo` (two rollout agents by default; options after `--` go to it; its run dir is
+`OUT/run`) with a time budget, reads the run's processes.json every `--every-s` seconds and records each process's RSS from /proc. At the end it writes
 `rss.csv`, `soak.json` (per process: RSS after the warm-up and at the end, as medians over
 `--window-minutes`, their ratio, and a least-squares slope in MB per hour after the warm-up) and `rss.png`,
 and prints the table. Linux only (/proc).
@@ -109,8 +108,9 @@ def plot(samples: list[dict], path: pathlib.Path, warmup_min: float) -> None:
 def main(args: SoakArgs, train_args: list[str]) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"  # the run's own directory: a run is refused in one that holds other files
     devices = ["cpu"] * args.agents
-    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", "--run-dir", str(out), "--wandb", "off",
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", "--run-dir", str(run_dir), "--wandb", "off",
            "--async-training.total-versions", "1000000", "--async-training.time-budget-s", str(args.minutes * 60),
            "--placement.agent-devices", *devices, *train_args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -121,13 +121,16 @@ def main(args: SoakArgs, train_args: list[str]) -> dict:
         csv.write("minute,role,pid,rss_kb\n")
         while job.poll() is None:
             minute = (time.monotonic() - start) / 60
-            for role, pid in processes(out).items():
+            for role, pid in processes(run_dir).items():
                 kb = rss_kb(pid)
                 if kb is not None:
                     samples.append({"minute": minute, "role": role, "pid": pid, "rss_kb": kb})
                     csv.write(f"{minute:.2f},{role},{pid},{kb}\n")
             csv.flush()
             time.sleep(args.every_s)
+    if not samples:
+        tail = "".join((out / "soak.log").read_text(errors="replace").splitlines(keepends=True)[-20:])
+        raise SystemExit(f"soak: the run (exit {job.returncode}) listed no process to sample; its log ends:\n{tail}")
     result = {"returncode": job.returncode, "minutes": round((time.monotonic() - start) / 60, 1),
               "processes": summarize(samples, args.warmup_minutes, args.window_minutes), "command": cmd}
     (out / "soak.json").write_text(json.dumps(result, indent=2))

@@ -88,10 +88,10 @@ class AgentServer:
         # your synchronous rewards and environment steps run here, where a call that hangs can be killed
         self.workers = WorkerPool(spec.user_code_workers, name=f"{name}-user-code", preload=USER_CODE_MODULES) \
             if spec.user_code_workers > 0 else None
-        self.agent = RolloutAgent(name, engine, spec.scorer_factory(self.workers), spec.rollout,
+        self.agent = RolloutAgent(name, engine, spec.scorer_factory(workers=self.workers), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
                                   heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended,
-                                  env=spec.env_setup(self.workers) if spec.env_setup is not None else None)
+                                  env=spec.env_setup(workers=self.workers) if spec.env_setup is not None else None)
         self.channel: WeightChannel | None = None
         self._leaving = threading.Event()
 

@@ -68,9 +68,12 @@ class RunSpec:
     rollout: RolloutConfig
     async_: AsyncConfig
     source_factory: Callable[[], PromptSource]
-    scorer_factory: Callable[[], Scorer]
-    env_setup: Callable[[], Any] | None = None
-    """Builds each agent's `asyncrl.envs.EnvRuntime` for multi-turn episodes (None: one turn per response)."""
+    scorer_factory: Callable[..., Scorer]
+    """Builds the scorer in the process that scores: `scorer_factory(workers=pool)`, where `pool` is the agent's
+    worker processes for sync user code (`asyncrl.rpc.worker_pool`) or None; `scorer_factory()` in-process."""
+    env_setup: Callable[..., Any] | None = None
+    """Builds each agent's `asyncrl.envs.EnvRuntime` for multi-turn episodes (None: one turn per response), called
+    like `scorer_factory` (`env_setup(workers=pool)`)."""
     agents: list[AgentSpec] = dataclasses.field(default_factory=lambda: [AgentSpec()])
     trainer_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     reference: bool = False

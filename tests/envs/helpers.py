@@ -85,12 +85,12 @@ def runtime(factory=Echo, *, max_turns: int = 3, max_turn_tokens: int | None = 4
                       step_timeout_s=step_timeout_s if step_timeout_s is not None else limit(30))
 
 
-def echo_runtime() -> EnvRuntime:
-    """The Echo environment's runtime (a picklable RunSpec.env_setup)."""
+def echo_runtime(*, workers=None) -> EnvRuntime:
+    """The Echo environment's runtime (a picklable RunSpec.env_setup; Echo runs here, not in `workers`)."""
     return runtime(Echo)
 
 
-def even_turns_runtime() -> EnvRuntime:
+def even_turns_runtime(*, workers=None) -> EnvRuntime:
     return runtime(EvenTurns, max_turns=2, max_turn_tokens=4)
 
 

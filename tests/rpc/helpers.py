@@ -42,8 +42,9 @@ def source() -> GeneratedSource:
     return GeneratedSource(make_prompt)
 
 
-def scorer(reward=even_fraction) -> Scorer:
-    return Scorer({"toy": reward})
+def scorer(reward=even_fraction, *, workers=None) -> Scorer:
+    """A RunSpec.scorer_factory (the agent passes its worker pool; a reward given as a Python object runs here)."""
+    return Scorer({"toy": reward}, workers=workers)
 
 
 def tiny_model():
