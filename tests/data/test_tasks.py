@@ -62,3 +62,11 @@ def test_arithmetic_rows_answer_scores_one(digits, terms, operators, index):
     expression, answer = task.question(index)
     assert arithmetic_reward(f"{expression} = {answer}", str(answer)) == 1.0
     assert arithmetic_reward(f"{expression} = {answer + 1}", str(answer)) == 0.0
+
+
+@pytest.mark.parametrize("operators", ["+-", "*", "+-*"])
+def test_arithmetic_answers_follow_python_precedence_without_eval(operators):
+    task = ArithmeticTask(digits=2, terms=5, operators=operators, seed=11)
+    for index in range(200):
+        expression, answer = task.question(index)
+        assert answer == eval(expression), expression  # the test may eval its own expression; the task does not

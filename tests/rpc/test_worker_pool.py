@@ -100,6 +100,7 @@ def test_workers_die_with_the_process_that_owns_them_even_on_kill_9():
         os.kill(owner.pid, signal.SIGKILL)
         owner.join(limit(30))
         wait_until(lambda: not alive(worker), limit(30), "the orphaned worker to die")
+        assert not alive(worker) and owner.exitcode == -signal.SIGKILL
     finally:
         if owner.is_alive():
             owner.kill()
