@@ -199,15 +199,19 @@ class WorkerPool:
             for index in range(self.size):
                 if self._workers[index] is None and self._pending:
                     self._workers[index] = self._start_worker()
-            for call in list(self._pending):
+            idle = {i for i in range(self.size) if self._idle(i)}
+            kept: collections.deque[_Call] = collections.deque()
+            while self._pending and idle:  # in order; a pinned call waits for its own worker
+                call = self._pending.popleft()
                 index = self._pinned.get(call.pin) if call.pin is not None else None
-                candidates = [index] if index is not None else range(self.size)
-                worker_index = next((i for i in candidates if self._idle(i)), None)
+                worker_index = (index if index in idle else None) if index is not None else min(idle)
                 if worker_index is None:
-                    continue
-                self._pending.remove(call)
-                if call.future.set_running_or_notify_cancel():
+                    kept.append(call)
+                elif call.future.set_running_or_notify_cancel():
+                    idle.discard(worker_index)
                     self._send(worker_index, call)
+            kept.extend(self._pending)
+            self._pending = kept
 
     def _idle(self, index: int) -> bool:
         worker = self._workers[index]
