@@ -20,19 +20,21 @@ The package, by concern:
   layout    micro-batch split, packed / padded layouts      prepare   π_old, π_ref, values, advantages, masks
   forward   response log-probs and values of a micro-batch  update    the update loop, actor and critic losses
   head      the chunked fused log-prob head                 step      train_step and its metrics
-  sharding  FSDP2: shard_model, grad_norm_, full_weights
+  sharding  FSDP2: shard_model, grad_norm_, full_weights    publication  what a publication sends (LoRA: adapters)
 """
 
 from asyncrl.learner.batch import RolloutBatch, collate, filter_groups
 from asyncrl.learner.forward import response_logprobs, response_values
 from asyncrl.learner.head import linear_logprobs
 from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
+from asyncrl.learner.publication import published_weights, publishes_adapters
 from asyncrl.learner.sharding import full_weights, grad_norm_, shard_model
 from asyncrl.learner.state import LearnerState, build_learner, make_scheduler
 from asyncrl.learner.step import memory_metrics, policy_gradients, train_step
 
 __all__ = [
     "RolloutBatch", "collate", "filter_groups", "LearnerState", "build_learner", "train_step", "shard_model",
-    "full_weights", "make_scheduler", "response_logprobs", "response_values", "linear_logprobs", "split_rows",
+    "full_weights", "published_weights", "publishes_adapters", "make_scheduler", "response_logprobs",
+    "response_values", "linear_logprobs", "split_rows",
     "plan_micro_batches", "MicroBatch", "policy_gradients", "grad_norm_", "memory_metrics",
 ]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from asyncrl.checkpoint import load_checkpoint, save_checkpoint
-from asyncrl.learner import LearnerState, full_weights, train_step
+from asyncrl.learner import LearnerState, published_weights, train_step
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.spec import RunSpec
 
@@ -48,12 +48,16 @@ def commands_group(spec: RunSpec) -> dist.ProcessGroup | None:
     return dist.new_group(list(range(spec.num_trainers)), timeout=idle, backend="gloo")
 
 
-def _load_hosted(server, state: LearnerState, dtype: torch.dtype, version: int) -> None:
-    """Every trainer rank (together: FSDP2 gathers): copy the full weights into the engine this process hosts,
-    one tensor at a time (the gather runs here, outside the engine's inference mode)."""
-    for name, tensor in full_weights(state.policy, dtype=dtype):
+def _load_hosted(server, state: LearnerState, dtype: torch.dtype, version: int) -> int:
+    """Every trainer rank (together: FSDP2 gathers): copy the published weights (a LoRA policy's adapters, or
+    the full weights) into the engine this process hosts, one tensor at a time (the gather runs here, outside
+    the engine's inference mode). Returns the bytes copied."""
+    copied = 0
+    for name, tensor in published_weights(state.policy, dtype=dtype):
         server.load_local([(name, tensor)], None)
+        copied += tensor.numel() * tensor.element_size()
     server.load_local([], version)
+    return copied
 
 
 class TrainerGroup:
@@ -72,12 +76,13 @@ class TrainerGroup:
         return train_step(state, groups)
 
     def weights(self, state: LearnerState, dtype: torch.dtype) -> list:
+        """What a publication sends (`published_weights`), gathered by every rank together."""
         self._command("weights", str(dtype).removeprefix("torch."))
-        return list(full_weights(state.policy, dtype=dtype))
+        return list(published_weights(state.policy, dtype=dtype))
 
-    def load_hosted(self, state: LearnerState, dtype: torch.dtype, version: int) -> None:
+    def load_hosted(self, state: LearnerState, dtype: torch.dtype, version: int) -> int:
         self._command("load_hosted", str(dtype).removeprefix("torch."), version)
-        _load_hosted(self.hosted, state, dtype, version)
+        return _load_hosted(self.hosted, state, dtype, version)
 
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
         self._command("checkpoint", run_dir, state.version, keep)
@@ -138,7 +143,7 @@ class FollowerHost:
             state.version = args[1]
             self.state, _ = train_step(state, args[0])
         elif cmd == "weights":
-            for _ in full_weights(state.policy, dtype=getattr(torch, args[0])):
+            for _ in published_weights(state.policy, dtype=getattr(torch, args[0])):
                 pass
         elif cmd == "load_hosted":
             _load_hosted(self.hosted, state, getattr(torch, args[0]), args[1])

@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed.rpc as rpc
 
-from asyncrl.learner import LearnerState, full_weights
+from asyncrl.learner import LearnerState, published_weights
 from asyncrl.rpc.channels import flatten, layout_of, make_buckets
 from asyncrl.rpc.fleet import Fleet
 from asyncrl.rpc.roster import Roster
@@ -135,7 +135,8 @@ class LocalPublisher:
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
-        weights = list(full_weights(state.policy, dtype=self.dtype))
+        weights = list(published_weights(state.policy, dtype=self.dtype))
+        sent = _bytes(weights)
         gathered = time.perf_counter()
         busy = self.syncs.busy()
         targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining()
@@ -156,7 +157,7 @@ class LocalPublisher:
         metrics = _settle(self.roster, results, lambda name: self.agents[name].start())
         done = time.perf_counter()
         return {**metrics, "fully_async/sync_late": late, "timing_s/param_sync": done - start,
-                "timing_s/param_gather": gathered - start}
+                "timing_s/param_gather": gathered - start, "param_sync/bytes": sent}
 
 
 class CollectivePublisher:
@@ -175,8 +176,10 @@ class CollectivePublisher:
         targets = [h for h in map(self.fleet.get, self.roster.live() + self.roster.joining())
                    if h is not None and h.name not in busy]
         weights = self.weights_fn(state, self.dtype)  # every trainer rank takes part in the gather
+        sent = _bytes(weights)
         if not targets:
-            return {"timing_s/param_sync": time.perf_counter() - start, "fully_async/sync_failures": 0}
+            return {"timing_s/param_sync": time.perf_counter() - start, "fully_async/sync_failures": 0,
+                    "param_sync/bytes": 0}
         buckets = make_buckets(weights, self.bucket_bytes)
         layout = layout_of(buckets)
         # NCCL channels send from the trainer's GPU; gloo channels from host memory
@@ -200,7 +203,7 @@ class CollectivePublisher:
         metrics = _settle(self.roster, results, self._start)
         done = time.perf_counter()
         return {**metrics, "fully_async/sync_late": late, "timing_s/param_sync": done - start,
-                "timing_s/param_gather": gathered - start}
+                "timing_s/param_gather": gathered - start, "param_sync/bytes": sent}
 
     def _start(self, name: str) -> None:
         handle = self.fleet.get(name)
@@ -225,9 +228,14 @@ class ColocatedPublisher:
         for future in prepares:
             future.wait()  # a colocated agent is its trainer rank: if it cannot drain, the run cannot go on
         paused = time.perf_counter()
-        self.load_fn(state, version)
+        sent = self.load_fn(state, version)
         for name in self.servers:
             self.roster.synced(name, version)
         done = time.perf_counter()
         return {"timing_s/param_sync": done - start, "timing_s/param_drain": paused - start,
-                "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0}
+                "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0, "param_sync/bytes": sent}
+
+
+def _bytes(weights: list) -> int:
+    """What one agent receives of a publication (a LoRA run: its adapters), in bytes."""
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
