@@ -79,6 +79,10 @@ class EngineConfig:
     """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
     seed: int = 0
     """Seeds the random numbers of requests that bring no seed."""
+    lora_rank: int = 0
+    """Rank of the policy's LoRA adapters, which weight updates carry (0: updates carry full weights)."""
+    lora_alpha: float = 0.0
+    """LoRA scale numerator: an update's adapters are merged as W + (lora_alpha / lora_rank)·B·A."""
 
     def validate(self) -> None:
         for name in ("max_slots", "max_len", "max_prefill_tokens", "attend_bucket"):
