@@ -78,8 +78,9 @@ def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torc
                  device: str | torch.device = "cpu") -> CausalLM:
     """A model with random weights (normal(0, initializer_range), biases 0, norms 1), as HF initialises."""
     cfg = TransformerConfig.from_hf(hf_config(config))
-    gen = torch.Generator().manual_seed(seed)
-    model = CausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU whatever the device: the same weights everywhere
+    with torch.device(device):  # built where it runs, in its dtype: an 8B shape never exists in fp32 on the host
+        model = CausalLM(cfg).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -88,7 +89,7 @@ def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torc
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
