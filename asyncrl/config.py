@@ -16,11 +16,12 @@ from asyncrl.algorithm_config import (CISPO, DAPO, GRPO, GSPO, PPO, RLOO, Algori
                                       ReinforcePP)
 from asyncrl.flags import fail as _fail
 from asyncrl.flags import flag, shown
+from asyncrl.policies.lora import LORA_TARGETS
 
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
-    "DataConfig", "PlacementConfig", "RewardConfig", "EnvConfig", "RunConfig", "VLLMConfig",
+    "DataConfig", "PlacementConfig", "RewardConfig", "EnvConfig", "RunConfig", "VLLMConfig", "LoraConfig",
 ]
 
 
@@ -190,6 +191,10 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """Shard the model over this many vLLM worker processes: on GPU the agent's device and the ones after it
     (cuda:N … cuda:N+TP−1); on CPU the agent's cores, split evenly. Every update reaches every shard."""
+    lora_mode: Literal["merge", "adapter"] = "merge"
+    """How a LoRA run's adapters reach vLLM: "merge" loads W + s·B·A through the in-place weight reload (a base
+    copy kept on the agent's device); "adapter" hands them to vLLM's LoRA support, a new adapter per version
+    (running samples are queued again under it: kv_on_update acts as "recompute")."""
 
     def validate(self) -> None:
         owner = "rollout.vllm"
@@ -317,6 +322,44 @@ class AsyncConfig:
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):
             if not getattr(self, field) > 0:
                 _fail(owner, field, getattr(self, field), "must be > 0 seconds")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the decoder's linear layers: the base stays frozen (bf16 on CUDA, fp32 on
+    CPU; no optimizer state), only the fp32 adapters train, and publications carry only them. The reference
+    policy of a KL loss is the base with the adapters off (`asyncrl.policies.lora`)."""
+
+    rank: int = 0
+    """Rank r of every adapter; 0 trains the full weights (no LoRA)."""
+    alpha: float = 32.0
+    """Scale numerator: the update is (alpha / rank)·B·A. Fixed, not tied to the rank, as in "LoRA Without
+    Regret" (Thinking Machines, 2025): with B = 0 at start the best learning rate then barely moves with the
+    rank (there ~10x the full fine-tuning one)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (training only)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """The linear layers that get an adapter, by their Hugging Face names (default: all of them)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def validate(self) -> None:
+        owner = "lora"
+        if self.rank < 0:
+            _fail(owner, "rank", self.rank, "must be >= 0 (0: no LoRA, full fine-tuning)")
+        if not self.enabled:
+            return
+        if not self.alpha > 0:
+            _fail(owner, "alpha", self.alpha, "must be > 0 (the adapters' scale is alpha / rank)")
+        if not 0 <= self.dropout < 1:
+            _fail(owner, "dropout", self.dropout, "must lie in [0, 1)")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            _fail(owner, "target_modules", self.target_modules,
+                  f"give distinct names among {' '.join(LORA_TARGETS)}"
+                  + (f" ({' '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not one)" if unknown else ""))
 
 
 @dataclasses.dataclass
@@ -496,6 +539,7 @@ class RunConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     async_training: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     run_dir: str = "runs/default"
     """Metrics, checkpoints, reports."""
     wandb: Literal["auto", "online", "offline", "off"] = "auto"
@@ -534,6 +578,11 @@ class RunConfig:
         self.trainer.validate()
         self.async_training.validate()
         self.placement.validate()
+        self.lora.validate()
+        if self.lora.enabled and self.trainer.param_dtype != "float32":
+            _fail("trainer", "param_dtype", self.trainer.param_dtype,
+                  f"with --lora.rank {self.lora.rank} the adapters train in float32 and the frozen base is bf16 on "
+                  "CUDA (fp32 on CPU) by itself; leave --trainer.param-dtype at float32")
         for field, off in (("top_p", 1.0), ("top_k", -1)):
             if getattr(self.rollout, field) != off:  # the sampled distribution must be the one the learner scores
                 _fail("rollout", field, getattr(self.rollout, field),

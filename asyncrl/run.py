@@ -215,7 +215,8 @@ def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
                    scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards, reward_fns=tuple(map(absolute_reward_spec, cfg.reward.fn)),
                                                  timeout_s=cfg.reward.timeout_s,
                                                  max_concurrency=cfg.reward.max_concurrency), agents=agents,
-                   trainer_devices=list(cfg.placement.trainer_devices), reference=cfg.algorithm.needs_reference,
+                   trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
+                   reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    resume_or_start=cfg.resume_or_start, log_fn=log_fn, master_addr=cfg.placement.master_addr,
                    join_port=cfg.placement.join_port, threads_per_process=cfg.placement.threads_per_process,

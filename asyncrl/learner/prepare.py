@@ -15,6 +15,7 @@ from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
 from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
 from asyncrl.learner.state import LearnerState
+from asyncrl.policies.lora import adapters_off
 
 __all__ = ["Prepared", "prepare"]
 
@@ -67,6 +68,16 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     return out.to(home)
 
 
+def _reference_logprobs(state: LearnerState, batch: RolloutBatch, lengths: RowLengths) -> Tensor | None:
+    """π_ref of every row: the reference model's, or (LoRA) the policy's own base with its adapters off."""
+    if state.reference is not None:
+        return _forward_all(state, state.reference, batch, lengths)
+    if state.reference_is_base:
+        with adapters_off(state.policy):
+            return _forward_all(state, state.policy, batch, lengths)
+    return None
+
+
 def _token_rewards(batch: RolloutBatch) -> Tensor:
     """The outcome reward placed on each row's last response token in the mask: [N, T]."""
     out = torch.zeros_like(batch.logp_behaviour)
@@ -112,7 +123,7 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     metrics: dict = {}
     lengths = row_lengths(batch)
     logp_old = batch.logp_behaviour if off.use_rollout_log_probs else _forward_all(state, state.policy, batch, lengths)
-    logp_ref = _forward_all(state, state.reference, batch, lengths) if state.reference is not None else None
+    logp_ref = _reference_logprobs(state, batch, lengths)
     values_old = (_forward_all(state, state.critic, batch, lengths, values=True)
                   if state.critic is not None else None)
     token_rewards = _token_rewards(batch)

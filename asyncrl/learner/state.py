@@ -12,6 +12,7 @@ from torch import nn
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.learner.sharding import shard_model
+from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
 from asyncrl.policies.value import ValueModel
 
@@ -38,6 +39,7 @@ class LearnerState:
     skipped_updates: int = 0
     critic_skipped_updates: int = 0
     group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
+    reference_is_base: bool = False  # π_ref = the LoRA policy's base, its adapters off (no second model)
 
     @property
     def device(self) -> torch.device:
@@ -113,16 +115,18 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
                   reference: nn.Module | None = None, critic: nn.Module | None = None,
                   group: dist.ProcessGroup | None = None) -> LearnerState:
     """Validate the configs, set up optimizers and schedules. Pass a frozen `reference` when the algorithm
-    uses a KL, and a critic (`ValueModel.from_policy(policy)` by default) when it needs one."""
+    uses a KL (a LoRA policy, `asyncrl.policies.lora.apply_lora`, needs none: its base with the adapters off
+    is the reference), and a critic (`ValueModel.from_policy(policy)` by default) when it needs one. Only
+    parameters that require a gradient are optimized: a LoRA policy's adapters, never its frozen base."""
     config.validate()
     algorithm.validate()
-    if algorithm.needs_reference and reference is None:
+    lora = next(lora_modules(policy), None) is not None
+    if algorithm.needs_reference and reference is None and not lora:
         raise ValueError(f"{type(algorithm).__name__}: kl_loss_coef / kl_in_reward_coef > 0 need a reference model; "
-                         "pass reference= (a frozen copy of the initial policy)")
+                         "pass reference= (a frozen copy of the initial policy), or train LoRA adapters, whose "
+                         "base is the reference")
     if algorithm.needs_critic and critic is None:
-        critic = ValueModel.from_policy(policy)
-        if algorithm.critic.device is not None:
-            critic = critic.to(algorithm.critic.device)
+        critic = ValueModel.from_policy(policy, device=algorithm.critic.device)
         mesh = getattr(next(policy.parameters()), "device_mesh", None)
         if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
             shard_model(critic, mesh)
@@ -133,7 +137,8 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
                           model=policy)
     optimizer = _adamw(policy, config.optim.lr, config)
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
-                         reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group)
+                         reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group,
+                         reference_is_base=algorithm.needs_reference and reference is None)
     if reference is not None:
         reference.eval().requires_grad_(False)
     if critic is not None:

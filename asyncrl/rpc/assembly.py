@@ -17,6 +17,7 @@ import torch.distributed as dist
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
 from asyncrl.learner import LearnerState, build_learner, shard_model
+from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.rpc.queue import SampleQueue
 from asyncrl.rpc.spec import AgentSpec, RunSpec
@@ -34,15 +35,23 @@ def local_device(device: str) -> str:
 
 
 def reference_dtype(device: str) -> str:
-    """The frozen reference model's precision: bf16 on GPUs (it only runs forwards), fp32 on CPU."""
+    """The precision of frozen weights (the reference model, a LoRA policy's base): bf16 on GPUs (no update
+    to lose), fp32 on CPU (no autocast there)."""
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | None = None) -> LearnerState:
     """The policy (sharded with FSDP2 over `group` when it has more than one rank), the reference model when
-    the algorithm needs one, and the optimizer."""
+    the algorithm needs one, and the optimizer. With LoRA (`spec.lora.rank` > 0) the policy is its base,
+    loaded frozen in the reference's precision (bf16 on GPUs, fp32 on CPU: no fp32 master copy, no optimizer
+    state), with fp32 adapters on it; it is its own reference (adapters off) and the critic shares its base."""
     device = local_device(device)
-    policy = spec.model.build(device, spec.trainer.param_dtype)
+    lora = spec.lora
+    policy = spec.model.build(device, reference_dtype(device) if lora.enabled else spec.trainer.param_dtype)
+    if lora.enabled:
+        with torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else []):
+            torch.manual_seed(spec.seed)  # every rank of a trainer group draws the same initial adapters
+            apply_lora(policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
     reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
     if group is not None and dist.get_world_size(group) > 1:
         from torch.distributed.device_mesh import DeviceMesh

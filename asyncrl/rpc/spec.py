@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from asyncrl.config import AlgorithmConfig, AsyncConfig, RolloutConfig, TrainerConfig
+from asyncrl.config import AlgorithmConfig, AsyncConfig, LoraConfig, RolloutConfig, TrainerConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
@@ -77,7 +77,9 @@ class RunSpec:
     agents: list[AgentSpec] = dataclasses.field(default_factory=lambda: [AgentSpec()])
     trainer_devices: list[str] = dataclasses.field(default_factory=lambda: ["cpu"])
     reference: bool = False
-    """Build a frozen reference model (needed by KL losses)."""
+    """Build a frozen reference model (needed by KL losses); a LoRA run's reference is its base instead."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """Adapters on the policy (rank 0: none): the learner trains them, the engines merge the published ones."""
     seed: int = 0
     run_dir: str | None = None
     checkpoint_every: int = 0
@@ -129,4 +131,4 @@ class RunSpec:
     def engine_config(self, agent: AgentSpec, slot: int) -> EngineConfig:
         max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
         return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
-                            seed=self.seed + slot)
+                            seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha)
