@@ -29,7 +29,10 @@ parsed JSON (tuples as lists).
 
 With FSDP2 the full state is gathered to rank 0 (the distributed state-dict API), which writes; every rank
 loads it back (broadcast from rank 0). The frozen reference model is not saved: it is rebuilt from the
-model path at start-up.
+model path at start-up. Nor is a LoRA policy's frozen base (nor its critic's): a LoRA checkpoint holds the
+trained tensors only (adapters, a critic's adapters and value head, their optimizer states) and the LoRA
+settings (`learner.pt` "lora", meta.json "lora"); the base comes back from --model.path, which a resume
+cannot change (`asyncrl.resume_check`), and `export_hf` merges it from there.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from asyncrl.learner import LearnerState
 from asyncrl.learner.state import apply_optim_config
 from asyncrl.policies.loading import save_pretrained
+from asyncrl.policies.lora import LORA_TARGETS, lora_modules
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
            "list_checkpoints", "export_hf", "fsync_dir", "RUN_CONFIG"]
@@ -119,14 +123,36 @@ def _model_config(model) -> dict | None:
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
 
 
+def lora_record(model) -> dict | None:
+    """The LoRA settings of a policy ({"rank", "alpha", "dropout", "targets"}), None for full weights."""
+    modules = list(lora_modules(model))
+    if not modules:
+        return None
+    first, leaves = modules[0][1], {name.rpartition(".")[2] for name, _ in modules}
+    return {"rank": first.rank, "alpha": first.alpha, "dropout": float(getattr(first.dropout, "p", 0.0)),
+            "targets": [t for t in LORA_TARGETS if t in leaves]}
+
+
+def _model_state(model, options: StateDictOptions) -> dict:
+    """The full state dict; with `ignore_frozen_params` only the trained tensors (a tied head, a frozen
+    parameter under a second name, is dropped too)."""
+    out = get_model_state_dict(model, options=options)
+    if options.ignore_frozen_params:
+        trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        out = {name: t for name, t in out.items() if name in trained}
+    return out
+
+
 def _gather(state: LearnerState) -> dict:
-    """Full (unsharded) state dicts, on CPU (on rank 0 only when distributed)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    out = {"policy": get_model_state_dict(state.policy, options=options),
+    """Full (unsharded) state dicts, on CPU (on rank 0 only when distributed); a LoRA learner's trained
+    tensors only (the frozen base is left out)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                               ignore_frozen_params=lora_record(state.policy) is not None)
+    out = {"policy": _model_state(state.policy, options),
            "optimizer": get_optimizer_state_dict(state.policy, state.optimizer, options=options),
            "scheduler": state.scheduler.state_dict()}
     if state.critic is not None:
-        out["critic"] = get_model_state_dict(state.critic, options=options)
+        out["critic"] = _model_state(state.critic, options)
         out["critic_optimizer"] = get_optimizer_state_dict(state.critic, state.critic_optimizer, options=options)
         out["critic_scheduler"] = state.critic_scheduler.state_dict()
     return out
@@ -134,7 +160,7 @@ def _gather(state: LearnerState) -> dict:
 
 def _learner_payload(state: LearnerState, gathered: dict) -> dict:
     return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in _COUNTERS},
-            "config": _model_config(state.policy), "rng": _rng_state()}
+            "config": _model_config(state.policy), "rng": _rng_state(), "lora": lora_record(state.policy)}
 
 
 def _json_problem(value, where: str) -> str | None:
@@ -350,6 +376,8 @@ def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dic
     if _is_writer(state):
         meta = {"step": state.step, "version": state.version, "time": time.time(),
                 "algorithm": type(state.algorithm).__name__}
+        if (lora := lora_record(state.policy)) is not None:
+            meta["lora"] = lora
         _write_checkpoint(final, _learner_payload(state, gathered), extra_text, meta, _run_config_text(run_dir))
         _prune(run_dir, final, keep_last)
     if _distributed(state):
@@ -397,7 +425,8 @@ def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
     path = pathlib.Path(path)
     saved = _load_learner_file(path, "load_checkpoint")
     extra = _load_extra(path)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed(state))
+    lora = _check_lora(path, saved, state)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=_distributed(state), strict=not lora)
     set_model_state_dict(state.policy, saved["policy"], options=options)
     set_optimizer_state_dict(state.policy, state.optimizer, saved["optimizer"], options=options)
     state.scheduler.load_state_dict(saved["scheduler"])
@@ -414,9 +443,22 @@ def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
     return extra
 
 
+def _check_lora(path: pathlib.Path, saved: dict, state: LearnerState) -> bool:
+    """Whether the checkpoint holds LoRA adapters; ValueError unless they are exactly this learner's."""
+    ours, theirs = lora_record(state.policy), saved.get("lora")
+    trained = {n for n, p in state.policy.named_parameters() if p.requires_grad}
+    shape = [None if r is None else {**r, "dropout": None} for r in (ours, theirs)]  # dropout may change
+    if shape[0] == shape[1] and (theirs is None or set(saved["policy"]) == trained):
+        return theirs is not None
+    text = [f"LoRA {r['rank']}/{r['alpha']:g} on {' '.join(r['targets'])}" if r else "full weights"
+            for r in (theirs, ours)]
+    raise ValueError(f"load_checkpoint: {path} holds {text[0]} ({len(saved['policy'])} tensors), this learner "
+                     f"trains {text[1]} ({len(trained)}); resume with the checkpoint's --lora.* values")
+
+
 def describe_checkpoint(path: str | pathlib.Path) -> dict:
-    """What a checkpoint directory's meta.json records: {"step", "version", "time", "algorithm"}, without
-    loading its weights."""
+    """What a checkpoint directory's meta.json records: {"step", "version", "time", "algorithm"} (and "lora",
+    the LoRA settings, for a LoRA checkpoint), without loading its weights."""
     meta = pathlib.Path(path) / "meta.json"
     if not meta.is_file():
         raise ValueError(f"describe_checkpoint: {path} holds no meta.json; pass a directory from list_checkpoints()")
@@ -430,19 +472,26 @@ def _config_from_dict(fields: dict):
 
 
 def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.Path, *, tokenizer=None,
-              dtype: torch.dtype | None = None) -> pathlib.Path:
-    """Write the policy as a Hugging Face directory, from a live learner or from a checkpoint directory."""
+              dtype: torch.dtype | None = None, base: str | None = None) -> pathlib.Path:
+    """Write the policy as a Hugging Face directory, from a live learner or from a checkpoint directory. A
+    LoRA policy is written merged (W + s·B·A, in float32 unless `dtype` says otherwise: bf16 would round most
+    small updates away), its base from the checkpoint's run config (--model.path, --model.seed) or `base`."""
+    from asyncrl.export import lora_base_weights, merge_adapters
     from asyncrl.policies.model import CausalLM
     if isinstance(source, LearnerState):
         weights = get_model_state_dict(source.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        config = source.policy.config
+        config, lora = source.policy.config, lora_record(source.policy)
         if _distributed(source) and not _is_writer(source):
             return pathlib.Path(out_dir)
     else:
         saved = _load_learner_file(pathlib.Path(source), "export_hf")
         if saved.get("config") is None:
             raise ValueError(f"export_hf: {source} does not record the model config; export from a live learner")
-        weights, config = saved["policy"], _config_from_dict(saved["config"])
+        weights, config, lora = saved["policy"], _config_from_dict(saved["config"]), saved.get("lora")
+        if lora is not None:
+            weights = {**lora_base_weights(source, config, base), **weights}
+    if lora is not None:
+        weights, dtype = merge_adapters(weights, lora), dtype or torch.float32
     with torch.device("meta"):
         model = CausalLM(config)
     model.load_state_dict(weights, strict=False, assign=True)

@@ -1,10 +1,11 @@
-"""`asyncrl` command line: train, eval, bench, data, report.
+"""`asyncrl` command line: train, eval, export, bench, data, report.
 
     asyncrl train cpu-demo                          # the default job (what `make train` runs)
     asyncrl train cpu-demo --async-training.staleness-threshold 0 --run-dir runs/sync
     asyncrl train cpu-demo --data.path my.jsonl --reward.fn my_reward.py:score --dry-run
     asyncrl train --help
     asyncrl agent --join HOST:PORT --device cuda:3  # one more rollout agent for a running job
+    asyncrl export RUN/checkpoints/step_00000020 OUT --merged   # an HF model directory (LoRA: merged)
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ COMMANDS = {
     "train": train_main,
     "agent": agent_main,
     "eval": _lazy("asyncrl.evaluate", "eval_main"),
+    "export": _lazy("asyncrl.export", "export_main"),
     "bench": _lazy("asyncrl.bench", "bench_main"),
     "data": _lazy("asyncrl.data.cli", "data_main"),
     "report": _lazy("asyncrl.report", "report_main"),

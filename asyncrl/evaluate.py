@@ -5,9 +5,10 @@
 
     result = evaluate("smollm2", DataConfig(task="arithmetic"), num_prompts=32, n=4, k=(1, 4))
 
-`model` is anything `load_model` opens (an HF directory, a .gguf, 'smollm2', 'random:<preset>') or a
-checkpoint directory `RUN/checkpoints/step_XXXXXXXX`, which is exported to a temporary HF directory
-first; its tokenizer comes from the run's config.json (the model path it trained from) unless
+`model` is anything `load_model` opens (an HF directory, a .gguf, 'smollm2', 'random:<preset>'; an
+`asyncrl export --merged` directory too) or a checkpoint directory `RUN/checkpoints/step_XXXXXXXX`, which is
+exported to a temporary HF directory first (a LoRA checkpoint merged with its base: the run's --model.path,
+or `base`); its tokenizer comes from the run's config.json (the model path it trained from) unless
 `tokenizer` is given. The toy task uses no tokenizer (its prompts and rewards are token ids).
 
 Prompts and rewards are the training ones (`SourceFactory` / `ScorerFactory`): prompts `first_prompt`
@@ -128,7 +129,8 @@ def _generate_with_progress(engine: Engine, prompts: list[list[int]], params: li
 def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4, k: int | Sequence[int] = (1,),
              temperature: float = 1.0, max_new_tokens: int = 256, max_slots: int = 64, seed: int = 0,
              device: str = "cpu", tokenizer: str | None = None, dtype: str = "auto", first_prompt: int = 0,
-             max_prompt_length: int = 1024, success_threshold: float = 1.0, cuda_graphs: bool = True) -> dict:
+             max_prompt_length: int = 1024, success_threshold: float = 1.0, cuda_graphs: bool = True,
+             base: str | None = None) -> dict:
     """Sample `n` responses for each of `num_prompts` prompts of `data` and score them.
 
     Returns {"model", "task", "prompts", "n", "samples", "temperature", "mean_reward", "accuracy",
@@ -165,7 +167,7 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
     torch_dtype = getattr(torch, _default_dtype(dtype, device))
     if is_checkpoint(model):
         with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
-            export_hf(model, tmp)
+            export_hf(model, tmp, base=base)
             policy = load_model(tmp, dtype=torch_dtype, device=device)
     else:
         policy = load_model(model, dtype=torch_dtype, device=device, seed=seed)
@@ -205,6 +207,8 @@ class EvalArgs:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tokenizer: str | None = None
     """Tokenizer source (default: the model; for a checkpoint, the model path in the run's config.json)."""
+    base: str | None = None
+    """A LoRA checkpoint's base model (default: the run's --model.path, from the checkpoint's run config)."""
     num_prompts: int = 64
     """Prompts to evaluate."""
     first_prompt: int = 0
@@ -240,7 +244,7 @@ def eval_main(args: list[str]) -> None:
                           max_new_tokens=a.max_new_tokens, max_slots=a.max_slots, seed=a.seed, device=a.device,
                           tokenizer=a.tokenizer, dtype=a.dtype, first_prompt=a.first_prompt,
                           max_prompt_length=a.max_prompt_length, success_threshold=a.success_threshold,
-                          cuda_graphs=a.cuda_graphs)
+                          cuda_graphs=a.cuda_graphs, base=a.base)
     except ValueError as err:
         raise SystemExit(f"asyncrl eval: {err}") from None
     print(json.dumps(result), flush=True)

@@ -4,7 +4,8 @@
     if report.problems: ...        # each names the flag (or file and row), the value and the fix
     print(report.render())         # what `asyncrl train ... --dry-run` prints
 
-Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture, the
+Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture (and
+LoRA's rank against its layers), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
 learner step) and a resume's checkpoint. Checks that depend on a failed one are skipped rather than
@@ -22,7 +23,8 @@ from typing import Callable
 from asyncrl.config import RunConfig
 from asyncrl.flags import flag
 
-__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel"]
+__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel",
+           "check_lora"]
 
 
 @dataclasses.dataclass
@@ -76,14 +78,37 @@ def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = 
             if (p := _device_problem(d, cuda_count, option)) is not None]
 
 
-def _attention_heads(path: str) -> int | None:
-    """The model's attention heads, from its preset or config.json (None where not known before loading)."""
+def _model_config(path: str):
+    """The model's `TransformerConfig`, from its preset or config.json (None where not known before loading)."""
     from asyncrl.policies.loading import hf_config
+    from asyncrl.policies.model import TransformerConfig
     name = "smollm2-135m" if path == "smollm2" else path.removeprefix("random:")
     try:
-        return int(hf_config(name)["num_attention_heads"])
+        return TransformerConfig.from_hf(hf_config(name))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def check_lora(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(problems, facts) of --lora.* against the model: every targeted layer must be wider than the rank (an
+    adapter of rank >= min(in, out) has more parameters than the layer it adapts); the fact counts them."""
+    lora, m = cfg.lora, _model_config(cfg.model.path)
+    if not lora.enabled or m is None:
+        return [], []
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    shapes = {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
+              "o_proj": (q, m.hidden_size), "gate_proj": (m.hidden_size, m.intermediate_size),
+              "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size)}
+    narrow = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in lora.target_modules if lora.rank >= min(shapes[t])]
+    if narrow:
+        return [f"{flag('lora', 'rank')} {lora.rank} is invalid for {cfg.model.path}: {', '.join(narrow)} "
+                f"{'is' if len(narrow) == 1 else 'are'} not wider than the rank; use a smaller rank, or "
+                f"{flag('lora', 'rank')} 0 (full fine-tuning)"], []
+    trained = m.num_layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
+    share = 100 * trained / m.num_params_estimate
+    return [], [f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.alpha / lora.rank:g}) on "
+                f"{' '.join(lora.target_modules)}: {trained / 1e6:.3g}M trained parameters ({share:.2g}% of the "
+                f"{m.num_params_estimate / 1e9:.3g}B frozen base)"]
 
 
 def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: str, *, cuda_count: int | None = None,
@@ -96,7 +121,7 @@ def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: s
     if tp <= 1:
         return []
     problems = []
-    heads = _attention_heads(model_path)
+    heads = getattr(_model_config(model_path), "num_heads", None)
     if heads is not None and heads % tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         problems.append(f"{option} {tp}: the model's {heads} attention heads do not split into {tp} equal shards; "
@@ -201,6 +226,10 @@ class _Checks:
                 f"bf16 step of its weight is lost (at --trainer.optim.lr 1e-6 a step moves under 1% of the weights: "
                 f"tests/test_learner.py); --trainer.optim.lr is {cfg.trainer.optim.lr:g}; float32 (the default) "
                 "keeps every update")
+        if model_ok and valid:
+            problems, facts = check_lora(cfg)
+            self.report.problems += problems
+            self.report.facts += facts
         table = self._rewards()
         if model_ok and valid:
             self._data(table)

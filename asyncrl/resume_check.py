@@ -12,7 +12,9 @@ config with that copy, field by field, and names every difference by its flag. T
 * **fixed** (`FIXED`, refused): the model, its tokenizer and seed, the parameter dtype (the weights and
   optimizer moments come from the checkpoint), the staleness window (`--trainer.mini-batch-size`,
   `--async-training.staleness-threshold / trigger-parameter-sync-step / require-batches`: the admission
-  budget is restored from the checkpoint), an adaptive KL controller's `--algorithm.kl-in-reward-coef`
+  budget is restored from the checkpoint), LoRA's `--lora.rank / alpha / target-modules` (the checkpoint
+  holds adapters of that shape and scale, and no base: a full-weight checkpoint cannot become a LoRA run nor
+  the reverse; `--lora.dropout` is applied), an adaptive KL controller's `--algorithm.kl-in-reward-coef`
   (its β is restored), and the algorithm itself (`algorithm:NAME`: the loss, the advantage estimator and the
   critic's state come with it).
 * **data** (`DATA`, refused unless `--resume-allow-data-change`): the prompt file's content, the `--data.*`
@@ -53,6 +55,10 @@ FIXED = {
     "async_training.staleness_threshold": _WINDOW,
     "async_training.trigger_parameter_sync_step": _WINDOW,
     "async_training.require_batches": _WINDOW,
+    "lora.rank": "the checkpoint holds adapters of this rank (0: full weights), and the base only through "
+                 "--model.path",
+    "lora.alpha": "the checkpoint's adapters were trained at this scale (alpha / rank)",
+    "lora.target_modules": "the checkpoint holds adapters on exactly these layers",
 }
 """Fields that cannot change on resume (dotted field path -> why)."""
 DATA = ("data.", "rollout.max_prompt_length")
@@ -282,6 +288,9 @@ def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path) -> ResumeCheck:
         return check
     now = run_record(cfg)
     old, new = _leaves(saved), _leaves(now)
+    old.setdefault("lora.rank", 0)  # a run from before LoRA trained full weights
+    if not old["lora.rank"] and not new["lora.rank"]:  # no LoRA on either side: its other knobs are unused
+        old = {path: value for path, value in old.items() if not path.startswith("lora.")}
     data = _compare_fields(old, new, cfg, check, same_algorithm=saved_algorithm in (None, ours))
     _compare_data(old, new, saved, now, data, cfg, check)
     return check

@@ -50,6 +50,12 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -
     heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
     count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
     `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
+
+    LoRA: the adapters are parameters of their layer like any other, so they are sharded with it (each rank
+    holds 1/N of every lora_A / lora_B, gathered for the layer's forward and backward, their gradients
+    reduce-scattered), and so is the frozen base (gathered the same way, never reduced: it has no gradient).
+    Sharded, not replicated: the adapters' optimizer state splits over the ranks too, and one mechanism serves
+    both kinds of parameter (mixed dtypes, bf16 base and fp32 adapters, gather together).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kwargs = {"mesh": mesh} if mesh is not None else {}

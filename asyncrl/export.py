@@ -1,0 +1,168 @@
+"""`asyncrl export CHECKPOINT OUT [--merged]`: a checkpoint as a directory other tools open.
+
+    asyncrl export runs/cpu-demo/checkpoints/step_00000020 out/policy          # full weights: an HF model dir
+    asyncrl export runs/lora/checkpoints/step_00000020 out/adapter             # LoRA: a peft adapter dir
+    asyncrl export runs/lora/checkpoints/step_00000020 out/merged --merged     # LoRA: base + s·B·A, an HF dir
+
+* A full-weight checkpoint becomes a Hugging Face model directory (config.json, model.safetensors, tokenizer
+  files): `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it (`export_hf`).
+* A LoRA checkpoint with `--merged` becomes the same, its weights W + (alpha / rank)·B·A over the base it
+  trained on, in float32 unless `--dtype bfloat16` (bf16 would round most of a small update away).
+* A LoRA checkpoint without `--merged` becomes peft's adapter format: adapter_config.json and
+  adapter_model.safetensors with peft's key names (`base_model.model.<HF name>.lora_A.weight`), which
+  `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)` loads over the base.
+
+The base of a LoRA checkpoint is the run's `--model.path` (and `--model.seed` for `random:` models), read
+from the checkpoint's copy of the run's config (run_config.json; else the run directory's config.json);
+`--base PATH` overrides it (a model directory that moved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Literal
+
+import torch
+import tyro
+from torch import Tensor
+
+__all__ = ["ExportArgs", "export_main", "export_adapters", "lora_base_weights", "merge_adapters", "run_model"]
+
+
+def run_model(checkpoint: str | pathlib.Path) -> dict | None:
+    """The `model` section (path, seed, tokenizer, ...) of the config a checkpoint was trained under: its
+    run_config.json, else its run directory's config.json; None when neither records it."""
+    from asyncrl.checkpoint import RUN_CONFIG
+    checkpoint = pathlib.Path(checkpoint)
+    for file in (checkpoint / RUN_CONFIG, checkpoint.resolve().parent.parent / "config.json"):
+        try:
+            model = json.loads(file.read_text(encoding="utf-8"))["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(model, dict) and "path" in model:
+            return model
+    return None
+
+
+def _base_source(checkpoint: str | pathlib.Path, base: str | None) -> tuple[str, int]:
+    if base is not None:
+        return base, 0
+    model = run_model(checkpoint)
+    if model is None:
+        raise ValueError(f"{checkpoint} holds LoRA adapters, and its base model is not recorded (no "
+                         "run_config.json in it, no config.json in its run directory); pass --base PATH, the "
+                         "--model.path it trained from")
+    return model["path"], int(model.get("seed") or 0)
+
+
+def lora_base_weights(checkpoint: str | pathlib.Path, config, base: str | None = None) -> dict[str, Tensor]:
+    """The frozen base of a LoRA checkpoint (float32, CPU) by HF name, checked against the checkpoint's model
+    config `config` (a `TransformerConfig`)."""
+    from asyncrl.policies.loading import load_model
+    path, seed = _base_source(checkpoint, base)
+    model = load_model(path, dtype=torch.float32, device="cpu", seed=seed)
+    if dataclasses.replace(model.config, hf_config={}) != dataclasses.replace(config, hf_config={}):
+        raise ValueError(f"{checkpoint}: the base {path} is not the model its adapters were trained on (another "
+                         "architecture or size); pass --base with the --model.path of the run")
+    return dict(model.state_dict())
+
+
+def merge_adapters(weights: dict[str, Tensor], lora: dict) -> dict[str, Tensor]:
+    """`weights` (HF names, adapters included) with every adapted layer merged to W + (alpha / rank)·B·A in
+    float32 and the adapters left out: a plain model's state."""
+    from asyncrl.policies.lora import AdapterMerger, is_adapter_name
+    adapters = {name: t for name, t in weights.items() if is_adapter_name(name)}
+    layers = {name.rpartition(".lora_")[0] + ".weight" for name in adapters}
+    merger = AdapterMerger({name: weights[name].float() for name in layers}, scale=lora["alpha"] / lora["rank"])
+    merged = dict(merger.merge(adapters.items()))
+    if merger.pending or merged.keys() != layers:
+        raise ValueError(f"merge_adapters: layers with one factor only: {', '.join(merger.pending)}")
+    return {name: merged.get(name, t) for name, t in weights.items() if not is_adapter_name(name)}
+
+
+def export_adapters(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *,
+                    base_name: str | None = None) -> pathlib.Path:
+    """Write a LoRA checkpoint's adapters in peft's format (see the module docstring); `base_name` is what
+    adapter_config.json records as base_model_name_or_path (default: the run's --model.path)."""
+    from safetensors.torch import save_file
+
+    from asyncrl.checkpoint import _load_learner_file
+    saved = _load_learner_file(pathlib.Path(checkpoint), "export")
+    lora = saved.get("lora")
+    if lora is None:
+        raise ValueError(f"{checkpoint} holds full weights, not LoRA adapters: export it as an HF model "
+                         "directory (export_hf)")
+    if base_name is None:
+        base_name = (run_model(checkpoint) or {}).get("path")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name, "revision": None,
+              "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
+              "target_modules": list(lora["targets"]), "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
+              "use_dora": False, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+              "alpha_pattern": {}}
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tensors = {f"base_model.model.{name}": t.detach().to("cpu", torch.float32).contiguous()
+               for name, t in saved["policy"].items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@dataclasses.dataclass
+class ExportArgs:
+    """Write a checkpoint as a Hugging Face model directory, or a LoRA checkpoint's adapters in peft's format
+    (merged with its base: --merged)."""
+
+    checkpoint: tyro.conf.Positional[str]
+    """A checkpoint directory RUN/checkpoints/step_XXXXXXXX."""
+    out: tyro.conf.Positional[str]
+    """The directory to write."""
+    merged: bool = False
+    """LoRA checkpoints: write base + (alpha / rank)·B·A as an HF model directory instead of a peft adapter."""
+    base: str | None = None
+    """LoRA checkpoints: the base model (default: the run's --model.path, from the checkpoint's run config)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights' dtype: auto = the checkpoint's for full weights, float32 for a merged LoRA policy."""
+    tokenizer: str | None = None
+    """Tokenizer files to write beside the weights (default: the run's --model.tokenizer or --model.path;
+    none for random: models)."""
+
+
+def _tokenizer(args: ExportArgs):
+    """The tokenizer to write beside the weights, None when there is none to write."""
+    from asyncrl.run import run_tokenizer
+    model = run_model(args.checkpoint) or {}
+    source = args.tokenizer or model.get("tokenizer") or args.base or model.get("path")
+    return run_tokenizer(source) if source else None
+
+
+def export(args: ExportArgs) -> tuple[pathlib.Path, str]:
+    """Write `args.out` as `args` says; returns it and what was written (for the one line the command prints)."""
+    from asyncrl.checkpoint import describe_checkpoint, export_hf
+    from asyncrl.evaluate import is_checkpoint
+    if not is_checkpoint(args.checkpoint):
+        raise ValueError(f"{args.checkpoint}: not a checkpoint directory (no learner.pt); give "
+                         "RUN/checkpoints/step_XXXXXXXX")
+    out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty directory; give a new OUT")
+    lora = describe_checkpoint(args.checkpoint).get("lora")
+    if lora is not None and not args.merged:
+        return export_adapters(args.checkpoint, out, base_name=args.base), (
+            f"LoRA adapters (rank {lora['rank']}, alpha {lora['alpha']:g}) in peft's format")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    export_hf(args.checkpoint, out, tokenizer=_tokenizer(args), dtype=dtype, base=args.base)
+    return out, "the policy merged with its base (an HF model directory)" if lora else "an HF model directory"
+
+
+def export_main(argv: list[str]) -> None:
+    """`asyncrl export CHECKPOINT OUT [--merged] [--base PATH] [--dtype ...]`."""
+    args = tyro.cli(ExportArgs, args=argv, prog="asyncrl export")
+    try:
+        out, what = export(args)
+    except ValueError as err:
+        raise SystemExit(f"asyncrl export: {err}") from None
+    print(f"asyncrl export: wrote {what} to {out}", flush=True)
