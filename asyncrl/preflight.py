@@ -107,8 +107,8 @@ def check_lora(cfg: RunConfig) -> tuple[list[str], list[str]]:
     trained = m.num_layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
     share = 100 * trained / m.num_params_estimate
     return [], [f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.alpha / lora.rank:g}) on "
-                f"{' '.join(lora.target_modules)}: {trained / 1e6:.3g}M trained parameters ({share:.2g}% of the "
-                f"{m.num_params_estimate / 1e9:.3g}B frozen base)"]
+                f"{' '.join(lora.target_modules)}: {trained:,} trained parameters ({share:.2g}% of the "
+                f"frozen base's {m.num_params_estimate:,})"]
 
 
 def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: str, *, cuda_count: int | None = None,
