@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from asyncrl.config import (
-    GRPO, AsyncConfig, DataConfig, EnvConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig,
+    GRPO, AsyncConfig, DataConfig, EnvConfig, LoraConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig,
     RolloutConfig, RunConfig, TrainerConfig,
 )
 
@@ -25,6 +25,16 @@ CPU_DEMO = RunConfig(
     checkpoint_every=20,  # the last version: `asyncrl eval --model runs/cpu-demo/checkpoints/step_00000020`
 )
 """SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async."""
+
+CPU_DEMO_LORA = dataclasses.replace(
+    CPU_DEMO,
+    lora=LoraConfig(rank=16, alpha=32.0),
+    trainer=dataclasses.replace(CPU_DEMO.trainer, optim=OptimConfig(lr=2e-4)),
+    run_dir="runs/cpu-demo-lora",
+)
+"""cpu-demo with LoRA: rank-16 adapters (alpha 32) on every linear layer of SmolLM2-135M, the base frozen; lr 2e-4,
+10x cpu-demo's full fine-tuning lr, as "LoRA Without Regret" (Thinking Machines, 2025) finds for RL. Each
+publication sends the adapters (4.9M fp32 parameters, 20 MB) instead of the 135M weights."""
 
 CPU_RETRY = RunConfig(
     model=ModelConfig(path="smollm2"),
@@ -85,12 +95,37 @@ call) is scored by the GSM8K reward. Up to 6 turns of at most 768 tokens, 2,048 
     asyncrl train gsm8k-calculator-qwen2.5-0.5b --model.path /models/Qwen2.5-0.5B-Instruct \
         --data.path data/gsm8k/train.parquet"""
 
+QWEN3_8B_LORA = RunConfig(
+    model=ModelConfig(path="random:qwen3-8b"),
+    data=DataConfig(task="toy"),
+    algorithm=GRPO(clip_ratio_high=0.28),
+    rollout=RolloutConfig(n=8, temperature=1.0, max_new_tokens=512, max_prompt_length=512, max_slots=128),
+    trainer=TrainerConfig(mini_batch_size=16, max_tokens_per_micro_batch=16384, gradient_checkpointing=True,
+                          max_response_length=512, optim=OptimConfig(lr=1e-5)),
+    async_training=AsyncConfig(staleness_threshold=0.0, trigger_parameter_sync_step=1, colocated=True,
+                               total_versions=10),
+    placement=PlacementConfig(launcher="rpc", trainer_devices=("cuda:0",), agent_devices=("cuda:0",)),
+    lora=LoraConfig(rank=32, alpha=32.0),
+    run_dir="runs/qwen3-8b-lora",
+)
+"""A Qwen3-8B-shaped model (random weights unless --model.path gives real ones) trained with rank-32 LoRA on
+one GPU: the trainer process hosts the engine (colocated; the engine frees its KV cache while the learner
+trains). The frozen base is bf16 (16.4 GB), the adapters fp32 (87M parameters: 1.4 GB with their gradients and
+AdamW moments); lr 1e-5, 10x a full fine-tuning lr. Fully async on the same GPU: --async-training.no-colocated
+--async-training.staleness-threshold 0.5 (trainer and agent processes both on cuda:0). With real weights:
+
+    asyncrl train qwen3-8b-lora --model.path /models/Qwen3-8B --data.path data/gsm8k/train.parquet"""
+
 PRESETS: dict[str, tuple[str, RunConfig]] = {
     "cpu-demo": ("SmolLM2-135M on single-digit arithmetic, fully async on CPU (the `make train` job)", CPU_DEMO),
+    "cpu-demo-lora": ("cpu-demo with rank-16 LoRA adapters on SmolLM2-135M (frozen base, lr 2e-4), fully async on "
+                      "CPU", CPU_DEMO_LORA),
     "cpu-retry": ("SmolLM2-135M on single-digit sums over up to 3 turns with too-high/too-low feedback (multi-turn, "
                   "fully async on CPU)", CPU_RETRY),
     "gsm8k-qwen2.5-0.5b": ("Qwen2.5-0.5B-Instruct GRPO on GSM8K, fully async on 2 GPUs (needs --model.path and "
                            "--data.path)", GSM8K_QWEN2_5_0_5B),
     "gsm8k-calculator-qwen2.5-0.5b": ("Qwen2.5-0.5B-Instruct on GSM8K with a calculator tool, multi-turn, fully async "
                                       "on 2 GPUs (needs --model.path and --data.path)", GSM8K_CALCULATOR_QWEN2_5_0_5B),
+    "qwen3-8b-lora": ("Qwen3-8B shape (random weights unless --model.path) with rank-32 LoRA on one GPU, colocated",
+                      QWEN3_8B_LORA),
 }
