@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from asyncrl.bench_async import AsyncBenchArgs, bench_async
+from asyncrl.config import LoraConfig
 
 if TYPE_CHECKING:
     from asyncrl.policies import SamplingParams
@@ -387,12 +388,15 @@ class LearnerBenchArgs:
     steps: int = 5
     """Timed optimizer steps (after one warm-up step)."""
     baseline: bool = True
-    """Also time a transformers training step."""
+    """Also time a transformers training step (with --lora.rank: transformers + peft's LoRA)."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """--lora.rank R > 0: both sides train rank-R adapters on a frozen base (bf16 on CUDA): `asyncrl.bench_lora`."""
     out: str | None = None
     """Write the result as JSON here."""
 
     def validate(self) -> None:
         """Refuse impossible shapes (ValueError naming the CLI flag) before anything is loaded."""
+        self.lora.validate()
         if self.group_size < 1 or self.rows < self.group_size or self.rows % self.group_size:
             raise ValueError(f"--rows {self.rows} must be a positive multiple of --group-size {self.group_size}")
         for flag, value in (("--steps", self.steps), ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch)):
@@ -501,7 +505,7 @@ def _timed(device: str, step, step_groups: list[list]) -> float:
     return time.perf_counter() - start
 
 
-def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list]) -> float:
+def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, lr: float = 1e-6) -> float:
     """Seconds of our GRPO `train_step` over the timed steps' groups (after a warm-up step)."""
     from asyncrl.config import GRPO, OptimConfig, TrainerConfig
     from asyncrl.learner import build_learner, train_step
@@ -509,7 +513,7 @@ def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list]) -> 
                         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                         pack_sequences=args.pack_sequences, gradient_checkpointing=args.gradient_checkpointing,
                         checkpoint_scope=args.checkpoint_scope, compile_layers=args.compile_layers,
-                        fused_optimizer=args.fused_optimizer, optim=OptimConfig(lr=1e-6))
+                        fused_optimizer=args.fused_optimizer, optim=OptimConfig(lr=lr))
     state = build_learner(model, cfg, GRPO())
     return _timed(args.device, lambda groups: train_step(state, groups), step_groups)
 
@@ -582,9 +586,16 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     from asyncrl.policies import load_model
     args.validate()
     on_cuda = args.device.startswith("cuda")
-    model = load_model(args.model, dtype=torch.float32, device=args.device)
+    lora = args.lora.rank > 0
+    model = load_model(args.model, dtype=torch.bfloat16 if lora and on_cuda else torch.float32, device=args.device)
     step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.steps + 1)]
     timed_rows = [row_lengths(groups) for groups in step_groups[1:]]
+    if lora:
+        from asyncrl.bench_lora import bench_learner_lora
+        row = bench_learner_lora(args, model, step_groups, _learner_row(args, timed_rows))
+        print(json.dumps(row), flush=True)
+        _write(args.out, row)
+        return row
     n_body = body_params(model)
     flops = sum(train_flops(model.config, n_body, rows) for rows in timed_rows)
     peak = peak_flops(args.device)

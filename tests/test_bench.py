@@ -228,3 +228,22 @@ def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
     assert row["vllm_llm_mean_len"] == 8 and row["ratio_vs_vllm_llm"] == row["ours_tok_s"] / row["vllm_llm_tok_s"]
     assert row["max_abs_dlogp"] <= dlogp_tol(row, SMOLLM2_HIDDEN), row
     assert row["vllm_max_abs_dlogp"] <= dlogp_tol(row, SMOLLM2_HIDDEN, prefix="vllm_"), row
+
+
+def test_learner_bench_with_lora_against_peft_counts_frozen_flops(tmp_path):
+    """--lora.rank: both sides train rank-R adapters on a frozen base (ours: asyncrl.policies.lora; HF: peft)
+    on the same rows; the FLOPs credited to both are a LoRA step's (4 per frozen weight per token, not 6)."""
+    from asyncrl.bench_lora import lora_train_flops
+    from asyncrl.config import LoraConfig
+    args = LearnerBenchArgs(**TINY_RAGGED, lora=LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")),
+                            out=str(tmp_path / "learner.json"))
+    row = bench_learner(args)
+    assert row["lora_rank"] == 4 and row["lora_targets"] == ["q_proj", "v_proj"] and row["base_dtype"] == "float32"
+    assert row["adapter_params"] == 4 * 2 * ((64 + 64) + (64 + 32))  # 2 layers, r·(in + out) per adapted layer
+    assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
+    config = random_model("tiny-qwen2").config
+    full = train_flops(config, 1000, [(4, 4)])
+    assert lora_train_flops(config, 1000, 0, [(4, 4)]) < full  # frozen weights: no weight gradients
+    with pytest.raises(ValueError, match="--lora.rank -1 is invalid"):
+        LearnerBenchArgs(**TINY_RAGGED, lora=LoraConfig(rank=-1)).validate()

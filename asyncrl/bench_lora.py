@@ -1,0 +1,111 @@
+"""`asyncrl bench learner --lora.rank R`: our LoRA GRPO step against a Hugging Face model with peft's LoRA, on
+the same rows, in one process (the learner benchmark's LoRA branch; `asyncrl.bench` describes the rest).
+
+Both sides: the base model frozen in bf16 on CUDA (fp32 on CPU), adapters of rank R with the same alpha,
+dropout and target layers, in float32, bf16 autocast on CUDA, gradient checkpointing, AdamW over the adapters
+only. peft is timed first, on a Hugging Face copy of the base (its own weights: one base in memory at a time),
+then ours on the base itself.
+
+Useful FLOPs of a LoRA step (`lora_train_flops`): a frozen weight still costs its forward and the gradient of
+its input, 4 FLOPs per multiply-add instead of 6, per token (decoder layers) and per response token (LM
+head); each adapter parameter 6 per token; attention as in full training. The same count for both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["lora_train_flops", "bench_learner_lora"]
+
+
+def lora_train_flops(config, n_body: int, n_adapter: int, rows: list[tuple[int, int]]) -> float:
+    """Useful FLOPs of one LoRA training step over `rows` = (prompt_len, response_len) (module docstring)."""
+    tokens = sum(p + r for p, r in rows)
+    response = sum(r for _, r in rows)
+    squares = sum((p + r) ** 2 for p, r in rows)
+    attention_width = config.num_heads * config.head_dim
+    return float(4 * n_body * tokens + 6 * n_adapter * tokens + 4 * config.vocab_size * config.hidden_size * response
+                 + 6 * config.num_layers * attention_width * squares)
+
+
+def _base_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def _time_peft_train(args, model, step_groups: list[list]) -> float:
+    """Seconds of a transformers + peft LoRA training step over the same groups (after a warm-up step): the
+    plain HF step of `asyncrl.bench` (padded micro-batches by our budget rule, `model(...).loss`, backward,
+    clipping, AdamW) on a peft model."""
+    from peft import LoraConfig as PeftLora, get_peft_model
+
+    from asyncrl.bench import _hf_copy, _hf_micro_batches, _timed
+    lora = args.lora
+    hf = _hf_copy(model, _base_dtype(args.device), args.device)
+    if args.gradient_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.enable_input_require_grads()  # the frozen embeddings' output must carry a gradient through checkpoints
+    hf = get_peft_model(hf, PeftLora(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                     target_modules=list(lora.target_modules)))
+    hf.train()
+    on_cuda = args.device.startswith("cuda")
+    params = [p for p in hf.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=1e-5, fused=on_cuda and args.fused_optimizer)
+
+    def step(groups: list) -> None:
+        for batch in _hf_micro_batches(groups, args.max_tokens_per_micro_batch, args.device):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
+                loss = hf(**batch).loss
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    return _timed(args.device, step, step_groups)
+
+
+def _time_lora_step(args, model, step_groups: list[list]) -> float:
+    """Seconds of our GRPO `train_step` with adapters on `model` (after a warm-up step)."""
+    from asyncrl.bench import _time_train_step
+    from asyncrl.policies.lora import apply_lora
+    lora = args.lora
+    apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
+    return _time_train_step(args, model, step_groups, lr=1e-5)
+
+
+def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
+    """Fill `row` (the learner benchmark's JSON row) with the LoRA comparison: each side's tok/s, MFU and peak
+    memory, the ratio. `model`: the base, loaded in `_base_dtype` (ours trains adapters on it, in place)."""
+    from asyncrl.bench import _mfu, body_params, peak_flops, row_lengths
+    from asyncrl.policies.lora import LORA_TARGETS
+    on_cuda = args.device.startswith("cuda")
+    lora = args.lora
+    n_body = body_params(model)
+    widths = {name.rpartition(".")[2]: (m.in_features, m.out_features) for name, m in model.model.layers[0].named_modules()
+              if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in LORA_TARGETS}
+    n_adapter = lora.rank * len(model.model.layers) * sum(i + o for leaf, (i, o) in widths.items()
+                                                            if leaf in lora.target_modules)
+    timed_rows = [row_lengths(groups) for groups in step_groups[1:]]
+    flops = sum(lora_train_flops(model.config, n_body, n_adapter, rows) for rows in timed_rows)
+    peak = peak_flops(args.device)
+    tokens = row["tokens_per_step"] * args.steps
+    row.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.target_modules),
+               adapter_params=n_adapter, base_dtype=str(_base_dtype(args.device)).removeprefix("torch."))
+    if args.baseline:
+        model.to("cpu")  # one base on the GPU at a time: each side's peak memory is its own
+        if on_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        hf_seconds = _time_peft_train(args, model, step_groups)
+        row.update(hf_tok_s=tokens / hf_seconds, hf_mfu=_mfu(flops, hf_seconds, peak))
+        if on_cuda:
+            row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        model.to(args.device)
+    seconds = _time_lora_step(args, model, step_groups)
+    row.update(ours_tok_s=tokens / seconds, ours_mfu=_mfu(flops, seconds, peak))
+    if on_cuda:
+        row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.baseline:
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    return row
