@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -116,10 +116,10 @@ class ExportArgs:
     """Write a checkpoint as a Hugging Face model directory, or a LoRA checkpoint's adapters in peft's format
     (merged with its base: --merged)."""
 
-    checkpoint: tyro.conf.Positional[str]
+    checkpoint: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="CHECKPOINT")]
     """A checkpoint directory RUN/checkpoints/step_XXXXXXXX."""
-    out: tyro.conf.Positional[str]
-    """The directory to write."""
+    out: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")]
+    """The directory to write (new, or empty)."""
     merged: bool = False
     """LoRA checkpoints: write base + (alpha / rank)·B·A as an HF model directory instead of a peft adapter."""
     base: str | None = None
@@ -127,8 +127,8 @@ class ExportArgs:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights' dtype: auto = the checkpoint's for full weights, float32 for a merged LoRA policy."""
     tokenizer: str | None = None
-    """Tokenizer files to write beside the weights (default: the run's --model.tokenizer or --model.path;
-    none for random: models)."""
+    """Tokenizer files to write beside the weights (default: the run's --model.tokenizer or --model.path; none
+    for random: models)."""
 
 
 def _tokenizer(args: ExportArgs):

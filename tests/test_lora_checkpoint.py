@@ -200,3 +200,31 @@ def test_the_preflight_states_what_lora_trains(tmp_path):
     [fact] = [f for f in report.facts if f.startswith("lora:")]
     # per layer 8 × (q 64+64, k 64+32, v 64+32, o 64+64, gate 64+128, up 64+128, down 128+64) = 8 × 1024; 2 layers
     assert "16,384 trained parameters" in fact and "alpha 32 (scale 4)" in fact
+
+
+@pytest.mark.slow
+def test_a_short_lora_run_publishes_adapters_resumes_and_exports(tmp_path):
+    """`asyncrl train --lora.rank 4` (trainer process, rollout agent, adapter publications, checkpoint), then
+    `--resume` for two more versions, then `asyncrl export --merged` of its last checkpoint."""
+    import transformers
+    from tests.run_helpers import cli
+    run_dir = tmp_path / "lora"
+    common = ["train", "cpu-demo", *TINY, "--lora.rank", "4", "--run-dir", str(run_dir)]
+    out = cli(*common, "--async-training.total-versions", "3", "--checkpoint-every", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = cli(*common, "--async-training.total-versions", "5", "--checkpoint-every", "5", "--resume")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from step_00000003" in out.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # a publication is the adapters: 2 layers × rank 4 × (in + out summed over the 7 layers: 1024) fp32 numbers
+    assert {r["param_sync/bytes"] for r in rows} == {2 * 4 * 1024 * 4}
+    assert all(r["actor/skipped_updates"] == 0 for r in rows)
+    last = run_dir / "checkpoints" / "step_00000005"
+    first = torch.load(run_dir / "checkpoints" / "step_00000003" / "learner.pt", weights_only=True)["policy"]
+    saved = torch.load(last / "learner.pt", weights_only=True)["policy"]
+    assert saved.keys() == first.keys() and all(is_adapter_name(k) for k in saved)
+    assert any(not torch.equal(saved[k], first[k]) for k in saved)  # the resumed run trained on
+    out = cli("export", str(last), str(tmp_path / "merged"), "--merged")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").config.model_type == "qwen2"
