@@ -6,7 +6,8 @@
 A step, for a batch of groups (every number comes from `asyncrl.algos`):
   1. collate groups into `[N, T]` response tensors (rewards shaped by DAPO's overlong penalty if asked);
   2. π_old: the behaviour log-probs (`use_rollout_log_probs`) or proximal log-probs recomputed now;
-     π_ref log-probs if a KL is used; critic values if the algorithm has a critic;
+     π_ref log-probs if a KL is used (LoRA: the policy with its adapters off); critic values if the algorithm
+     has a critic;
   3. per-token rewards (outcome at the last token, minus β·KL if KL-in-reward), advantages;
   4. the loss mask: response mask ∧ version-lag cap ∧ rejection; truncated IS weights;
   5. `ppo_epochs` × mini-batches of `mini_batch_size` groups, each accumulated over micro-batches formed
