@@ -29,10 +29,9 @@ parsed JSON (tuples as lists).
 
 With FSDP2 the full state is gathered to rank 0 (the distributed state-dict API), which writes; every rank
 loads it back (broadcast from rank 0). The frozen reference model is not saved: it is rebuilt from the
-model path at start-up. Nor is a LoRA policy's frozen base (nor its critic's): a LoRA checkpoint holds the
-trained tensors only (adapters, a critic's adapters and value head, their optimizer states) and the LoRA
-settings (`learner.pt` "lora", meta.json "lora"); the base comes back from --model.path, which a resume
-cannot change (`asyncrl.resume_check`), and `export_hf` merges it from there.
+model path at start-up. Nor is a LoRA policy's frozen base: a LoRA checkpoint holds the trained tensors (adapters,
+a critic's adapters and value head, their optimizer states) and the LoRA settings ("lora" in learner.pt and
+meta.json); the base comes back from --model.path, which a resume cannot change, as `export_hf` merges it.
 """
 
 from __future__ import annotations
@@ -159,8 +158,9 @@ def _gather(state: LearnerState) -> dict:
 
 
 def _learner_payload(state: LearnerState, gathered: dict) -> dict:
+    lora = lora_record(state.policy)
     return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in _COUNTERS},
-            "config": _model_config(state.policy), "rng": _rng_state(), "lora": lora_record(state.policy)}
+            "config": _model_config(state.policy), "rng": _rng_state(), **({"lora": lora} if lora else {})}
 
 
 def _json_problem(value, where: str) -> str | None:
