@@ -31,7 +31,7 @@ With FSDP2 the full state is gathered to rank 0 (the distributed state-dict API)
 loads it back (broadcast from rank 0). The frozen reference model is not saved: it is rebuilt from the
 model path at start-up. Nor is a LoRA policy's frozen base: a LoRA checkpoint holds the trained tensors (adapters,
 a critic's adapters and value head, their optimizer states) and the LoRA settings ("lora" in learner.pt and
-meta.json); the base comes back from --model.path, which a resume cannot change, as `export_hf` merges it.
+meta.json); the base comes back from --model.path (a resume cannot change it; `export_hf` merges from it).
 """
 
 from __future__ import annotations
