@@ -46,15 +46,15 @@ class ValueModel(CausalLM):
         module docstring)."""
         device = torch.device(device) if device is not None else policy.device
         sharded = any(hasattr(p, "device_mesh") for p in policy.parameters())
-        lora = next(lora_modules(policy), None)
+        _, lora = next(lora_modules(policy), (None, None))  # one adapted layer: the adapters' settings
         if lora is not None and not sharded and device == policy.device:
             return cls._sharing_base(policy)
         with torch.device("meta"):
             critic = cls(policy.config)
         critic.to_empty(device=device).to(dtype=policy.dtype)
         if lora is not None:
-            apply_lora(critic, rank=lora[1].rank, alpha=lora[1].alpha, dropout=_dropout(lora[1]),
-                       targets=sorted({name.rpartition(".")[2] for name, _ in lora_modules(policy)}))
+            apply_lora(critic, rank=lora.rank, alpha=lora.alpha, dropout=_dropout(lora),
+                       targets={name.rpartition(".")[2] for name, _ in lora_modules(policy)})
         # an FSDP2-sharded policy holds DTensor shards: gather the full weights (a collective: every rank
         # of the trainer group calls this, as build_learner does)
         weights = {name: t.full_tensor() if hasattr(t, "full_tensor") else t
