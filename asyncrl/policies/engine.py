@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.policies.decode_graphs import DecodeGraphs
+from asyncrl.policies.engine_adapters import EngineAdapters, check_named_tensors
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
@@ -155,6 +156,8 @@ class Engine:
             # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
         self._graphs = DecodeGraphs(model, self.cache, config.max_slots) if (on_cuda and config.cuda_graphs) else None
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
+        self._adapters = None if config.lora_rank == 0 else EngineAdapters(
+            rank=config.lora_rank, alpha=config.lora_alpha, take_base=self._params.__getitem__)
         self.stats = collections.Counter()
         self._held = HeldSessions(self.cache, config.max_slots, self.stats)
 
@@ -445,20 +448,14 @@ class Engine:
 
         `version=None` copies a partial bucket without changing the version; pass the new version with the
         last bucket. kv="recompute" re-prefills running sequences under the new weights; "keep" reuses
-        their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do).
-        """
+        their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do). With lora_rank > 0 it
+        takes LoRA adapters: W_base + s·B·A copied into the same parameters (`asyncrl.policies.engine_adapters`)."""
         if kv not in ("keep", "recompute"):
             raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
         items = list(named_tensors)
-        for name, tensor in items:
-            param = self._params.get(name)
-            if param is None:
-                raise ValueError(f"update_weights: unknown parameter {name!r}; names must be Hugging Face names "
-                                 "such as 'model.layers.0.self_attn.q_proj.weight'")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"update_weights: {name} has shape {list(tensor.shape)}, expected {list(param.shape)}")
+        check_named_tensors(items, {n: p.shape for n, p in self._params.items()}, lora_rank=self.config.lora_rank)
         with self._lock:
-            for name, tensor in items:
+            for name, tensor in (items if self._adapters is None else self._adapters.resolve(items, version)):
                 self._params[name].copy_(tensor)
             if version is not None:
                 self.version = version

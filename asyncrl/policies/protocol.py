@@ -56,7 +56,17 @@ class RolloutEngine(Protocol):
     def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
-                       kv: Literal["keep", "recompute"] = "keep") -> None: ...
+                       kv: Literal["keep", "recompute"] = "keep") -> None:
+        """Load weights by Hugging Face name (names and shapes checked before anything is loaded); tokens sampled
+        afterwards carry `version` (None: a partial bucket; the version comes with the last one). kv: keep the
+        running sequences' K/V or recompute it under the new weights.
+
+        An engine built for LoRA (EngineConfig.lora_rank > 0) also takes adapter names,
+        `model.layers.0.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] (fp32, as the
+        learner trains them), and serves each adapted layer as W_base + s·B·A, s = lora_alpha / lora_rank,
+        recomputed from the base on every update; `<layer>.weight` is that layer's new base. A layer's two
+        factors may come in different buckets; a version given while one waits for its pair is refused. An
+        engine without adapters refuses adapter names (`asyncrl.policies.engine_adapters`)."""
 
     def sleep(self) -> None: ...
 

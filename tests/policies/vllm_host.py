@@ -13,13 +13,12 @@ import traceback
 from tests.timing import limit
 
 
-def _serve(conn, model_path: str, max_slots: int, max_len: int, options) -> None:
+def _serve(conn, model_path: str, config, options) -> None:
     try:
-        from asyncrl.policies import EngineConfig, load_model
+        from asyncrl.policies import load_model
         from asyncrl.policies.vllm_engine import build_vllm_engine
         model = load_model(model_path)
-        engine = build_vllm_engine(model, EngineConfig(max_slots=max_slots, max_len=max_len), agent="test",
-                                   options=options)
+        engine = build_vllm_engine(model, config, agent="test", options=options)
         del model
         conn.send(("ok", None))
     except BaseException as err:  # noqa: BLE001 - reported to the test
@@ -44,11 +43,14 @@ class EngineHost:
     """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute), or
     `host.call(fn, *args)`: `fn(engine, *args)` run in the engine's process (`fn` at module level)."""
 
-    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256, options=None):
+    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256, options=None,
+                 lora_rank: int = 0, lora_alpha: float = 0.0):
         from asyncrl.config import VLLMConfig
+        from asyncrl.policies import EngineConfig
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        args = (child, model_path, max_slots, max_len, options or VLLMConfig())
+        config = EngineConfig(max_slots=max_slots, max_len=max_len, lora_rank=lora_rank, lora_alpha=lora_alpha)
+        args = (child, model_path, config, options or VLLMConfig())
         self.process = ctx.Process(target=_serve, args=args)  # not daemonic: vLLM may start worker processes
         self.process.start()
         status, detail = self._receive(limit(600))
