@@ -7,6 +7,8 @@
 #   bash scripts/gpu_lora.sh offpolicy8b OUT   # the same, one-step-off
 #   bash scripts/gpu_lora.sh pub17b      OUT   # Qwen3-1.7B shape fully async: full weights vs rank-32 adapters
 #                                              #   (what a publication sends and costs)
+#   bash scripts/gpu_lora.sh pub8b       OUT   # the 8B shape fully async with full weights (rank 0, no KL term; needs the
+#                                              #   ~139 GB of an H200 with bf16 weights, gradients and AdamW moments)
 # (colocated: `asyncrl train qwen3-8b-lora`, the preset itself.)
 #
 # Random weights on the toy task: the runs measure the machinery (memory, publications, throughput), not
@@ -69,6 +71,11 @@ pub17b)       # a Qwen3-1.7B shape fully async: full weights vs rank-32 adapters
   done
   summary "$OUT/pub17b-r0" "$OUT/pub17b-r32" | tee -a "$OUT/summary.md"
   ;;
+pub8b)        # the 8B shape fully async, full weights: what an 8B publication costs without adapters
+  job pub8b-r0 train qwen3-8b-lora --lora.rank 0 --trainer.param-dtype bfloat16 --trainer.optim.lr 1e-5 --algorithm.kl-loss-coef 0 "${ASYNC[@]}" --rollout.max-slots 16 \
+      --run-dir "$OUT/pub8b-r0"
+  summary "$OUT/pub8b-r0" | tee -a "$OUT/summary.md"
+  ;;
 *)
-  echo "usage: bash scripts/gpu_lora.sh bench|async8b|offpolicy8b|pub17b OUT" >&2; exit 2;;
+  echo "usage: bash scripts/gpu_lora.sh bench|async8b|offpolicy8b|pub17b|pub8b OUT" >&2; exit 2;;
 esac

@@ -1,10 +1,11 @@
 """The `asyncrl …` commands of README.md, in the order the README shows them, in a fresh directory, and what
 the README says of them (`command_kinds`; the README states each count, and a test holds it to them):
 
-- run for real: four `asyncrl train` commands with a tiny model and budget appended at the end (after
+- run for real: five `asyncrl train` commands with a tiny model and budget appended at the end (after
   `algorithm:NAME` too, where flags may follow it) — the plain `asyncrl train cpu-demo` (its final checkpoint
   is what the README's `asyncrl eval` reads), the worked examples of a task and an environment of your own,
-  and DAPO — and every other command but `train` (`eval` with a smaller budget appended);
+  DAPO, and `cpu-demo-lora` (whose checkpoint `export` and the LoRA `eval` read) — and every other command
+  but `train` (`eval` with a smaller budget appended);
 - dry-run: the other `asyncrl train` commands, with `--dry-run` (every up-front check: config, devices, model,
   rewards, data; nothing starts);
 - refused: commands naming a model you download (`/models/…`) run until they are refused up front, naming
@@ -42,6 +43,8 @@ TRAINED_FOR_REAL = {
     # flags on both sides of algorithm:dapo, the run's included (`--wandb off`), as a user appends them
     "asyncrl train cpu-demo --run-dir runs/dapo algorithm:dapo --algorithm.kl-loss-coef 0.001 --wandb off":
         TINY_TOY + ["--async-training.total-versions", "2"],
+    # its last checkpoint is what the README's `asyncrl export` and LoRA `eval` read
+    "asyncrl train cpu-demo-lora --run-dir runs/cpu-demo-lora": TINY_TRAIN + ["--async-training.total-versions", "20"],
 }
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
 NOT_RUN = {
@@ -138,6 +141,7 @@ def test_every_readme_command_runs(workdir):
     assert (workdir / "runs" / "cpu-demo" / "checkpoints" / "step_00000020").is_dir()
     assert (workdir / "runs" / "cpu-demo" / "report.md").is_file()
     assert (workdir / "runs" / "word_length" / "summary.json").is_file()
+    assert (workdir / "runs" / "cpu-demo-lora" / "merged" / "config.json").is_file()
     assert (workdir / "runs" / "dapo" / "summary.json").is_file()
     last = json.loads((workdir / "runs" / "guess_number" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["env/episodes"] > 0 and last["env/errors"] == 0, last  # the example environment ran its episodes
