@@ -39,12 +39,15 @@ def fail(owner: str, field: str, value, want: str) -> None:
     raise ValueError(f"{flag(owner, field)} {shown(value)} is invalid: {want}")
 
 
+_ALGORITHM_COMMANDS = {"GRPO": "grpo", "DrGRPO": "dr-grpo", "DAPO": "dapo", "GSPO": "gspo", "CISPO": "cispo",
+                       "RLOO": "rloo", "ReinforcePP": "reinforce-pp", "PPO": "ppo"}
+"""Algorithm config class (`asyncrl.algorithm_config`) -> its subcommand, by class name: that module imports
+this one for its messages."""
+
+
 def algorithm_command(algorithm) -> str:
     """The `algorithm:NAME` subcommand of an algorithm config (GRPO -> 'grpo', DrGRPO -> 'dr-grpo')."""
-    from asyncrl import algorithm_config as a
-    names = {a.GRPO: "grpo", a.DrGRPO: "dr-grpo", a.DAPO: "dapo", a.GSPO: "gspo", a.CISPO: "cispo", a.RLOO: "rloo",
-             a.ReinforcePP: "reinforce-pp", a.PPO: "ppo"}
-    return names[type(algorithm)]
+    return _ALGORITHM_COMMANDS[type(algorithm).__name__]
 
 
 def as_flags(cfg) -> list[str]:

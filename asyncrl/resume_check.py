@@ -39,8 +39,10 @@ import hashlib
 import json
 import pathlib
 
+from asyncrl import algorithm_config
+from asyncrl.checkpoint import RUN_CONFIG
 from asyncrl.config import DataConfig, RunConfig
-from asyncrl.flags import flag, shown
+from asyncrl.flags import algorithm_command, flag, shown
 
 __all__ = ["FIXED", "DATA", "HARMLESS", "ResumeCheck", "config_record", "data_fingerprint", "run_record",
            "check_resume"]
@@ -151,8 +153,6 @@ def _matches(path: str, patterns) -> bool:
 
 def _algorithm_name(type_name: str) -> str:
     """'DrGRPO' -> 'algorithm:dr-grpo' (the subcommand), else the class name."""
-    from asyncrl import algorithm_config
-    from asyncrl.flags import algorithm_command
     try:
         return "algorithm:" + algorithm_command(getattr(algorithm_config, type_name)())
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -269,7 +269,6 @@ def _read_json(file: pathlib.Path) -> dict | None:
 def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path) -> ResumeCheck:
     """Compare `cfg` (and its data) with what the checkpoint directory recorded: its meta.json's algorithm and
     its copy of the run's config.json (see the module docstring for what is refused, applied or harmless)."""
-    from asyncrl.checkpoint import RUN_CONFIG
     checkpoint = pathlib.Path(checkpoint)
     check = ResumeCheck(checkpoint.name.removesuffix(".old"))
     saved = _read_json(checkpoint / RUN_CONFIG)
