@@ -223,7 +223,21 @@ def run_updates(state: LearnerState, prep: Prepared, loss: MicroLoss, model: nn.
         for groups in _minibatches(state, len(prep.batch.prompt_ids), epoch):
             accumulate(state, prep, groups, loss, device, totals)
             grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group))
-    tokens = max(float(totals.tokens), 1.0)
-    return UpdateResult(sums={k: float(v) for k, v in totals.sums.items()},
-                        means={k: float(v) / tokens for k, v in totals.weighted.items()},
+    sums, weighted, tokens = _group_totals(state, totals)
+    return UpdateResult(sums=sums, means={k: v / max(tokens, 1.0) for k, v in weighted.items()},
                         grad_norms=grad_norms, updates=len(grad_norms))
+
+
+def _group_totals(state: LearnerState, totals: Totals) -> tuple[dict[str, float], dict[str, float], float]:
+    """The step's statistics over the whole trainer group, so every rank reports what one process would: a
+    rank's loss sums are world × its share (losses are normalised by the group's global counts), so their
+    mean over ranks is the loss; token-weighted means add up with their tokens. One all-reduce of a few
+    scalars per step (every rank runs the same loss, so the keys agree)."""
+    sum_keys, mean_keys = sorted(totals.sums), sorted(totals.weighted)
+    values = ([float(totals.sums[k]) for k in sum_keys] + [float(totals.weighted[k]) for k in mean_keys]
+              + [float(totals.tokens)])
+    size = world(state)[1]
+    values = _all_reduce(state, values)
+    sums = {k: v / size for k, v in zip(sum_keys, values)}
+    weighted = dict(zip(mean_keys, values[len(sum_keys):]))
+    return sums, weighted, values[-1]
