@@ -1,4 +1,4 @@
-"""The multi-process launcher (asyncrl.rpc.launch.launch: one trainer process, agent processes, RPC for control
+"""The multi-process launcher (asyncrl.rpc.supervise.launch: one trainer process, agent processes, RPC for control
 and samples, a weight channel per agent) on CPU: a stale + partial run learns the toy task; a killed agent and a
 hung agent are detected and their prompts re-admitted; a weight channel whose peer is gone or hung raises.
 
@@ -15,8 +15,10 @@ import time
 import pytest
 
 from asyncrl.config import GRPO, AsyncConfig, OptimConfig, RolloutConfig, TrainerConfig
-from asyncrl.rpc.launch import launch
+from asyncrl.learner.publication import published_weights
+from asyncrl.policies.loading import random_model
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
+from asyncrl.rpc.supervise import launch
 from tests.envs.helpers import even_turns_runtime
 from tests.rpc.collective import channel_member
 from tests.rpc.faults import FaultyEngines
@@ -202,6 +204,27 @@ def test_two_trainer_ranks_and_two_agents_learn_with_fsdp2():
     scores = [m["critic/score/mean"] for m in summary.history]
     assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
     assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
+
+
+def test_four_trainer_ranks_publish_to_two_agents():
+    """A 4-rank FSDP2 trainer group (gloo) feeding 2 rollout agents, 6 processes: rank 0 gathers the sharded
+    weights and every publication reaches both agents (no failed or late sync, the full weights' bytes each
+    time), and the books balance."""
+    spec = make_spec([AgentSpec(), AgentSpec()], total_versions=3, lr=6e-3)
+    spec.trainer_devices = ["cpu"] * 4
+    summary = launch(spec)
+    assert summary.versions == 3 and summary.dead_agents == []
+    assert_books_balance(summary, spec)
+    weight_bytes = _published_bytes()
+    for m in summary.history:
+        assert m["fully_async/agents/live"] == 2 and m["fully_async/sync_failures"] == 0, m
+        assert m["fully_async/sync_late"] == 0 and m["param_sync/bytes"] == weight_bytes, m
+
+
+def _published_bytes() -> int:
+    """What one publication of the test model's full fp32 weights sends."""
+    model = random_model(MODEL_CONFIG, seed=MODEL_SEED)
+    return sum(t.numel() * t.element_size() for _, t in published_weights(model))
 
 
 def test_colocated_sync_run_hosts_an_engine_in_each_trainer_rank_and_stays_on_policy():
