@@ -137,7 +137,8 @@ COMMANDS = {
     "agent": agent_main,
     "eval": _lazy("asyncrl.evaluate", "eval_main"),
     "export": _lazy("asyncrl.export", "export_main"),
-    "bench": _lazy("asyncrl.bench", "bench_main"),
+    # asyncrl_bench is a separate package beside the library, imported only when `asyncrl bench` runs
+    "bench": _lazy("asyncrl_bench.cli", "bench_main"),
     "data": _lazy("asyncrl.data.cli", "data_main"),
     "report": _lazy("asyncrl.report", "report_main"),
 }

@@ -1,5 +1,5 @@
 """`asyncrl bench learner --lora.rank R`: our LoRA GRPO step against a Hugging Face model with peft's LoRA, on
-the same rows, in one process (the learner benchmark's LoRA branch; `asyncrl.bench` describes the rest).
+the same rows, in one process (the learner benchmark's LoRA branch; `asyncrl_bench.learner` describes the rest).
 
 Both sides: the base model frozen in bf16 on CUDA (fp32 on CPU), adapters of rank R with the same alpha,
 dropout and target layers, in float32, bf16 autocast on CUDA, gradient checkpointing, AdamW over the adapters
@@ -34,13 +34,14 @@ def _base_dtype(device: str) -> torch.dtype:
 
 def _time_peft_train(args, model, step_groups: list[list]) -> float:
     """Seconds of a transformers + peft LoRA training step over the same groups (after a warm-up step): the
-    plain HF step of `asyncrl.bench` (padded micro-batches by our budget rule, `model(...).loss`, backward,
+    plain HF step of `asyncrl_bench.learner` (padded micro-batches by our budget rule, `model(...).loss`, backward,
     clipping, AdamW) on a peft model."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
-    from asyncrl.bench import _hf_copy, _hf_micro_batches, _timed
+    from asyncrl_bench.learner import _hf_micro_batches, _timed
+    from asyncrl_bench.shared import hf_copy
     lora = args.lora
-    hf = _hf_copy(model, _base_dtype(args.device), args.device)
+    hf = hf_copy(model, _base_dtype(args.device), args.device)
     if args.gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf.enable_input_require_grads()  # the frozen embeddings' output must carry a gradient through checkpoints
@@ -65,7 +66,7 @@ def _time_peft_train(args, model, step_groups: list[list]) -> float:
 
 def _time_lora_step(args, model, step_groups: list[list]) -> float:
     """Seconds of our GRPO `train_step` with adapters on `model` (after a warm-up step)."""
-    from asyncrl.bench import _time_train_step
+    from asyncrl_bench.learner import _time_train_step
     from asyncrl.policies.lora import apply_lora
     lora = args.lora
     apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
@@ -75,7 +76,7 @@ def _time_lora_step(args, model, step_groups: list[list]) -> float:
 def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
     """Fill `row` (the learner benchmark's JSON row) with the LoRA comparison: each side's tok/s, MFU and peak
     memory, the ratio. `model`: the base, loaded in `_base_dtype` (ours trains adapters on it, in place)."""
-    from asyncrl.bench import _mfu, body_params, peak_flops, row_lengths
+    from asyncrl_bench.learner import _mfu, body_params, peak_flops, row_lengths
     from asyncrl.policies.lora import LORA_TARGETS
     on_cuda = args.device.startswith("cuda")
     lora = args.lora

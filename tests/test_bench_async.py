@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asyncrl.bench_async import AsyncBenchArgs, bench_async, parse_variant, summarize, variant_config
+from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async, parse_variant, summarize, variant_config
 
 pytestmark = pytest.mark.slow
 

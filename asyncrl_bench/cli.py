@@ -1,0 +1,44 @@
+"""`asyncrl bench engine|learner|async [...]`: picks the benchmark and parses its flags (`asyncrl/cli.py` imports
+this module only when the `bench` command runs).
+
+    asyncrl bench --help                  # the benchmarks
+    asyncrl bench learner --help          # one benchmark's flags
+"""
+
+from __future__ import annotations
+
+from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async
+from asyncrl_bench.engine import EngineBenchArgs, bench_engine
+from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
+
+__all__ = ["BENCHMARKS", "bench_main"]
+
+BENCHMARKS = {
+    "engine": (EngineBenchArgs, bench_engine, "rollout engine vs transformers generate (output tok/s)"),
+    "learner": (LearnerBenchArgs, bench_learner, "learner train_step vs a transformers training step (tok/s, MFU)"),
+    "async": (AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: asyncrl bench BENCHMARK [--field value ...]", "", "benchmarks:"]
+    lines += [f"  {name:10s} {description}" for name, (_, _, description) in BENCHMARKS.items()]
+    lines += ["", "`asyncrl bench BENCHMARK --help` lists its options."]
+    return "\n".join(lines)
+
+
+def bench_main(args: list[str]) -> None:
+    """`asyncrl bench engine|learner|async [...]`."""
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        raise SystemExit(0 if args else 2)
+    if args[0] not in BENCHMARKS:
+        raise SystemExit(f"asyncrl bench: unknown benchmark {args[0]!r}; choose one of {', '.join(BENCHMARKS)}"
+                         f"\n\n{_usage()}")
+    import tyro
+    config_type, run, description = BENCHMARKS[args[0]]
+    config = tyro.cli(config_type, args=args[1:], prog=f"asyncrl bench {args[0]}", description=description)
+    try:
+        run(config)
+    except ValueError as err:
+        raise SystemExit(f"asyncrl bench {args[0]}: {err}") from None

@@ -1,0 +1,38 @@
+"""What the engine and learner benchmarks share: the device's clock and name, a Hugging Face copy of our model,
+the `--out` JSON file."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import torch
+
+__all__ = ["synchronize", "device_name", "hf_copy", "write_json"]
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work (nothing to wait for on CPU), so a timer reads finished work."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def hf_copy(model, dtype: torch.dtype, device: str):
+    """The same weights as a `transformers` model (saved and re-opened through a temporary directory)."""
+    import transformers
+
+    from asyncrl.policies import save_pretrained
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+
+
+def write_json(path: str | None, results) -> None:
+    """`results` as indented JSON at `path` (`--out`); nothing without a path."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
