@@ -3,6 +3,7 @@ every entry point's --help runs and tiny-budget runs produce sane rows."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -43,6 +44,19 @@ def test_bench_usage_and_help():
     assert out.returncode == 0
     for flag in ("--model", "--backends", "--batch-sizes", "--prompt-len", "--new-tokens", "--data", "--n", "--out"):
         assert flag in out.stdout, flag
+
+
+def test_the_library_never_imports_the_benchmarks():
+    """asyncrl_bench sits beside the library: no module under asyncrl/ imports it (read with `ast`, so
+    function-level imports count too); `asyncrl bench` loads it by name when it runs (asyncrl/cli.py)."""
+    importers = []
+    for path in sorted((ROOT / "asyncrl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "asyncrl_bench" for name in names):
+                importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not importers, f"asyncrl imports asyncrl_bench at {', '.join(importers)}; import it lazily from cli.py"
 
 
 def test_engine_bench_smoke_run(tmp_path):
