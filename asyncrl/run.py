@@ -29,7 +29,8 @@ from asyncrl.rewards.plugin import absolute_reward_spec
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
-from asyncrl.rpc.launch import launch, run_torchrun
+from asyncrl.rpc.launch import run_torchrun
+from asyncrl.rpc.supervise import launch
 from asyncrl.policies.vllm_engine import build_vllm_engine
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engine
 from asyncrl.tracking import Tracker, TrackingConfig

@@ -3,9 +3,9 @@
 `queue` (admission, streaming, accounting), `roster` (agents' membership, liveness, fencing), `agent` (engine
 loop), `controller` (the trainer's run loop), `param_server` (weight publication), `local` (in-process
 launcher: threads); the multi-process run: `spec` (what it is made of), `assembly` (building it, both
-launchers), `launch` (process bodies, torchrun), `supervise` (the launcher's supervision), `head` (rank 0),
-`commands` (the trainer group), `fleet` (agents' admission), `agent_server`, `channels` (weight transport),
-`store` and `membership` (the run's control plane), `lifecycle` (signals, parent death).
+launchers), `launch` (process bodies, torchrun), `supervise` (the one-machine launcher and its supervision),
+`head` (rank 0), `commands` (the trainer group), `fleet` (agents' admission), `agent_server`, `channels` (weight
+transport), `store` and `membership` (the run's control plane), `lifecycle` (signals, parent death).
 """
 
 import importlib

@@ -32,6 +32,7 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.checkpoint import load_checkpoint, save_checkpoint
 from asyncrl.learner import LearnerState, published_weights, train_step
+from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.spec import RunSpec
 
@@ -108,7 +109,6 @@ class FollowerHost:
         self.state = build_learner_state(spec, device, dist.group.WORLD)
         self.hosted = None
         if spec.colocate:
-            from asyncrl.rpc.agent_server import AgentServer
             self.hosted = AgentServer(spec, rank, f"agent{rank}", spec.agents[rank].device, roster, hosted=True)
         self.error: BaseException | None = None
         self.done = threading.Event()

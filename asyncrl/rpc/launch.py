@@ -1,7 +1,7 @@
-"""The multi-process run: one process per role, on one machine (`launch`) or across nodes (`run_torchrun`), and
-the body of each process.
+"""The multi-process run: the body of each process (one per role), started on one machine by `launch`
+(`asyncrl.rpc.supervise`) or across nodes by torchrun (`run_torchrun`).
 
-    summary = launch(spec)              # spawns trainer + agent processes, supervises them, returns the summary
+    summary = launch(spec)              # asyncrl.rpc.supervise: spawns trainer + agent processes, supervises them
     torchrun ... -m asyncrl.cli train ... --placement.launcher torchrun   # same roles, from RANK
     asyncrl agent --join HOST:PORT --device cuda:3                        # one more agent, into a running job
 
@@ -36,12 +36,13 @@ import torch.distributed as dist
 from asyncrl.rpc.assembly import local_device, resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, new_token, read_token
+from asyncrl.rpc.head import run_head
 from asyncrl.rpc.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
-__all__ = ["launch", "run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
+__all__ = ["run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -124,7 +125,6 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     summary = None
     try:
         if rank == 0:
-            from asyncrl.rpc.head import run_head
             summary = run_head(spec, store, stop, token, nonce)
             _report(results, summary)
         else:
@@ -254,16 +254,7 @@ def run_agent_process(host: str, port: int, **kwargs) -> NoReturn:
     os._exit(code)
 
 
-# ------------------------------------------------------------------------------------------ launchers
-def launch(spec: RunSpec) -> RunSummary:
-    """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
-    return rank 0's summary. Agents that die are tolerated (their work is re-admitted; with `restart_agents`
-    they are restarted); any other failure raises."""
-    from asyncrl.rpc.supervise import Supervisor
-    resume_checkpoint(spec)  # refuse a resume without a checkpoint before anything starts
-    return Supervisor(spec).run()
-
-
+# ------------------------------------------------------------------------------------------- torchrun
 def run_torchrun(spec: RunSpec) -> RunSummary | None:
     """Entry point under `torchrun`: this process's role comes from RANK (0 .. T−1 trainers, then agents);
     rank 0 serves the run's store on MASTER_PORT + 1 (where `asyncrl agent --join` connects) and the RPC group

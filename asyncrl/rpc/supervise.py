@@ -1,5 +1,6 @@
-"""The launcher's supervision of a run on one machine: it spawns every rank, forwards signals, restarts dead
-agents, enforces the optional wall-clock cap, and never leaves a process behind.
+"""The launcher of a run on one machine and its supervision: `launch(spec)` spawns every rank (their bodies are in
+`asyncrl.rpc.launch`), forwards signals, restarts dead agents, enforces the optional wall-clock cap, never leaves
+a process behind, and returns rank 0's summary.
 
 * Signals: the first SIGTERM / SIGINT / SIGHUP is forwarded to every rank (each runs in a process group of its
   own, so a terminal's Ctrl-C reaches it once, through here); rank 0 finishes or abandons the current step,
@@ -28,6 +29,7 @@ import signal
 import socket
 import time
 
+from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
 from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
@@ -35,7 +37,7 @@ from asyncrl.rpc.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 
-__all__ = ["Supervisor", "RunKilled"]
+__all__ = ["launch", "Supervisor", "RunKilled"]
 
 log = logging.getLogger("asyncrl.supervise")
 
@@ -300,3 +302,11 @@ class Supervisor:
                 c.process.kill()  # SIGKILL: ends a stopped or hung process too
         for c in self.children:
             c.process.join(5.0)
+
+
+def launch(spec: RunSpec) -> RunSummary:
+    """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
+    return rank 0's summary. Agents that die are tolerated (their work is re-admitted; with `restart_agents`
+    they are restarted); any other failure raises."""
+    resume_checkpoint(spec)  # refuse a resume without a checkpoint before anything starts
+    return Supervisor(spec).run()

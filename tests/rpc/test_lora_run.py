@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from asyncrl.config import LoraConfig
-from asyncrl.rpc.launch import launch
 from asyncrl.rpc.spec import AgentSpec
+from asyncrl.rpc.supervise import launch
 from tests.rpc.test_rpc_run import MODES, assert_books_balance, make_spec
 from tests.timing import limit
 

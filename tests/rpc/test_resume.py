@@ -13,8 +13,8 @@ import pytest
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from asyncrl.config import AsyncConfig
-from asyncrl.rpc.launch import launch
 from asyncrl.rpc.spec import AgentSpec
+from asyncrl.rpc.supervise import launch
 from tests.envs.helpers import echo_runtime
 from tests.rpc.helpers import TrainRecorder, allowed_lag, build_state, check_books, local_run
 from tests.timing import limit
