@@ -49,6 +49,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -56,11 +57,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from asyncrl.learner import LearnerState
 from asyncrl.learner.state import apply_optim_config
-from asyncrl.policies.loading import save_pretrained
-from asyncrl.policies.lora import LORA_TARGETS, lora_modules
+from asyncrl.policies.loading import load_model, save_pretrained
+from asyncrl.policies.lora import LORA_TARGETS, lora_modules, merge_adapters
+from asyncrl.policies.model import CausalLM, TransformerConfig
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
-           "list_checkpoints", "export_hf", "fsync_dir", "RUN_CONFIG"]
+           "list_checkpoints", "export_hf", "run_model", "lora_base_weights", "fsync_dir", "RUN_CONFIG"]
 
 _COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
 _MARGIN_BYTES = 16 * 2**20  # zip headers, pickled structure, meta.json: a few KB; the rest is slack
@@ -467,8 +469,43 @@ def describe_checkpoint(path: str | pathlib.Path) -> dict:
 
 def _config_from_dict(fields: dict):
     """The `TransformerConfig` that `_model_config` stored as a dict."""
-    from asyncrl.policies.model import TransformerConfig
     return TransformerConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+
+
+def run_model(checkpoint: str | pathlib.Path) -> dict | None:
+    """The `model` section (path, seed, tokenizer, ...) of the config a checkpoint was trained under: its
+    run_config.json, else its run directory's config.json; None when neither records it."""
+    checkpoint = pathlib.Path(checkpoint)
+    for file in (checkpoint / RUN_CONFIG, checkpoint.resolve().parent.parent / "config.json"):
+        try:
+            model = json.loads(file.read_text(encoding="utf-8"))["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(model, dict) and "path" in model:
+            return model
+    return None
+
+
+def _base_source(checkpoint: str | pathlib.Path, base: str | None) -> tuple[str, int]:
+    if base is not None:
+        return base, 0
+    model = run_model(checkpoint)
+    if model is None:
+        raise ValueError(f"{checkpoint} holds LoRA adapters, and its base model is not recorded (no "
+                         "run_config.json in it, no config.json in its run directory); pass --base PATH, the "
+                         "--model.path it trained from")
+    return model["path"], int(model.get("seed") or 0)
+
+
+def lora_base_weights(checkpoint: str | pathlib.Path, config, base: str | None = None) -> dict[str, Tensor]:
+    """The frozen base of a LoRA checkpoint (float32, CPU) by HF name, checked against the checkpoint's model
+    config `config` (a `TransformerConfig`)."""
+    path, seed = _base_source(checkpoint, base)
+    model = load_model(path, dtype=torch.float32, device="cpu", seed=seed)
+    if dataclasses.replace(model.config, hf_config={}) != dataclasses.replace(config, hf_config={}):
+        raise ValueError(f"{checkpoint}: the base {path} is not the model its adapters were trained on (another "
+                         "architecture or size); pass --base with the --model.path of the run")
+    return dict(model.state_dict())
 
 
 def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.Path, *, tokenizer=None,
@@ -476,8 +513,6 @@ def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.
     """Write the policy as a Hugging Face directory, from a live learner or from a checkpoint directory. A
     LoRA policy is written merged (W + s·B·A, in float32 unless `dtype` says otherwise: bf16 would round most
     small updates away), its base from the checkpoint's run config (--model.path, --model.seed) or `base`."""
-    from asyncrl.export import lora_base_weights, merge_adapters
-    from asyncrl.policies.model import CausalLM
     if isinstance(source, LearnerState):
         weights = get_model_state_dict(source.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         config, lora = source.policy.config, lora_record(source.policy)

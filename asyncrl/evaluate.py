@@ -28,12 +28,15 @@ import json
 import pathlib
 import tempfile
 import time
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
+import torch
+
+from asyncrl.checkpoint import export_hf
 from asyncrl.config import DataConfig
-
-if TYPE_CHECKING:
-    from asyncrl.policies import Engine, SamplingParams
+from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
+from asyncrl.preflight import check_devices, check_model_path
+from asyncrl.run_spec import ScorerFactory, SourceFactory
 
 __all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
 
@@ -93,7 +96,6 @@ def _tokenizer_source(model: str, tokenizer: str | None, data: DataConfig) -> st
 
 def _check_model(model: str) -> None:
     """A model path that does not exist (or is no model) fails here, naming --model, before anything loads."""
-    from asyncrl.preflight import check_model_path
     if is_checkpoint(model):
         return
     path = pathlib.Path(model)
@@ -136,12 +138,6 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
     Returns {"model", "task", "prompts", "n", "samples", "temperature", "mean_reward", "accuracy",
     "pass@<k>" for each k, "mean_response_length", "truncated_fraction", "reward_errors", "seconds"}.
     Raises ValueError on bad arguments (naming the argument)."""
-    import torch
-
-    from asyncrl.checkpoint import export_hf
-    from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
-    from asyncrl.run import ScorerFactory, SourceFactory
-
     ks = (k,) if isinstance(k, int) else tuple(k)
     checks = [(num_prompts >= 1, "num_prompts", num_prompts, ">= 1"), (n >= 1, "n", n, ">= 1"),
               (bool(ks) and all(1 <= x <= n for x in ks), "k", ks, f"values in [1, n={n}]"),
@@ -154,7 +150,6 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
             shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
             raise ValueError(f"--{name.replace('_', '-')} {shown} is invalid: must be {want}")
     _check_model(model)
-    from asyncrl.preflight import check_devices
     for problem in check_devices({"--device": (device,)}):
         raise ValueError(problem)
     token_source = _tokenizer_source(model, tokenizer, data)

@@ -26,60 +26,12 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from torch import Tensor
 
-__all__ = ["ExportArgs", "export_main", "export_adapters", "lora_base_weights", "merge_adapters", "run_model"]
+from asyncrl.checkpoint import _load_learner_file, describe_checkpoint, export_hf, run_model
+from asyncrl.evaluate import is_checkpoint
+from asyncrl.run_spec import run_tokenizer
 
-
-def run_model(checkpoint: str | pathlib.Path) -> dict | None:
-    """The `model` section (path, seed, tokenizer, ...) of the config a checkpoint was trained under: its
-    run_config.json, else its run directory's config.json; None when neither records it."""
-    from asyncrl.checkpoint import RUN_CONFIG
-    checkpoint = pathlib.Path(checkpoint)
-    for file in (checkpoint / RUN_CONFIG, checkpoint.resolve().parent.parent / "config.json"):
-        try:
-            model = json.loads(file.read_text(encoding="utf-8"))["model"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if isinstance(model, dict) and "path" in model:
-            return model
-    return None
-
-
-def _base_source(checkpoint: str | pathlib.Path, base: str | None) -> tuple[str, int]:
-    if base is not None:
-        return base, 0
-    model = run_model(checkpoint)
-    if model is None:
-        raise ValueError(f"{checkpoint} holds LoRA adapters, and its base model is not recorded (no "
-                         "run_config.json in it, no config.json in its run directory); pass --base PATH, the "
-                         "--model.path it trained from")
-    return model["path"], int(model.get("seed") or 0)
-
-
-def lora_base_weights(checkpoint: str | pathlib.Path, config, base: str | None = None) -> dict[str, Tensor]:
-    """The frozen base of a LoRA checkpoint (float32, CPU) by HF name, checked against the checkpoint's model
-    config `config` (a `TransformerConfig`)."""
-    from asyncrl.policies.loading import load_model
-    path, seed = _base_source(checkpoint, base)
-    model = load_model(path, dtype=torch.float32, device="cpu", seed=seed)
-    if dataclasses.replace(model.config, hf_config={}) != dataclasses.replace(config, hf_config={}):
-        raise ValueError(f"{checkpoint}: the base {path} is not the model its adapters were trained on (another "
-                         "architecture or size); pass --base with the --model.path of the run")
-    return dict(model.state_dict())
-
-
-def merge_adapters(weights: dict[str, Tensor], lora: dict) -> dict[str, Tensor]:
-    """`weights` (HF names, adapters included) with every adapted layer merged to W + (alpha / rank)·B·A in
-    float32 and the adapters left out: a plain model's state."""
-    from asyncrl.policies.lora import AdapterMerger, is_adapter_name
-    adapters = {name: t for name, t in weights.items() if is_adapter_name(name)}
-    layers = {name.rpartition(".lora_")[0] + ".weight" for name in adapters}
-    merger = AdapterMerger({name: weights[name].float() for name in layers}, scale=lora["alpha"] / lora["rank"])
-    merged = dict(merger.merge(adapters.items()))
-    if merger.pending or merged.keys() != layers:
-        raise ValueError(f"merge_adapters: layers with one factor only: {', '.join(merger.pending)}")
-    return {name: merged.get(name, t) for name, t in weights.items() if not is_adapter_name(name)}
+__all__ = ["ExportArgs", "export_main", "export_adapters"]
 
 
 def export_adapters(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *,
@@ -87,8 +39,6 @@ def export_adapters(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path,
     """Write a LoRA checkpoint's adapters in peft's format (see the module docstring); `base_name` is what
     adapter_config.json records as base_model_name_or_path (default: the run's --model.path)."""
     from safetensors.torch import save_file
-
-    from asyncrl.checkpoint import _load_learner_file
     saved = _load_learner_file(pathlib.Path(checkpoint), "export")
     lora = saved.get("lora")
     if lora is None:
@@ -133,7 +83,6 @@ class ExportArgs:
 
 def _tokenizer(args: ExportArgs):
     """The tokenizer to write beside the weights, None when there is none to write."""
-    from asyncrl.run import run_tokenizer
     model = run_model(args.checkpoint) or {}
     source = args.tokenizer or model.get("tokenizer") or args.base or model.get("path")
     return run_tokenizer(source) if source else None
@@ -141,8 +90,6 @@ def _tokenizer(args: ExportArgs):
 
 def export(args: ExportArgs) -> tuple[pathlib.Path, str]:
     """Write `args.out` as `args` says; returns it and what was written (for the one line the command prints)."""
-    from asyncrl.checkpoint import describe_checkpoint, export_hf
-    from asyncrl.evaluate import is_checkpoint
     if not is_checkpoint(args.checkpoint):
         raise ValueError(f"{args.checkpoint}: not a checkpoint directory (no learner.pt); give "
                          "RUN/checkpoints/step_XXXXXXXX")

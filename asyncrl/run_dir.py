@@ -22,6 +22,7 @@ import os
 import pathlib
 import shutil
 
+from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
 
 __all__ = ["RUN_FILES", "run_dir_problem", "overwrite_note", "clear_run_dir", "owns_run_dir"]
@@ -54,7 +55,6 @@ def _foreign(names: list[str]) -> list[str]:
 
 
 def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
-    from asyncrl.checkpoint import list_checkpoints
     return list_checkpoints(path)
 
 

@@ -159,7 +159,7 @@ def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(
 
 
 def test_the_trainer_takes_the_rollout_temperature():
-    from asyncrl.run import build_spec
+    from asyncrl.run_spec import build_spec
     cfg = RunConfig()
     cfg.rollout.temperature = 0.6
     assert build_spec(cfg).trainer.temperature == 0.6
@@ -170,7 +170,7 @@ def test_dapo_overlong_buffer_fits_the_token_budget():
     train step on DAPO's fixed 512-token buffer; the default is now a fifth of the budget, and an explicit
     buffer larger than the budget is refused up front, naming both flags."""
     from asyncrl.algorithm_config import DAPO
-    from asyncrl.run import build_spec
+    from asyncrl.run_spec import build_spec
     _, preset = PRESETS["cpu-demo"]
     cfg = dataclasses.replace(preset, algorithm=DAPO())
     spec = build_spec(cfg)

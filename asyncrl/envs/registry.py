@@ -6,6 +6,7 @@ from typing import Any
 
 from asyncrl.envs.builtin import BUILTIN_ENVS
 from asyncrl.envs.protocol import EnvFactory
+from asyncrl.envs.tools import tool_schemas
 from asyncrl.user_code import load_object
 
 __all__ = ["FLAG", "load_env", "env_tool_schemas"]
@@ -36,5 +37,4 @@ def env_tool_schemas(factory: Any) -> list[dict] | None:
     tools = getattr(factory, "tools", None)
     if not tools:
         return None
-    from asyncrl.envs.tools import tool_schemas
     return tool_schemas(tools)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LORA_TARGETS", "LoRALinear", "apply_lora", "lora_modules", "adapters_off", "adapter_tensors",
-    "is_adapter_name", "merged_weights", "AdapterMerger",
+    "is_adapter_name", "merged_weights", "AdapterMerger", "merge_adapters",
 ]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -203,3 +203,15 @@ class AdapterMerger:
                                  f"the layer's shape {list(base.shape)}")
             merged.append((f"{layer}.weight", (base.float() + (b @ a) * self.scale).to(base.dtype)))
         return merged
+
+
+def merge_adapters(weights: dict[str, Tensor], lora: dict) -> dict[str, Tensor]:
+    """`weights` (HF names, adapters included) with every adapted layer merged to W + (alpha / rank)·B·A in
+    float32 and the adapters left out: a plain model's state."""
+    adapters = {name: t for name, t in weights.items() if is_adapter_name(name)}
+    layers = {name.rpartition(".lora_")[0] + ".weight" for name in adapters}
+    merger = AdapterMerger({name: weights[name].float() for name in layers}, scale=lora["alpha"] / lora["rank"])
+    merged = dict(merger.merge(adapters.items()))
+    if merger.pending or merged.keys() != layers:
+        raise ValueError(f"merge_adapters: layers with one factor only: {', '.join(merger.pending)}")
+    return {name: merged.get(name, t) for name, t in weights.items() if not is_adapter_name(name)}

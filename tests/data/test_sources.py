@@ -15,7 +15,7 @@ from asyncrl.config import GRPO, DataConfig, RunConfig
 from asyncrl.data.sources import DatasetSource
 from asyncrl.data.tasks import render_chat
 from asyncrl.presets import PRESETS
-from asyncrl.run import SourceFactory, build_spec
+from asyncrl.run_spec import SourceFactory, build_spec
 from asyncrl.types import Prompt
 
 N = 7
