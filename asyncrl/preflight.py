@@ -471,7 +471,7 @@ class _Checks:
         if not owns_run_dir(self.cfg):
             return
         try:
-            found = resume_checkpoint(build_spec(self.cfg), repair=False)
+            found = resume_checkpoint(build_spec(self.cfg, validated=True), repair=False)  # run() validated it
         except ValueError as err:
             self.report.problems.append(str(err))
             return

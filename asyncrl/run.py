@@ -71,7 +71,7 @@ def train(cfg: RunConfig, *, preflight_done: bool = False) -> RunSummary | None:
             raise ValueError("\n  ".join(["the run cannot start:", *report.problems]))
         for note in report.notes:
             log.info("note: %s", note)
-    spec = build_spec(cfg)
+    spec = build_spec(cfg, validated=True)  # preflight validated it
     run_dir = _prepare_run_dir(cfg, spec)
     console = Console(total=cfg.async_training.total_versions, time_budget_s=cfg.async_training.time_budget_s,
                       warn_share=cfg.reward.error_warn_share)

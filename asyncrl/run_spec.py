@@ -179,8 +179,11 @@ def _engine_dtype(cfg: RunConfig, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def build_spec(cfg: RunConfig, *, log_fn=None) -> RunSpec:
-    cfg.validate()
+def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSpec:
+    """The run `cfg` describes. `cfg` is validated first unless `validated` says the caller did (preflight
+    does: `asyncrl train` validates once)."""
+    if not validated:
+        cfg.validate()
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
     factory = build_embedded_engine
     if cfg.rollout.backend == "vllm":
