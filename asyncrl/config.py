@@ -85,6 +85,10 @@ class OffPolicyConfig:
     """k1 only: lower ratio bound (default 1/rs_upper)."""
     rs_upper: float | None = None
     """Upper bound of the ratio (k1) or of the divergence (k2, k3)."""
+    m2_threshold: float | None = None
+    """M2PO's second-moment trust region (arXiv:2510.01161; AReaL's `m2_threshold`): the fewest tokens, largest
+    (log π_old − log μ)² first, get no loss so that the step's mean of that square stays below this (e.g. 0.04).
+    Needs recomputed log-probs (--trainer.off-policy.no-use-rollout-log-probs)."""
     max_version_lag: int | None = None
     """Hard cap on version lag: tokens (or sequences, see `stale_level`) older than this get no loss."""
     stale_level: Literal["token", "sequence"] = "sequence"
@@ -100,6 +104,13 @@ class OffPolicyConfig:
             _fail(owner, "rs_upper", self.rs_upper, f"{flag(owner, 'rs_stat')} {self.rs_stat} needs a bound: set {flag(owner, 'rs_upper')} (or {flag(owner, 'rs_lower')})")
         if self.rs_stat == "k1" and self.rs_level == "max":
             _fail(owner, "rs_level", self.rs_level, "'max' is defined for k2/k3 only")
+        if self.m2_threshold is not None:
+            if not self.m2_threshold > 0:
+                _fail(owner, "m2_threshold", self.m2_threshold, "must be > 0 (or left unset)")
+            if self.use_rollout_log_probs:
+                _fail(owner, "m2_threshold", self.m2_threshold, "M2PO compares recomputed log-probs with the "
+                      f"behaviour ones; add {flag(owner, 'no_use_rollout_log_probs')} (with it on, π_old = μ and "
+                      "nothing is ever masked)")
         if self.max_version_lag is not None and self.max_version_lag < 0:
             _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
 

@@ -15,6 +15,8 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
                     weights before the update, the clip around them) with token-level truncated importance
                     weights π_prox/μ (C = 2)
     lag-rejected    lag-corrected, and tokens whose π_prox/μ lies outside [1/2, 2] get no loss (token rejection)
+    lag-m2po        the same lag, decoupled PPO with M2PO's second-moment trust region instead of weights: the
+                    fewest tokens of largest (log π_prox − log μ)² get no loss, keeping the step's mean below 0.04
 
 A run ends with a checkpoint, which is evaluated on prompts of another task seed (`--eval-seed`) at the
 training temperature. Per cell: the final evaluation accuracy and the training reward over the last quarter
@@ -47,6 +49,7 @@ CELLS: dict[str, dict] = {
     "lag-naive": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none"),
     "lag-corrected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis"),
     "lag-rejected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis+rs"),
+    "lag-m2po": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po"),
 }
 """Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS."""
 
@@ -55,9 +58,11 @@ CORRECTIONS: dict[str, OffPolicyConfig] = {
     "tis": OffPolicyConfig(use_rollout_log_probs=False, is_level="token", is_threshold=2.0),
     "tis+rs": OffPolicyConfig(use_rollout_log_probs=False, is_level="token", is_threshold=2.0, rs_stat="k1",
                               rs_level="token", rs_upper=2.0),
+    "m2po": OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=0.04),
 }
 """The off-policy settings of the cells: behaviour log-probs as π_old; decoupled PPO with token TIS (C = 2);
-the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style masking)."""
+the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style masking); decoupled PPO with M2PO
+(τ = 0.04, arXiv:2510.01161)."""
 
 
 @dataclasses.dataclass

@@ -555,6 +555,24 @@ def test_sequence_rejection_masks_mismatched_rows():
     assert metrics["rollout_corr/rejected_fraction"] == pytest.approx(sum(lens[4:8]) / sum(lens))
 
 
+def test_m2po_masks_the_mismatched_tokens_and_only_them():
+    """One group's behaviour log-probs are 1 nat too low (λ = 1, λ² = 1); the rest are on-policy (λ ≈ 0). With
+    τ = 1e-3 below 1 / (the other tokens' count) every token of that group has to go (one kept would leave a mean
+    ≥ τ), and none of the others: the gradient is the step without that group, the metric its share of tokens."""
+    policy = tiny_policy(0).double()
+    groups = on_policy(policy, synthetic_groups(4, 4, seed=9, prompt_lens=(1, 8), response_lens=(1, 10)))
+    groups[1:2] = on_policy(policy, groups[1:2], shift=1.0)
+    off = OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=1e-3)
+    got = _grads(GRPO(), groups, policy=copy.deepcopy(policy), off_policy=off)
+    without = _grads(GRPO(), groups[:1] + groups[2:], policy=copy.deepcopy(policy),
+                     off_policy=OffPolicyConfig(use_rollout_log_probs=False))
+    assert max_rel_diff(without, got) <= GRAD_TOL
+    state = build_learner(copy.deepcopy(policy), trainer_config(off_policy=off), GRPO())
+    _, metrics = train_step(state, groups)
+    lens = [len(c.token_ids) for g in groups for c in g.completions]
+    assert metrics["rollout_corr/m2po_rejected_fraction"] == pytest.approx(sum(lens[4:8]) / sum(lens))
+
+
 def test_importance_weights_need_recomputed_log_probs():
     want = r"--trainer\.off-policy\.is-level token is invalid.*--trainer\.off-policy\.no-use-rollout-log-probs"
     with pytest.raises(ValueError, match=want):
@@ -646,6 +664,9 @@ _BAD = [
     (lambda: TrainerConfig(off_policy=OffPolicyConfig(is_level="sequence")), "--trainer.off-policy.is-level"),
     (lambda: TrainerConfig(off_policy=OffPolicyConfig(rs_stat="k2")), "--trainer.off-policy.rs-upper"),
     (lambda: TrainerConfig(off_policy=OffPolicyConfig(max_version_lag=-1)), "--trainer.off-policy.max-version-lag"),
+    (lambda: TrainerConfig(off_policy=OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=0.0)),
+     "--trainer.off-policy.m2-threshold"),
+    (lambda: TrainerConfig(off_policy=OffPolicyConfig(m2_threshold=0.04)), "--trainer.off-policy.m2-threshold"),
 ]
 
 

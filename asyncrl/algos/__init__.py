@@ -11,7 +11,7 @@ from asyncrl.algos.advantages import (
 )
 from asyncrl.algos.correction import (
     ISWeightsResult, RejectionResult, VTraceResult, decoupled_ppo_weights, sequence_rejection_mask,
-    sequence_tis_weights, token_rejection_mask, token_tis_weights, vtrace,
+    sequence_tis_weights, token_rejection_mask, token_tis_weights, vtrace, m2po_mask,
 )
 from asyncrl.algos.kl import (
     KL_ESTIMATORS, KLRewardResult, adaptive_kl_coef, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards,
@@ -38,7 +38,7 @@ __all__ = [
     "adaptive_kl_coef",
     # off-policy correction
     "ISWeightsResult", "RejectionResult", "VTraceResult", "token_tis_weights", "sequence_tis_weights",
-    "token_rejection_mask", "sequence_rejection_mask", "decoupled_ppo_weights", "vtrace",
+    "token_rejection_mask", "sequence_rejection_mask", "m2po_mask", "decoupled_ppo_weights", "vtrace",
     # staleness
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
     "verl_release", "verl_on_new_version", "areal_capacity",

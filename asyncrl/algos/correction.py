@@ -27,7 +27,7 @@ from asyncrl.algos.masked import masked_mean, masked_sum
 
 __all__ = [
     "ISWeightsResult", "token_tis_weights", "sequence_tis_weights", "RejectionResult", "token_rejection_mask",
-    "sequence_rejection_mask", "decoupled_ppo_weights", "VTraceResult", "vtrace",
+    "sequence_rejection_mask", "m2po_mask", "decoupled_ppo_weights", "VTraceResult", "vtrace",
 ]
 
 _CLAMP = 20.0
@@ -208,6 +208,38 @@ def sequence_rejection_mask(logp_proximal: Tensor, logp_behaviour: Tensor, respo
     else:
         seq = torch.where(mask, per_token, torch.zeros_like(per_token)).amax(dim=-1)
     return _reject(seq[:, None].expand_as(mask), stat, lo, hi, mask)
+
+
+def m2po_mask(logp_proximal: Tensor, logp_behaviour: Tensor, response_mask: Tensor, *,
+              threshold: float) -> RejectionResult:
+    """M2PO's second-moment trust region (arXiv:2510.01161; AReaL `m2_threshold`): with m2_t = λ_t² over the
+    valid tokens, reject the fewest tokens, largest m2 first, that bring the mean m2 of the kept ones below τ:
+
+        sort m2 descending: m_(1) ≥ m_(2) ≥ … ≥ m_(N);   k = min{k : mean(m_(k+1) … m_(N)) < τ}
+        reject the k tokens of largest m2 (ties broken by position); if no k < N qualifies, keep one token.
+
+    Nothing is rejected when the mean m2 is already below τ, so on-policy data (λ = 0) is untouched; unlike a
+    per-token bound, a few large mismatches are dropped only when they move the batch's second moment. The
+    statistic is over all valid tokens of the call (the learner passes one mini-batch).
+    """
+    fn = "m2po_mask"
+    check_positive(fn, "threshold", threshold)
+    log_ratio, mask = _log_ratio(fn, logp_proximal, logp_behaviour, response_mask)
+    m2 = log_ratio.to(torch.float64).square()[mask]  # [N] in row-major order of the valid tokens
+    n = m2.numel()
+    if n == 0:
+        return RejectionResult(mask=mask.clone(), rejected_fraction=log_ratio.new_zeros(()))
+    order = torch.sort(m2, descending=True, stable=True).indices
+    suffix = torch.flip(torch.cumsum(torch.flip(m2[order], [0]), 0), [0])  # suffix[k] = Σ of all but the k largest
+    suffix_mean = suffix / torch.arange(n, 0, -1, dtype=torch.float64, device=m2.device)
+    below = torch.nonzero(suffix_mean < threshold)
+    k = int(below[0]) if below.numel() else n - 1
+    keep = torch.ones(n, dtype=torch.bool, device=m2.device)
+    keep[order[:k]] = False
+    new_mask = mask.clone()
+    new_mask[mask] = keep
+    rejected = torch.tensor(k / n, dtype=logp_proximal.dtype, device=logp_proximal.device)
+    return RejectionResult(mask=new_mask, rejected_fraction=rejected)
 
 
 def decoupled_ppo_weights(logp_proximal: Tensor, logp_behaviour: Tensor, response_mask: Tensor, *,

@@ -104,6 +104,10 @@ def _loss_mask(off: OffPolicyConfig, batch: RolloutBatch, logp_old: Tensor, vers
               else algos.sequence_rejection_mask(logp_old, batch.logp_behaviour, mask, reduce=off.rs_level, **kwargs))
         metrics["rollout_corr/rejected_fraction"] = float(rs.rejected_fraction)
         mask = rs.mask
+    if off.m2_threshold is not None and bool(mask.any()):
+        m2 = algos.m2po_mask(logp_old, batch.logp_behaviour, mask, threshold=off.m2_threshold)
+        metrics["rollout_corr/m2po_rejected_fraction"] = float(m2.rejected_fraction)
+        mask = m2.mask
     return mask, metrics
 
 

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.algos.correction import (
-    decoupled_ppo_weights, sequence_rejection_mask, sequence_tis_weights, token_rejection_mask, token_tis_weights,
-    vtrace,
+    decoupled_ppo_weights, m2po_mask, sequence_rejection_mask, sequence_tis_weights, token_rejection_mask,
+    token_tis_weights, vtrace,
 )
 from tests.strategies import masks, shapes, tensors, vectors
 
@@ -540,3 +540,70 @@ def test_vtrace_empty_batch_rejected():
     z = torch.zeros(0, 3, dtype=F64)
     with pytest.raises(ValueError, match=r"response_mask is empty"):
         vtrace(z, z, z, z, torch.zeros(0, dtype=F64), torch.zeros(0, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# M2PO (arXiv:2510.01161)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_m2po_golden():
+    # λ = [3, 0.1, -0.2, 0] + a masked slot → m2 = [9, 0.01, 0.04, 0], mean 2.2625 ≥ τ = 1; dropping the largest
+    # (9) leaves mean (0.01 + 0.04 + 0) / 3 = 0.0167 < 1: exactly one token rejected.
+    prox, beh = _pair([[3.0, 0.1, -0.2, 0.0, NAN]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    out = m2po_mask(prox, beh, mask, threshold=1.0)
+    assert out.mask.tolist() == [[False, True, True, True, False]]
+    assert_near(out.rejected_fraction, 0.25)
+    # τ = 0.02: after the 9 the mean is 0.0167 < 0.02 too → still one; τ = 0.015: drop 0.04 as well →
+    # (0.01 + 0) / 2 = 0.005 < 0.015
+    assert m2po_mask(prox, beh, mask, threshold=0.02).mask.tolist() == [[False, True, True, True, False]]
+    assert m2po_mask(prox, beh, mask, threshold=0.015).mask.tolist() == [[False, True, False, True, False]]
+    # τ above the mean: nothing rejected
+    assert torch.equal(m2po_mask(prox, beh, mask, threshold=2.27).mask, mask)
+
+
+def test_m2po_keeps_one_token_when_no_suffix_gets_below_the_threshold():
+    # m2 = [4, 4, 1]: suffix means 3, 2.5, 1 — none < 0.5 → keep only the smallest
+    prox, beh = _pair([[2.0, -2.0], [1.0, 0.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    out = m2po_mask(prox, beh, mask, threshold=0.5)
+    assert out.mask.tolist() == [[False, False], [True, False]]
+    assert_near(out.rejected_fraction, 2 / 3)
+
+
+@given(data=st.data())
+def test_m2po_properties(data):
+    mask, prox, beh = data.draw(logp_pair())
+    tau = data.draw(st.floats(1e-3, 4.0))
+    out = m2po_mask(prox, beh, mask, threshold=tau)
+    m2 = _lam(prox, beh, mask).square()
+    kept, dropped = m2[out.mask], m2[mask & ~out.mask]
+    assert out.mask.dtype == torch.bool and not (out.mask & ~mask).any()  # never un-masks
+    n = int(mask.sum())
+    if n == 0:
+        assert float(out.rejected_fraction) == 0.0
+        return
+    assert kept.numel() >= 1
+    if dropped.numel():
+        assert kept.max() <= dropped.min()  # the largest second moments go first
+        assert kept.mean() < tau or kept.numel() == 1
+        # minimal: putting back the smallest rejected token lifts the kept mean to τ or above
+        assert torch.cat([kept, dropped.min().reshape(1)]).mean() >= tau * (1 - 1e-12)
+    else:
+        # nothing rejected only when the batch is already inside the region (or is a single token)
+        assert m2[mask].mean() < tau or n == 1
+    assert_near(out.rejected_fraction, (n - int(out.mask.sum())) / n, atol=1e-7)
+
+
+def test_m2po_leaves_on_policy_data_alone():
+    prox, beh = _pair([[0.0, 0.0, 0.0]])
+    assert torch.equal(m2po_mask(prox, beh, torch.ones(1, 3, dtype=torch.bool), threshold=1e-6).mask,
+                       torch.ones(1, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("threshold", [0.0, -1.0, NAN])
+def test_m2po_bad_threshold(threshold):
+    prox, beh = _pair([[0.5]])
+    with pytest.raises(ValueError, match="threshold"):
+        m2po_mask(prox, beh, torch.ones(1, 1, dtype=torch.bool), threshold=threshold)
+
