@@ -89,6 +89,10 @@ class OffPolicyConfig:
     """M2PO's second-moment trust region (arXiv:2510.01161; AReaL's `m2_threshold`): the fewest tokens, largest
     (log π_old − log μ)² first, get no loss so that the step's mean of that square stays below this (e.g. 0.04).
     Needs recomputed log-probs (--trainer.off-policy.no-use-rollout-log-probs)."""
+    behaviour_kl_coef: float = 0.0
+    """β of a KL(π_θ ‖ μ) loss term toward the behaviour policy that sampled the tokens (k3 estimator on the
+    behaviour log-probs, aggregated like the policy loss): keeps an update near the data's sampler however
+    stale it is. 0 = off."""
     max_version_lag: int | None = None
     """Hard cap on version lag: tokens (or sequences, see `stale_level`) older than this get no loss."""
     stale_level: Literal["token", "sequence"] = "sequence"
@@ -111,6 +115,8 @@ class OffPolicyConfig:
                 _fail(owner, "m2_threshold", self.m2_threshold, "M2PO compares recomputed log-probs with the "
                       f"behaviour ones; add {flag(owner, 'no_use_rollout_log_probs')} (with it on, π_old = μ and "
                       "nothing is ever masked)")
+        if not self.behaviour_kl_coef >= 0:
+            _fail(owner, "behaviour_kl_coef", self.behaviour_kl_coef, "must be >= 0 (0: off)")
         if self.max_version_lag is not None and self.max_version_lag < 0:
             _fail(owner, "max_version_lag", self.max_version_lag, "must be >= 0 or None")
 

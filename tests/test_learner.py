@@ -573,6 +573,32 @@ def test_m2po_masks_the_mismatched_tokens_and_only_them():
     assert metrics["rollout_corr/m2po_rejected_fraction"] == pytest.approx(sum(lens[4:8]) / sum(lens))
 
 
+def test_the_behaviour_kl_term_adds_beta_times_its_gradient_and_vanishes_on_policy():
+    """loss = policy loss + β·KL_k3(π_θ ‖ μ): the gradient is affine in β (g(2β) − g(0) = 2·(g(β) − g(0))),
+    nonzero where behaviour log-probs differ from the policy's, and ~0 where they agree (k3's gradient at
+    π_θ = μ is 0); the step reports the term as actor/behaviour_kl."""
+    policy = tiny_policy(0).double()
+    groups = on_policy(policy, synthetic_groups(3, 4, seed=5, prompt_lens=(1, 8), response_lens=(1, 10)))
+    shifted = groups[:1] + on_policy(policy, groups[1:], shift=0.5)
+
+    def grads(beta, data):
+        return _grads(GRPO(), data, policy=copy.deepcopy(policy), off_policy=OffPolicyConfig(behaviour_kl_coef=beta))
+
+    g0, g1, g2 = grads(0.0, shifted), grads(0.3, shifted), grads(0.6, shifted)
+    delta1 = {k: g1[k] - g0[k] for k in g0}
+    delta2 = {k: g2[k] - g0[k] for k in g0}
+    scale = max(float(v.abs().max()) for v in g0.values())
+    assert max(float(d.abs().max()) for d in delta1.values()) > 1e-2 * scale  # the term acts on mismatched data
+    # the difference of two gradients keeps the rounding of each: bound it at the gradients' own scale
+    assert max(float((2 * delta1[k] - delta2[k]).abs().max()) for k in g0) <= 1e-6 * scale
+    on0, on1 = grads(0.0, groups), grads(0.6, groups)
+    assert max(float((on1[k] - on0[k]).abs().max()) for k in on0) <= 1e-6 * scale
+    state = build_learner(copy.deepcopy(policy), trainer_config(off_policy=OffPolicyConfig(behaviour_kl_coef=0.3)),
+                          GRPO())
+    _, metrics = train_step(state, shifted)
+    assert metrics["actor/behaviour_kl"] > 0
+
+
 def test_importance_weights_need_recomputed_log_probs():
     want = r"--trainer\.off-policy\.is-level token is invalid.*--trainer\.off-policy\.no-use-rollout-log-probs"
     with pytest.raises(ValueError, match=want):
@@ -667,6 +693,7 @@ _BAD = [
     (lambda: TrainerConfig(off_policy=OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=0.0)),
      "--trainer.off-policy.m2-threshold"),
     (lambda: TrainerConfig(off_policy=OffPolicyConfig(m2_threshold=0.04)), "--trainer.off-policy.m2-threshold"),
+    (lambda: TrainerConfig(off_policy=OffPolicyConfig(behaviour_kl_coef=-0.1)), "--trainer.off-policy.behaviour-kl-coef"),
 ]
 
 

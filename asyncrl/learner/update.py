@@ -146,9 +146,12 @@ def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: C
     if algo.kl_loss_coef > 0:
         kl_loss = algos.agg_loss(algo.kl_estimator()(logp, prep.logp_ref[idx]), mask, **agg)
         loss = loss + algo.kl_loss_coef * kl_loss
+    behaviour_kl = algos.agg_loss(algos.kl_k3(logp, prep.batch.logp_behaviour[idx]), mask, **agg)
+    if cfg.off_policy.behaviour_kl_coef > 0:
+        loss = loss + cfg.off_policy.behaviour_kl_coef * behaviour_kl
     (loss * size).backward()  # FSDP2 averages gradients over ranks; counts are already global
     return MicroStats(sums={"pg_loss": pg.loss.detach() * size, "entropy": entropy.detach() * size,
-                            "kl_loss": kl_loss.detach() * size},
+                            "kl_loss": kl_loss.detach() * size, "behaviour_kl": behaviour_kl.detach() * size},
                       means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower},
                       tokens=mask.sum())
 
