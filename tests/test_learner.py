@@ -540,29 +540,19 @@ def test_token_level_version_cap_masks_only_the_stale_tokens():
     assert metrics["training/stale_masked_fraction"] == pytest.approx(3 / 16)
 
 
-def test_sequence_rejection_masks_mismatched_rows():
-    policy = tiny_policy(0).double()
-    groups = on_policy(policy, synthetic_groups(4, 4, seed=9, prompt_lens=(1, 8), response_lens=(1, 10)))
-    groups[1:2] = on_policy(policy, groups[1:2], shift=1.0)  # behaviour log-probs 1 nat too low: ratio e ≫ 1.5
-    off = OffPolicyConfig(use_rollout_log_probs=False, rs_stat="k1", rs_level="mean", rs_upper=1.5)
-    got = _grads(GRPO(), groups, policy=copy.deepcopy(policy), off_policy=off)
-    without = _grads(GRPO(), groups[:1] + groups[2:], policy=copy.deepcopy(policy),
-                     off_policy=OffPolicyConfig(use_rollout_log_probs=False))
-    assert max_rel_diff(without, got) <= GRAD_TOL
-    state = build_learner(copy.deepcopy(policy), trainer_config(off_policy=off), GRPO())
-    _, metrics = train_step(state, groups)
-    lens = [len(c.token_ids) for g in groups for c in g.completions]
-    assert metrics["rollout_corr/rejected_fraction"] == pytest.approx(sum(lens[4:8]) / sum(lens))
-
-
-def test_m2po_masks_the_mismatched_tokens_and_only_them():
-    """One group's behaviour log-probs are 1 nat too low (λ = 1, λ² = 1); the rest are on-policy (λ ≈ 0). With
-    τ = 1e-3 below 1 / (the other tokens' count) every token of that group has to go (one kept would leave a mean
-    ≥ τ), and none of the others: the gradient is the step without that group, the metric its share of tokens."""
+@pytest.mark.parametrize("off, metric", [
+    (OffPolicyConfig(use_rollout_log_probs=False, rs_stat="k1", rs_level="mean", rs_upper=1.5),
+     "rollout_corr/rejected_fraction"),
+    # M2PO: λ = 1 (λ² = 1) on that group, ≈ 0 elsewhere; τ = 1e-3 is below 1 / (the other tokens' count), so every
+    # token of the group has to go (one kept would leave a mean ≥ τ) and none of the others
+    (OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=1e-3), "rollout_corr/m2po_rejected_fraction"),
+], ids=["sequence-rejection", "m2po"])
+def test_a_mismatched_group_is_masked_and_only_it(off, metric):
+    """One group's behaviour log-probs are 1 nat too low (ratio e ≫ 1.5); the others are on-policy. The gradient
+    is the step's without that group, and the metric is its share of the tokens."""
     policy = tiny_policy(0).double()
     groups = on_policy(policy, synthetic_groups(4, 4, seed=9, prompt_lens=(1, 8), response_lens=(1, 10)))
     groups[1:2] = on_policy(policy, groups[1:2], shift=1.0)
-    off = OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=1e-3)
     got = _grads(GRPO(), groups, policy=copy.deepcopy(policy), off_policy=off)
     without = _grads(GRPO(), groups[:1] + groups[2:], policy=copy.deepcopy(policy),
                      off_policy=OffPolicyConfig(use_rollout_log_probs=False))
@@ -570,7 +560,7 @@ def test_m2po_masks_the_mismatched_tokens_and_only_them():
     state = build_learner(copy.deepcopy(policy), trainer_config(off_policy=off), GRPO())
     _, metrics = train_step(state, groups)
     lens = [len(c.token_ids) for g in groups for c in g.completions]
-    assert metrics["rollout_corr/m2po_rejected_fraction"] == pytest.approx(sum(lens[4:8]) / sum(lens))
+    assert metrics[metric] == pytest.approx(sum(lens[4:8]) / sum(lens))
 
 
 def test_the_behaviour_kl_term_adds_beta_times_its_gradient_and_vanishes_on_policy():

@@ -11,7 +11,7 @@ import pytest
 from asyncrl.config import LoraConfig
 from asyncrl.rpc.spec import AgentSpec
 from asyncrl.rpc.supervise import launch
-from tests.rpc.test_rpc_run import MODES, assert_books_balance, make_spec
+from tests.rpc.test_rpc_run import MODES, assert_books_balance, assert_reward_rose, make_spec, place
 from tests.timing import limit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(300))]
@@ -26,15 +26,10 @@ ADAPTER_BYTES = 2 * LORA.rank * (128 + 96 + 96 + 128 + 192 + 192 + 192) * 4
 def test_a_lora_run_learns_and_publishes_only_its_adapters(mode):
     knobs, max_lag = MODES[mode]
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=3e-2, **knobs)
-    spec = dataclasses.replace(spec, lora=LORA)
-    if knobs.get("colocated"):
-        spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
-    summary = launch(spec)
+    summary = launch(place(dataclasses.replace(spec, lora=LORA), knobs))
     assert summary.versions == 10 and summary.dead_agents == []
     assert_books_balance(summary, spec)
-    scores = [m["critic/score/mean"] for m in summary.history]
-    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
-    assert last > first + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert_reward_rose(summary)
     assert [m["param_sync/bytes"] for m in summary.history] == [ADAPTER_BYTES] * 10
     if max_lag is not None:
         assert max(m["training/version_lag/max"] for m in summary.history) <= max_lag

@@ -57,15 +57,27 @@ def assert_books_balance(summary, spec: RunSpec, *, every_version: bool = True) 
         assert summary.steps >= spec.async_.total_versions * spec.async_.trigger_parameter_sync_step
 
 
+def assert_reward_rose(summary, margin: float = 0.05) -> None:
+    """The mean reward of the last two versions beats the first two's by `margin`."""
+    scores = [m["critic/score/mean"] for m in summary.history]
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert last > first + margin, f"reward did not rise: {[round(x, 3) for x in scores]}"
+
+
+def place(spec: RunSpec, knobs: dict) -> RunSpec:
+    """A mode's placement: colocated modes put an engine in each of 2 trainer ranks."""
+    if knobs.get("colocated"):
+        spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
+    return spec
+
+
 def test_three_process_stale_partial_run_learns_the_toy_task():
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3)
     summary = launch(spec)
     assert summary.versions == 10 and summary.dead_agents == []
     assert_books_balance(summary, spec)
-    scores = [m["critic/score/mean"] for m in summary.history]
-    assert len(scores) == 10
-    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
-    assert last > first + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert len(summary.history) == 10
+    assert_reward_rose(summary)
     # the knobs were in effect: verl's window, and weights published to both agents every version
     max_required = int(MINI * 1 * 1.5 * 2)
     assert all(m["fully_async/static/max_required_samples"] == max_required for m in summary.history)
@@ -88,14 +100,10 @@ def test_multi_turn_episodes_learn_across_processes_in_every_mode(mode):
     knobs, max_lag = MODES[mode]
     spec = make_spec([AgentSpec(), AgentSpec()], total_versions=10, lr=6e-3, max_new_tokens=16,
                      env_setup=even_turns_runtime, **knobs)
-    if knobs.get("colocated"):
-        spec.trainer_devices, spec.colocate = ["cpu", "cpu"], True
-    summary = launch(spec)
+    summary = launch(place(spec, knobs))
     assert summary.versions == 10 and summary.dead_agents == []
     assert_books_balance(summary, spec)
-    scores = [m["critic/score/mean"] for m in summary.history]
-    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
-    assert last > first + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert_reward_rose(summary)
     for m in summary.history:  # every episode had both turns, the environment answered in time, no failures
         assert m["env/turns_per_episode"] == 2 and m["env/errors"] == m["env/timeouts"] == 0, m
         assert 0 < m["env/trained_token_share"] < 1, m
@@ -201,8 +209,7 @@ def test_two_trainer_ranks_and_two_agents_learn_with_fsdp2():
     summary = launch(spec)
     assert summary.versions == 8 and summary.dead_agents == []
     assert_books_balance(summary, spec)
-    scores = [m["critic/score/mean"] for m in summary.history]
-    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert_reward_rose(summary)
     assert all(m["fully_async/sync_failures"] == 0 for m in summary.history)
 
 
@@ -240,8 +247,7 @@ def test_colocated_sync_run_hosts_an_engine_in_each_trainer_rank_and_stays_on_po
     assert all(m["training/version_lag/max"] == 0 for m in summary.history), \
         [m["training/version_lag/max"] for m in summary.history]
     assert all(m["fully_async/partial/partial_ratio"] == 0 for m in summary.history)
-    scores = [m["critic/score/mean"] for m in summary.history]
-    assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, f"reward did not rise: {[round(s, 3) for s in scores]}"
+    assert_reward_rose(summary)
 
 
 def test_colocate_needs_one_agent_per_trainer_rank():
