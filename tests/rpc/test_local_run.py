@@ -229,11 +229,14 @@ class _HangingHandle:
         self.roster, self.agent, self.after = roster, agent, after
         self.submitted, self.hung_at = 0, None
         self.late_refused = None
+        self.last_call = time.monotonic()  # taken before each call reaches the roster: ≤ the roster's own stamp
 
     def request(self, agent, n):
+        self.last_call = time.monotonic()
         return self.roster.request(agent, n)
 
     def heartbeat(self, agent):
+        self.last_call = time.monotonic()
         self.roster.heartbeat(agent)
 
     def agent_failed(self, agent, why):
@@ -242,7 +245,7 @@ class _HangingHandle:
     def submit(self, agent, group):
         self.submitted += 1
         if self.submitted == self.after:
-            self.hung_at = time.monotonic()
+            self.hung_at = self.last_call  # the agent's last sign of life: silence is counted from there
             self.agent._stop.wait()  # released when LocalRun stops its agents at the end
             try:
                 self.roster.submit(agent, group)
@@ -250,6 +253,7 @@ class _HangingHandle:
                 self.late_refused = group.prompt_id
                 raise
             return
+        self.last_call = time.monotonic()
         self.roster.submit(agent, group)
 
 
