@@ -280,8 +280,10 @@ class RolloutConfig:
 @dataclasses.dataclass
 class AsyncConfig:
     """The fully-async knobs (verl's names). Modes are combinations:
-    colocated sync = `colocated=True`, staleness 0, trigger 1; one-step-off = staleness 1, trigger 1;
-    stream = staleness 0, trigger > 1; stale = staleness > 0; stale + partial = add `partial_rollout`."""
+    colocated sync = `colocated=True`, staleness 0, trigger 1; one-step-off = staleness 1, trigger 1,
+    `max_version_lag=1`, `lag_policy="wait"`; stream = staleness 0, trigger > 1; stale = staleness > 0;
+    stale + partial = add `partial_rollout`. Staleness bounds how much runs ahead, not the lag of one slow
+    agent's group: only `max_version_lag` bounds that."""
 
     staleness_threshold: float = 0.5
     """Extra fraction of prompts the rollout may run ahead: admits at most

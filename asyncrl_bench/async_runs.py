@@ -8,12 +8,13 @@ data and hyperparameters; only the mode and the placement differ:
 
     sync           colocated: every device hosts a trainer rank (FSDP2) and an engine; generate, then train
                    (staleness 0, trigger 1, no partial rollout) — verl's colocated baseline
-    one-step-off   split: generation of batch k+1 overlaps training on batch k (staleness 1, trigger 1)
+    one-step-off   split: generation of batch k+1 overlaps training on batch k (staleness 1, trigger 1, version
+                   lag capped at 1 with lag policy "wait")
     stream         split: the trainer takes mini-batches as they stream in (staleness 0, trigger 4)
     stale-partial  split: fully async (staleness 0.5, trigger 4, partial rollout)
 
 A variant may override knobs after a colon: `stale-partial:staleness=0.1,trigger=1,partial=0,slots=128,
-split=2+2` (split = trainer devices + rollout devices, taken in order from --devices). Each mode trains the
+lag=2,split=2+2` (split = trainer devices + rollout devices, taken in order from --devices). Each mode trains the
 same number of learner steps (`--steps`, or until `--time-budget-s`); the first version is a warm-up (model
 build, CUDA-graph capture, pipeline fill) and is left out of the rates. Per variant: trained tokens/s, time
 per learner step, samples/s, steps/s, trainer and rollouter idle ratios, version lag, weight-sync time
@@ -41,11 +42,12 @@ __all__ = ["AsyncBenchArgs", "MODES", "variant_config", "summarize", "broadcast_
 
 MODES: dict[str, dict] = {
     "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True),
-    "one-step-off": dict(staleness=1.0, trigger=1, partial=False),
+    "one-step-off": dict(staleness=1.0, trigger=1, partial=False, lag=1),
     "stream": dict(staleness=0.0, trigger=4, partial=False),
     "stale-partial": dict(staleness=0.5, trigger=4, partial=True),
 }
-"""Mode -> knobs (verl's names: staleness_threshold, trigger_parameter_sync_step, partial_rollout)."""
+"""Mode -> knobs (verl's names: staleness_threshold, trigger_parameter_sync_step, partial_rollout; lag =
+max_version_lag with lag policy "wait")."""
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key in ("staleness",):
             knobs[key] = float(value)
-        elif key in ("trigger", "slots"):
+        elif key in ("trigger", "slots", "lag"):
             knobs[key] = int(value)
         elif key in ("partial", "sleep"):
             knobs[key] = value.lower() in ("1", "true", "on", "yes")
@@ -107,7 +109,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
             knobs["split"] = (int(t), int(r))
         else:
             raise ValueError(f"variant {text!r}: unknown key {key!r}; use staleness, trigger, partial, slots, "
-                             "split (e.g. split=1+1) or sleep")
+                             "lag, split (e.g. split=1+1) or sleep")
     return mode, knobs
 
 
@@ -139,7 +141,8 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                               optim=OptimConfig(lr=args.lr)),
         async_training=AsyncConfig(staleness_threshold=k["staleness"], trigger_parameter_sync_step=trigger,
                                    partial_rollout=k["partial"], colocated=bool(k.get("colocated")),
-                                   colocated_sleep=k.get("sleep", False),
+                                   colocated_sleep=k.get("sleep", False), max_version_lag=k.get("lag"),
+                                   lag_policy="wait" if k.get("lag") is not None else "drop",
                                    total_versions=math.ceil(args.steps / trigger) + 1,  # + the warm-up version
                                    time_budget_s=args.time_budget_s, sync_timeout_s=args.sync_timeout_s),
         placement=PlacementConfig(launcher="rpc", trainer_devices=tuple(trainers), agent_devices=tuple(agents),

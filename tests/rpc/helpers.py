@@ -110,15 +110,15 @@ def allowed_lag(config: AsyncConfig) -> int | None:
     """The largest version lag a trained group may have under `config` (None: no bound is promised).
 
     * a cap (drop or wait) bounds it by the cap;
-    * without partial rollout every group is generated within one version, and verl's window
-      int(B·(1+s)·T) leaves at most s·B·T prompts (≤ one window's consumption for s ≤ 1) for the next
-      window, which trains them first (oldest first): lag ≤ ceil(s);
-    * staleness 0 leaves nothing outstanding at a publication, partial or not: lag 0."""
+    * staleness 0 leaves nothing outstanding at a publication, partial or not: lag 0;
+    * otherwise nothing bounds it: even without partial rollout, a slow agent's group may still be in flight
+      when the trainer takes the fast agents' newer groups, and the next window charges it again (verl's
+      window restarts at in flight + queued), so it can be trained any number of versions late."""
     bounds = []
     if config.max_version_lag is not None:
         bounds.append(config.max_version_lag)
-    if not config.partial_rollout or config.staleness_threshold == 0:
-        bounds.append(math.ceil(config.staleness_threshold))
+    if config.staleness_threshold == 0:
+        bounds.append(0)
     return min(bounds) if bounds else None
 
 

@@ -87,7 +87,8 @@ def test_three_process_stale_partial_run_learns_the_toy_task():
 
 MODES = {  # verl's modes, by their knobs: (RunSpec overrides, the largest version lag a trained token may have)
     "stale+partial": (dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=True), None),
-    "one-step-off": (dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=False), 1),
+    "one-step-off": (dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=False,
+                          max_version_lag=1, lag_policy="wait"), 1),
     "colocated-sync": (dict(staleness_threshold=0.0, trigger_parameter_sync_step=1, partial_rollout=False,
                             colocated=True, concurrent_prompts=MINI // 2), 0),
 }
