@@ -118,12 +118,12 @@ class Tracker:
             self._samples = open(pathlib.Path(self.config.run_dir) / "samples.jsonl", "a", buffering=1)
         step = (metrics or {}).get("training/global_step")
         for g in groups[:per_step]:
-            texts = g.info.get("texts") or [""] * len(g.completions)
+            texts = g.info.texts or [""] * len(g.completions)
             best = max(range(len(g.rewards)), key=lambda i: g.rewards[i])
             worst = min(range(len(g.rewards)), key=lambda i: g.rewards[i])
             for i in sorted({best, worst}):
                 self._samples.write(json.dumps({"step": step, "prompt_id": g.prompt_id,
-                                                "prompt": g.info.get("prompt_text", ""), "response": texts[i],
+                                                "prompt": g.info.prompt_text, "response": texts[i],
                                                 "reward": g.rewards[i], "versions": [g.completions[i].min_version,
                                                                                      g.completions[i].max_version]})
                                     + "\n")

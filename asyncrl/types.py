@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-__all__ = ["FinishReason", "Completion", "GenerationOutput", "Group", "Prompt"]
+__all__ = ["FinishReason", "Completion", "GenerationOutput", "Group", "GroupInfo", "Prompt"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -79,6 +79,30 @@ class Prompt:
 
 
 @dataclasses.dataclass
+class GroupInfo:
+    """What travels with a group besides the tensors: for the logs and the per-version metrics."""
+
+    index: int | None = None
+    """The prompt's row in its data file (None for generated tasks)."""
+    agent: str = ""
+    """The rollout agent that generated it."""
+    prompt_text: str = ""
+    texts: list[str] = dataclasses.field(default_factory=list)
+    """The decoded completions, in order."""
+    rewards: dict = dataclasses.field(default_factory=dict)
+    """The reward function's calls, errors, timeouts, mean extras and error examples for this group
+    (`asyncrl.rpc.reward_tally.group_reward_info`); empty when no reward function ran."""
+    env: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Summed `EpisodeStats` of its episodes (`asyncrl.envs.episode`); empty for single-turn groups."""
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "GroupInfo":
+        """From `dataclasses.asdict`; keys it does not know (a checkpoint of an older release) are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclasses.dataclass
 class Group:
     """One prompt with its n scored completions: the unit that streams from agents to the learner."""
 
@@ -91,8 +115,7 @@ class Group:
     data_source: str = ""
     admitted_version: int = 0
     """Weight version when the prompt was admitted."""
-    info: dict = dataclasses.field(default_factory=dict)
-    """Free-form extras (ground truth, per-completion reward details)."""
+    info: GroupInfo = dataclasses.field(default_factory=GroupInfo)
 
     def __post_init__(self) -> None:
         if len(self.rewards) != len(self.completions):

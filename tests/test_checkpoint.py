@@ -28,7 +28,7 @@ from asyncrl.checkpoint import (
     save_checkpoint,
 )
 from asyncrl.learner import full_weights, train_step
-from asyncrl.types import Completion, Group
+from asyncrl.types import Completion, Group, GroupInfo
 from tests.dist_helpers import build, max_diff, prompt_for, rollout, small_engine, weights
 from tests.tolerances import forward_tol
 
@@ -150,7 +150,7 @@ def test_extra_counters_schedule_optimizer_and_rng_round_trip(tmp_path):
     state.kl_coef, state.skipped_updates, state.critic_skipped_updates, state.version = 0.125, 2, 1, 5
     in_flight = rollout(run.engine, [8, 9], run_seed=RUN_SEED, admitted_version=2)
     partial = Group(10, prompt_for(10), [Completion([5, 6], [-1.5, -2.0], [2, 3], None)], [0.0],
-                    data_source="gsm8k", admitted_version=2, info={"answer": "42"})
+                    data_source="gsm8k", admitted_version=2, info=GroupInfo(index=3, agent="agent1", texts=["4", "2"], env={"turns": 2}))
     groups = [dataclasses.asdict(g) for g in in_flight + [partial]]  # the run loop hands over JSON data
     extra = {"cursor": 11, "in_flight": groups, "queue": [], "lag": {"2": [8, 9], "3": [10]},
              "nested": {"ids": (1, 2), "none": None, "flag": True, "text": "é\n"}, "scores": [0.1, -1e-30, 3.5]}
@@ -166,7 +166,8 @@ def test_extra_counters_schedule_optimizer_and_rng_round_trip(tmp_path):
     assert torch.equal(after_load[0], after_save[0]) and after_load[1:] == after_save[1:]
     assert got == json.loads(json.dumps(extra))  # parsed JSON: the tuple comes back as a list
     assert got["nested"]["ids"] == [1, 2] and got["scores"] == [0.1, -1e-30, 3.5]  # floats exact
-    rebuilt = [Group(**{**g, "completions": [Completion(**c) for c in g["completions"]]}) for g in got["in_flight"]]
+    rebuilt = [Group(**{**g, "completions": [Completion(**c) for c in g["completions"]],
+                         "info": GroupInfo.from_json(g["info"])}) for g in got["in_flight"]]
     assert rebuilt == in_flight + [partial]
     assert rebuilt[-1].completions[0].finish_reason is None  # still generating when saved
 
@@ -411,3 +412,9 @@ def test_export_hf_from_a_live_learner_and_from_a_checkpoint(tmp_path, transform
         # transformers' kernels against ours: rounding only (~1e-4 at most); a wrong weight is O(0.1)
         torch.testing.assert_close(got, want, rtol=0, atol=forward_tol(want, state.policy.config))
     assert (live / "model.safetensors").read_bytes() == (from_ckpt / "model.safetensors").read_bytes()
+
+
+def test_group_info_of_an_older_checkpoint_keeps_the_fields_it_knows():
+    # before GroupInfo, a group's info was a free-form dict: unknown keys are left out, known ones kept
+    raw = {"agent": "agent0", "texts": ["a", "b"], "answer": "42", "env": {"turns": 4}}
+    assert GroupInfo.from_json(raw) == GroupInfo(agent="agent0", texts=["a", "b"], env={"turns": 4})

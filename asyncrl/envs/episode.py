@@ -15,7 +15,7 @@ __all__ = ["Episode", "EpisodeStats"]
 
 @dataclasses.dataclass
 class EpisodeStats:
-    """Counts of one episode (summed over a group's episodes in its `info["env"]`)."""
+    """Counts of one episode (summed over a group's episodes in its `info.env`)."""
 
     episodes: int = 1
     turns: int = 0

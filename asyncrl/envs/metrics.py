@@ -1,4 +1,4 @@
-"""EnvTally: what multi-turn episodes did, counted as groups arrive at rank 0 (`group.info["env"]`).
+"""EnvTally: what multi-turn episodes did, counted as groups arrive at rank 0 (`group.info.env`).
 
 Per version window:
   env/turns_per_episode, env/step_time_s (mean seconds of an environment step), env/tool_calls_per_episode,

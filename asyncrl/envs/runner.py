@@ -76,8 +76,8 @@ class EpisodeGroup:
     completions: list[Completion]
     env_rewards: list[float | None]
     """Per episode: the environment's reward, or None where the reward function should score it."""
-    info: dict
-    """Summed EpisodeStats (`info["env"]` of the group)."""
+    env_stats: dict[str, int]
+    """Summed EpisodeStats of the n episodes (the group's `info.env`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +272,7 @@ class EpisodeRunner:
             for field in dataclasses.fields(EpisodeStats):
                 setattr(total, field.name, getattr(total, field.name) + getattr(episode.stats, field.name))
         return EpisodeGroup(key, task.prompt, [e.completion() for e in task.episodes],
-                            [e.env_reward for e in task.episodes], {"env": total.as_dict()})
+                            [e.env_reward for e in task.episodes], total.as_dict())
 
     def close(self) -> None:
         """Stop the environment loop (cancelling steps still running)."""

@@ -43,7 +43,7 @@ from asyncrl.policies.sampling import SamplingParams
 from asyncrl.rpc.queue import Task
 from asyncrl.rpc.reward_tally import group_reward_info
 from asyncrl.rpc.roster import Fenced
-from asyncrl.types import Completion, GenerationOutput, Group
+from asyncrl.types import Completion, GenerationOutput, Group, GroupInfo
 
 __all__ = ["RolloutAgent", "ControllerHandle"]
 
@@ -70,7 +70,7 @@ class _Scoring:
     future: Future | None
     """Scores of the completions the reward function scores (all, or the episodes whose env gave none)."""
     env_rewards: list[float | None] | None = None
-    info: dict = dataclasses.field(default_factory=dict)
+    env_stats: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -220,7 +220,7 @@ class RolloutAgent:
         task = self.tasks.pop(episodes.key)
         unscored = [c for c, r in zip(episodes.completions, episodes.env_rewards) if r is None]
         future = self.scorer.submit_group(task.prompt, unscored) if unscored else None
-        self.scoring.append(_Scoring(task, episodes.completions, future, episodes.env_rewards, episodes.info))
+        self.scoring.append(_Scoring(task, episodes.completions, future, episodes.env_rewards, episodes.env_stats))
         self._deliver()
 
     def _deliver(self) -> None:
@@ -232,8 +232,8 @@ class RolloutAgent:
             group = Group(prompt_id=task.prompt_id, prompt_ids=list(task.prompt.prompt_ids),
                           completions=entry.completions, rewards=rewards, data_source=task.prompt.data_source,
                           admitted_version=task.admitted_version,
-                          info={"index": task.prompt.index, "agent": self.name, "prompt_text": task.prompt.text,
-                                "texts": texts, "rewards": reward_info, **entry.info})
+                          info=GroupInfo(index=task.prompt.index, agent=self.name, prompt_text=task.prompt.text,
+                                         texts=texts, rewards=reward_info, env=entry.env_stats))
             self.controller.submit(self.name, group)
             self.submitted += 1
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version, verl_release
 from asyncrl.data.sources import PromptSource
-from asyncrl.types import Completion, Group, Prompt
+from asyncrl.types import Completion, Group, GroupInfo, Prompt
 
 __all__ = ["Task", "Ledger", "SampleQueue", "QueueTimeout"]
 
@@ -299,4 +299,4 @@ def _group_json(group: Group) -> dict:
 
 def _group_from_json(raw: dict) -> Group:
     completions = [Completion(**c) for c in raw["completions"]]
-    return Group(**{**raw, "completions": completions})
+    return Group(**{**raw, "completions": completions, "info": GroupInfo.from_json(raw.get("info") or {})})

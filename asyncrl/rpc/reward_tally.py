@@ -1,6 +1,6 @@
 """RewardTally: what the run's reward functions did, counted as scored groups arrive at rank 0.
 
-    tally.add(group.info["rewards"])   # per group: {"calls", "errors", "timeouts", "extras", "examples"}
+    tally.add(group.info.rewards)   # per group: {"calls", "errors", "timeouts", "extras", "examples"}
     tally.window()                      # per version: reward/error_share, reward/timeouts, reward/<extra> means
     tally.totals()                      # for the summary: calls, errors, timeouts, first error messages
 

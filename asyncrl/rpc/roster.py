@@ -205,8 +205,8 @@ class Roster:
     def submit(self, agent: str, group: Group) -> None:
         self._heard(agent, "submissions")
         self.queue.submit(agent, group)
-        self.rewards.add(group.info.get("rewards"))
-        self.envs.add(group.info.get("env"))
+        self.rewards.add(group.info.rewards)
+        self.envs.add(group.info.env)
         with self.lock:
             self.members[agent].submitted += 1
 

@@ -29,7 +29,7 @@ def test_an_episode_is_the_engines_turns_plus_the_environment_tokens_byte_for_by
     group = run_episodes(runner, engine, [PROMPT], params)["p0"]
     runner.close()
     assert group.env_rewards == [None, None]  # Echo gives no reward: the reward function scores
-    assert group.info["env"]["episodes"] == 2 and group.info["env"]["turns"] == 6
+    assert group.env_stats["episodes"] == 2 and group.env_stats["turns"] == 6
     first = engine.outputs["p0.t0"]
     for i, completion in enumerate(group.completions):
         turns = [first.completions[i]] + [engine.outputs[f"p0.e{i}.t{t}"].completions[0] for t in (1, 2)]
@@ -49,7 +49,7 @@ def test_an_episode_is_the_engines_turns_plus_the_environment_tokens_byte_for_by
     # turns 2 and 3 continued their session's K/V: only the last sampled token and the environment's two were new
     later = [engine.outputs[f"p0.e{i}.t{t}"] for i in (0, 1) for t in (1, 2)]
     assert all(out.cached_prompt_tokens == len(out.prompt_ids) - 3 for out in later)
-    stats = group.info["env"]
+    stats = group.env_stats
     assert stats["later_turn_prompt_tokens"] == sum(len(out.prompt_ids) for out in later)
     assert stats["reused_prompt_tokens"] == engine.stats["session_reused_tokens"] == stats[
         "later_turn_prompt_tokens"] - 3 * len(later)
@@ -77,10 +77,10 @@ def test_the_token_budget_and_the_turn_limit_end_episodes_as_truncated(engine):
     runner = EpisodeRunner(engine, runtime(Echo, max_turn_tokens=4))
     group = run_episodes(runner, engine, [PROMPT], SamplingParams(n=4, max_new_tokens=9, seed=1))["p0"]
     assert all(len(c.token_ids) <= 9 for c in group.completions)
-    assert group.info["env"]["truncated"] >= 1  # 4 + 2 + 4 > 9: no third turn fits
+    assert group.env_stats["truncated"] >= 1  # 4 + 2 + 4 > 9: no third turn fits
     limited = EpisodeRunner(engine, runtime(Echo, max_turns=2, max_turn_tokens=4))
     group = run_episodes(limited, engine, [Prompt([7, 9, 11], index=1)], SamplingParams(n=2, max_new_tokens=40))["p1"]
-    assert group.info["env"]["turns"] == 4 and group.info["env"]["truncated"] == 2
+    assert group.env_stats["turns"] == 4 and group.env_stats["truncated"] == 2
     runner.close()
     limited.close()
 
@@ -105,8 +105,8 @@ def test_a_failing_environment_ends_only_its_episodes_counted_scored_0_and_untra
     groups = run_episodes(runner, engine, prompts, SamplingParams(n=2, max_new_tokens=40, seed=4))
     runner.close()
     good, bad = groups["p0"], groups["p1"]
-    assert good.info["env"][counter] == 0 and good.info["env"]["turns"] == 6 and good.env_rewards == [None, None]
-    assert bad.info["env"][counter] == 2
+    assert good.env_stats[counter] == 0 and good.env_stats["turns"] == 6 and good.env_rewards == [None, None]
+    assert bad.env_stats[counter] == 2
     assert bad.env_rewards == [0.0, 0.0]
     for c in bad.completions:
         assert not any(c.loss_mask) and c.finish_reason == "abort"

@@ -226,7 +226,7 @@ def test_a_scripted_tool_using_episode_gets_the_known_reward(smollm2_tokenizer):
             break
     runner.close()
     group, = groups
-    stats = group.info["env"]
+    stats = group.env_stats
     assert stats["turns"] == 3 and stats["tool_calls"] == 2 and stats["tool_errors"] == 1
     assert group.env_rewards == [None]  # the calculator leaves scoring to the task's reward function
     text = tok.decode(group.completions[0].token_ids, skip_special_tokens=True)

@@ -82,7 +82,7 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
 
     if episodes:  # what was trained were whole episodes: three turns with the environment's tokens between them
         for g in rec_a.groups + rec_b.groups:
-            assert g.info["env"]["turns"] == 3 * len(g.completions), g.info["env"]
+            assert g.info.env["turns"] == 3 * len(g.completions), g.info.env
             assert all(c.loss_mask is not None and c.loss_mask.count(False) == 4 for c in g.completions)
     # versions continue from 4
     assert summary_b.versions == run_b.state.version == 8 and len(summary_b.history) == 4

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from asyncrl.rpc import Fenced, Roster, SampleQueue
-from asyncrl.types import Completion, Group, Prompt
+from asyncrl.types import Completion, Group, GroupInfo, Prompt
 from tests.timing import limit
 
 
@@ -41,7 +41,7 @@ class Source:
 def group_for(task, agent: str = "") -> Group:
     c = Completion([5, 6], [-0.1, -0.2], [0, 0], "stop")
     return Group(task.prompt_id, task.prompt.prompt_ids, [c], [1.0], admitted_version=task.admitted_version,
-                 info={"agent": agent})
+                 info=GroupInfo(agent=agent))
 
 
 def make(timeout: float = 10.0, **kw):

@@ -70,8 +70,8 @@ def test_an_environment_of_your_own_lives_in_a_worker_and_a_hung_step_ends_only_
         groups = run_episodes(runner, engine, prompts, SamplingParams(n=2, max_new_tokens=40, seed=4))
     runner.close()
     good, bad = groups["p0"], groups["p1"]
-    assert good.info["env"]["env_timeouts"] == 0 and good.info["env"]["turns"] == 6
-    assert bad.info["env"]["env_timeouts"] == 2 and bad.env_rewards == [0.0, 0.0]
+    assert good.env_stats["env_timeouts"] == 0 and good.env_stats["turns"] == 6
+    assert bad.env_stats["env_timeouts"] == 2 and bad.env_rewards == [0.0, 0.0]
     assert all(not any(c.loss_mask) for c in bad.completions)
     named = [r.getMessage() for r in caplog.records if "did not return within 1 s" in r.getMessage()]
     assert len(named) == 1 and "row 1" in named[0] and "worker process was killed" in named[0]
