@@ -37,6 +37,7 @@ from asyncrl.config import DataConfig
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
 from asyncrl.preflight import check_devices, check_model_path
 from asyncrl.run_spec import ScorerFactory, SourceFactory
+from asyncrl.seeding import derive_seed
 
 __all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
 
@@ -172,7 +173,7 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
     engine = Engine(policy, EngineConfig(max_slots=max_slots, max_len=longest + max_new_tokens,
                                          cuda_graphs=cuda_graphs, seed=seed))
     params = [SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                             seed=seed * 1_000_000 + first_prompt + i) for i in range(num_prompts)]
+                             seed=derive_seed(seed, first_prompt + i)) for i in range(num_prompts)]
     outputs = _generate_with_progress(engine, [p.prompt_ids for p in prompts], params)
 
     rewards, correct, lengths, truncated = [], [], [], 0

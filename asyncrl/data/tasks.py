@@ -10,6 +10,7 @@ import dataclasses
 import random
 from typing import Mapping, Sequence
 
+from asyncrl.seeding import derive_seed
 from asyncrl.types import Prompt
 
 __all__ = ["ArithmeticTask", "CountdownTask", "ToyTask", "render_chat"]
@@ -55,7 +56,7 @@ class ArithmeticTask:
                              f"digits={self.digits}, terms={self.terms}, operators={self.operators!r}")
 
     def question(self, index: int) -> tuple[str, int]:
-        rng = random.Random(self.seed * 1_000_003 + index)
+        rng = random.Random(derive_seed(self.seed, index))
         hi = 10 ** self.digits - 1
         numbers = [rng.randint(0, hi) for _ in range(self.terms)]
         ops = [rng.choice(self.operators) for _ in range(self.terms - 1)]
@@ -78,7 +79,7 @@ class CountdownTask:
     data_source: str = "countdown"
 
     def question(self, index: int) -> tuple[list[int], int]:
-        rng = random.Random(self.seed * 1_000_003 + index)
+        rng = random.Random(derive_seed(self.seed, index))
         nums = [rng.randint(1, 12) for _ in range(self.numbers)]
         target = nums[0]
         for n in nums[1:]:

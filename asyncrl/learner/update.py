@@ -26,6 +26,7 @@ from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import grad_norm_
 from asyncrl.learner.state import LearnerState
+from asyncrl.seeding import derive_seed
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
            "world"]
@@ -95,7 +96,7 @@ def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[
     """Group indices per mini-batch for one epoch (shuffled with a seed derived from the step)."""
     order = list(range(num_groups))
     if state.config.shuffle:
-        gen = torch.Generator().manual_seed(state.config.seed * 1_000_003 + state.step * 1009 + epoch)
+        gen = torch.Generator().manual_seed(derive_seed(state.config.seed, state.step, epoch))
         order = torch.randperm(num_groups, generator=gen).tolist()
     size = state.config.mini_batch_size
     return [order[i:i + size] for i in range(0, num_groups, size)]

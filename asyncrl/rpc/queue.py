@@ -24,6 +24,7 @@ from typing import Literal
 
 from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version, verl_release
 from asyncrl.data.sources import PromptSource
+from asyncrl.seeding import derive_seed
 from asyncrl.types import Completion, Group, GroupInfo, Prompt
 
 __all__ = ["Task", "Ledger", "SampleQueue", "QueueTimeout"]
@@ -137,7 +138,7 @@ class SampleQueue:
             while len(out) < n and self.budget.can_admit and not self.closed:
                 pid = self.next_id
                 self.next_id += 1
-                task = Task(pid, self.source.next(), self.version, seed=self.seed * 1_000_003 + pid)
+                task = Task(pid, self.source.next(), self.version, seed=derive_seed(self.seed, pid))
                 self.budget = verl_admit(self.budget)
                 self.peak_staleness_samples = max(self.peak_staleness_samples, self.budget.staleness_samples)
                 self.tasks[pid] = task
