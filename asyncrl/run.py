@@ -117,7 +117,4 @@ def _train_local(spec: RunSpec, tracker) -> RunSummary:
     stop = StopRequest()
     on_signals(stop.set)
     run = LocalRun.from_spec(spec, log_metrics=tracker, on_step=tracker.log_samples, stop=stop)
-    summary = run.run()
-    if stop.is_set() and summary.interrupted is None:
-        summary.interrupted = stop.reason
-    return summary
+    return run.run()

@@ -1,9 +1,9 @@
-"""RolloutAgent: wraps an engine, asks the controller for prompts, pushes scored groups as they finish.
+"""RolloutAgent: wraps an engine, asks the roster for prompts, pushes scored groups as they finish.
 
-    agent = RolloutAgent("agent0", engine, scorer, rollout_cfg, controller)
+    agent = RolloutAgent("agent0", engine, scorer, rollout_cfg, roster)
     agent.start()                      # the generation loop runs in its own thread
 
-The loop: keep up to `concurrent_prompts` prompts in flight (asking the controller, which admits within
+The loop: keep up to `concurrent_prompts` prompts in flight (asking the roster, whose queue admits within
 the staleness budget), step the engine, score every finished group and submit it at once (streaming).
 A weight update happens at a decode-step boundary, because the engine's controls take its step lock:
   partial rollout:  `pause_for_sync(partial=True)` freezes running sequences ("keep"); `load_weights`
@@ -11,7 +11,7 @@ A weight update happens at a decode-step boundary, because the engine's controls
                     version;
   no partial:       `pause_for_sync(partial=False)` stops asking for prompts and lets the running ones
                     finish ("wait"); weights are swapped when the engine is empty.
-`controller` is anything with `request(agent, n) -> list[Task]`, `submit(agent, group)`, `heartbeat(agent)`
+`roster` is anything with `request(agent, n) -> list[Task]`, `submit(agent, group)`, `heartbeat(agent)`
 and `agent_failed(agent, why)`: the run's `Roster` itself in-process, an RPC proxy of it across processes.
 The loop heartbeats every `heartbeat_s` whatever it is doing (generating, paused for a weight update, idle),
 so only a stuck loop or a stopped process falls silent.
@@ -45,12 +45,14 @@ from asyncrl.rpc.reward_tally import group_reward_info
 from asyncrl.rpc.roster import Fenced
 from asyncrl.types import Completion, GenerationOutput, Group, GroupInfo
 
-__all__ = ["RolloutAgent", "ControllerHandle"]
+__all__ = ["RolloutAgent", "RosterHandle"]
 
 log = logging.getLogger("asyncrl.agent")
 
 
-class ControllerHandle(Protocol):
+class RosterHandle(Protocol):
+    """What an agent calls on the run's roster (rank 0): the `Roster`, or an RPC proxy of it."""
+
     def request(self, agent: str, n: int) -> list[Task]: ...
 
     def submit(self, agent: str, group: Group) -> None: ...
@@ -89,11 +91,11 @@ class _Scoring:
 
 class RolloutAgent:
     def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
-                 controller: ControllerHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
+                 roster: RosterHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
                  heartbeat_s: float = 1.0, on_exit: Callable[[BaseException | None], None] | None = None,
                  env: EnvRuntime | None = None):
         self.name, self.engine, self.scorer, self.rollout = name, engine, scorer, rollout
-        self.controller, self.colocated = controller, colocated
+        self.roster, self.colocated = roster, colocated
         self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
         self.on_exit = on_exit
         self.tasks: dict[str, Task] = {}  # engine request id -> task
@@ -138,7 +140,7 @@ class RolloutAgent:
         except Fenced as err:  # declared dead while stuck (or stopped): nothing of ours is accepted any more
             self.error = err
             log.error("agent %s was fenced out of the run: %s", self.name, err)
-        except BaseException as err:  # surface it: tell the controller at once (else it sees the agent fall silent)
+        except BaseException as err:  # surface it: tell the roster at once (else it sees the agent fall silent)
             self.error = err
             if isinstance(err, RewardError):  # the user's reward, named in the message: no traceback of ours
                 why = f"its reward failed under --strict-rewards: {err}"
@@ -147,8 +149,8 @@ class RolloutAgent:
                 why = f"its generation loop raised {err!r}"
                 log.exception("agent %s stopped on an error", self.name)
             try:
-                self.controller.agent_failed(self.name, why)
-            except Exception:  # noqa: BLE001 - the controller may be gone too; the timeout still catches it
+                self.roster.agent_failed(self.name, why)
+            except Exception:  # noqa: BLE001 - the roster may be gone too; the timeout still catches it
                 log.warning("agent %s could not report its failure", self.name)
         finally:
             if self.on_exit is not None:
@@ -157,7 +159,7 @@ class RolloutAgent:
     def _tick(self) -> None:
         now = time.monotonic()
         if now - self._last_beat > self.heartbeat_s:
-            self.controller.heartbeat(self.name)
+            self.roster.heartbeat(self.name)
             self._last_beat = now
         if self.episodes is not None:
             for group in self.episodes.poll():
@@ -193,7 +195,7 @@ class RolloutAgent:
         want = self.rollout.concurrent_prompts - len(self.tasks)
         if want <= 0:
             return
-        tasks = self.controller.request(self.name, want)
+        tasks = self.roster.request(self.name, want)
         if tasks and getattr(self.engine, "is_sleeping", False):
             self.engine.wake_up()
         for task in tasks:
@@ -234,7 +236,7 @@ class RolloutAgent:
                           admitted_version=task.admitted_version,
                           info=GroupInfo(index=task.prompt.index, agent=self.name, prompt_text=task.prompt.text,
                                          texts=texts, rewards=reward_info, env=entry.env_stats))
-            self.controller.submit(self.name, group)
+            self.roster.submit(self.name, group)
             self.submitted += 1
 
     # ------------------------------------------------------------------------------ weight updates

@@ -1,7 +1,9 @@
 """The run loop on the trainer: take groups as they stream in, train, publish weights, account, checkpoint.
 
     controller = Controller(queue, roster, state, publisher, trainers, async_cfg, run_dir=..., stop=stop_event)
-    summary = controller.run()          # agents must be running (they call the roster)
+    end = controller.train()            # agents must be running (they call the roster)
+    ...                                 # stop the agents
+    summary = controller.summary(end)   # then close the books: the run's one RunSummary
 
 One version window = `trigger_parameter_sync_step` learner steps, each on `require_batches ×
 mini_batch_size` groups taken oldest-first from the queue (DAPO's dynamic sampling drops all-equal groups
@@ -23,7 +25,7 @@ import dataclasses
 import logging
 import pathlib
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
@@ -32,9 +34,18 @@ from asyncrl.rpc.queue import QueueTimeout, SampleQueue
 from asyncrl.rpc.roster import Roster
 from asyncrl.types import Group
 
-__all__ = ["Controller", "RunSummary", "Interrupted"]
+__all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted"]
 
 log = logging.getLogger("asyncrl.controller")
+
+
+class TrainingEnd(NamedTuple):
+    """How the training loop ended."""
+
+    interrupted: str | None
+    """Why it stopped early (a signal's name, or the wall-clock cap), None when it ran to its end."""
+    checkpoint: str | None
+    """The checkpoint written last."""
 
 
 class Interrupted(Exception):
@@ -216,9 +227,9 @@ class Controller:
         self.window_steps = 0
         return metrics
 
-    def run(self) -> RunSummary:
+    def train(self) -> TrainingEnd:
         """Train until `total_versions` publications (or `time_budget_s`, or a stop request); then admit nothing
-        more and close the books."""
+        more."""
         start, budget = time.monotonic(), self.config.time_budget_s
         interrupted = checkpoint = None
         while self.state.version < self.config.total_versions:
@@ -245,9 +256,7 @@ class Controller:
                         self.state.step)
             if self.run_dir is not None and self.state.step > self.started_at_step:
                 checkpoint = self.checkpoint()  # nothing trained since the start (or the resume): nothing to save
-        return RunSummary(self.state.version, self.state.step, self.queue.ledger.summary(), self.roster.dead(),
-                          list(self.history), interrupted=interrupted, checkpoint=str(checkpoint) if checkpoint else None,
-                          rewards=self.roster.rewards.totals())
+        return TrainingEnd(interrupted, str(checkpoint) if checkpoint else None)
 
     def _checkpoint_due(self) -> bool:
         return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)
@@ -261,23 +270,26 @@ class Controller:
                  self.state.version, self.state.step, len(queue["queue"]), len(queue["unfinished"]))
         return path
 
-    def finish(self, summary: RunSummary) -> dict:
-        """End of run. When the run ended on a checkpoint, the prompts it holds (queued or unfinished) are
-        *carried*: a resume re-admits exactly these. Otherwise each unfinished prompt is dropped with reason
-        "run_end". Returns the ledger summary."""
-        if summary.checkpoint is not None and self.final_books is not None and \
+    def summary(self, end: TrainingEnd) -> RunSummary:
+        """The run's summary, once the agents have stopped (nothing more can arrive). A stop requested after
+        the loop ended (during the shutdown) still counts as an interruption."""
+        interrupted = end.interrupted or (self.stop.reason if self.stop.is_set() else None)
+        return RunSummary(self.state.version, self.state.step, self._close_books(end), self.roster.dead(),
+                          list(self.history), interrupted=interrupted, checkpoint=end.checkpoint,
+                          agents=self.roster.report(), rewards=self.roster.rewards.totals())
+
+    def _close_books(self, end: TrainingEnd) -> dict:
+        """When the run ended on a checkpoint, the prompts it holds (queued or unfinished) are *carried*: a
+        resume re-admits exactly these. Otherwise each unfinished prompt is dropped with reason "run_end".
+        Returns the ledger summary."""
+        if end.checkpoint is not None and self.final_books is not None and \
                 self.final_books["version"] == self.state.version:
             books = self.final_books
             states = collections.Counter(books["ledger"]["state"].values())
             return {"admitted": len(books["ledger"]["state"]), "trained": states["trained"],
                     "dropped": states["dropped"], "carried": len(books["queue"]) + len(books["unfinished"]),
                     "in_flight": 0, "pending": 0, "queued": 0, "carried_to_checkpoint": True}
-        with self.queue.lock:
-            for pid in self.queue.ledger.ids("queued") + self.queue.ledger.ids("in_flight") + \
-                    self.queue.ledger.ids("pending"):
-                self.queue.ledger.drop(pid, "run_end")
-            self.queue.queue.clear()
-        return self.queue.ledger.summary()
+        return self.queue.drop_unfinished("run_end")
 
 
 def _merge(steps: list[dict]) -> dict:

@@ -153,13 +153,10 @@ class _Head:
         self._start_agents()
         self.roster.start()
         try:
-            summary = self.controller.run()
+            end = self.controller.train()
         finally:
             self._shut_down()
-        summary.ledger = self.controller.finish(summary)
-        summary.dead_agents = self.roster.dead()
-        summary.agents = self.roster.report()
-        return summary
+        return self.controller.summary(end)
 
     def _shut_down(self) -> None:
         """Stop admitting, stop the followers, stop every agent (its stats), then end the agent processes."""

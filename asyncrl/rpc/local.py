@@ -118,7 +118,7 @@ class LocalRun:
             agent.start()
         self.roster.start()
         try:
-            summary = self.controller.run()
+            end = self.controller.train()
         finally:
             self.roster.stop()
             for agent in self.agents:
@@ -127,8 +127,7 @@ class LocalRun:
                 except TimeoutError as err:  # stuck: its late deliveries are fenced below
                     log.error("%s", err)
                 self.roster.leave(agent.name, "run ended", readmit=False)
-        summary.ledger = self.controller.finish(summary)
-        summary.agents = self.roster.report()
+        summary = self.controller.summary(end)
         errors = [f"{a.name}: {a.error!r}" for a in self.agents if a.error is not None]
         if errors:
             log.error("agents stopped on errors: %s", "; ".join(errors))

@@ -244,6 +244,15 @@ class SampleQueue:
             self.closed = True
             self.changed.notify_all()
 
+    def drop_unfinished(self, reason: str) -> dict:
+        """Drop every prompt not trained yet (queued, in flight, pending) with `reason`; returns the ledger
+        summary."""
+        with self.lock:
+            for pid in self.ledger.ids("queued") + self.ledger.ids("in_flight") + self.ledger.ids("pending"):
+                self.ledger.drop(pid, reason)
+            self.queue.clear()
+            return self.ledger.summary()
+
     # ----------------------------------------------------------------------------------- state
     def metrics(self) -> dict:
         with self.lock:

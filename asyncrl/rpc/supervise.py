@@ -176,10 +176,10 @@ class Supervisor:
                 signal.signal(sig, handler)
         if isinstance(outcome, BaseException):
             raise outcome
-        if self.signals:
-            outcome.interrupted = self.signals[0]
-        elif self.stop_reason is not None and outcome.interrupted is not None:
-            outcome.interrupted = self.stop_reason  # rank 0 saw the SIGTERM the launcher sent for it
+        if self.signals:  # the launcher knows the signal: rank 0 saw only the SIGTERM it sent on
+            return dataclasses.replace(outcome, interrupted=self.signals[0])
+        if self.stop_reason is not None and outcome.interrupted is not None:
+            return dataclasses.replace(outcome, interrupted=self.stop_reason)  # a stop the launcher decided
         return outcome
 
     def _supervise(self, start: float):

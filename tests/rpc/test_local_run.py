@@ -299,7 +299,7 @@ def test_hung_agent_is_declared_dead_while_the_others_keep_the_trainer_fed():
                          total_versions=400, agent_timeout_s=timeout, take_timeout_s=limit(60))
     run = local_run(config, mini_batch_size=MINI, engines=2, step_delays=[0.03, 0.0], concurrent_prompts=2)
     hung = _HangingHandle(run.roster, run.agents[1], after=2)
-    run.agents[1].controller = hung
+    run.agents[1].roster = hung
     deaths = _record_deaths(run)
     rec = TrainRecorder(run)
     inner_step = rec.step

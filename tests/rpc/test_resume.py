@@ -25,11 +25,13 @@ MINI = 2
 @pytest.mark.parametrize("knobs, episodes", [
     (dict(staleness_threshold=0.5, trigger_parameter_sync_step=2, partial_rollout=False), False),
     (dict(staleness_threshold=1.0, trigger_parameter_sync_step=1, partial_rollout=True, max_version_lag=1), False),
-    (dict(staleness_threshold=0.5, trigger_parameter_sync_step=1, partial_rollout=False), True),
+    (dict(staleness_threshold=0.5, trigger_parameter_sync_step=1, partial_rollout=False, max_version_lag=1,
+          lag_policy="wait"), True),
 ], ids=["stale", "stale+partial+cap", "multi-turn-episodes"])
 def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs, episodes):
     """With episodes, a checkpoint falls mid-episode: unfinished episodes restart from their prompt; without
-    partial rollout a weight update waits for running episodes to end (lag ≤ 1)."""
+    partial rollout a weight update waits for running episodes to end, and the cap (wait) holds across the
+    resume."""
     run_kw = dict(mini_batch_size=MINI, engines=2, step_delays=[0.0, 0.01], concurrent_prompts=2,
                   env_setup=echo_runtime if episodes else None, max_new_tokens=24 if episodes else 8)
     batch = MINI * 1  # require_batches 1
@@ -92,8 +94,8 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
     # no id trained twice across A and B; B's ledger (continuing A's) closes every admitted id once
     trained_b = rec_b.trained_ids
     assert not trained_a & set(trained_b), sorted(trained_a & set(trained_b))
-    check_books(run_b.queue.ledger, summary_b.ledger, sorted(trained_a) + trained_b,
-                stale_drops_allowed=knobs.get("max_version_lag") is not None)
+    drops_stale = knobs.get("max_version_lag") is not None and knobs.get("lag_policy", "drop") == "drop"
+    check_books(run_b.queue.ledger, summary_b.ledger, sorted(trained_a) + trained_b, stale_drops_allowed=drops_stale)
     assert summary_b.ledger["trained"] == len(trained_a) + len(trained_b) == (summary_a.steps + len(rec_b.steps)) * batch
     # what the checkpoint carried ended in B (trained there, or dropped), and nothing A admitted was lost
     states_b = run_b.queue.ledger.state
@@ -113,7 +115,8 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
     assert run_b.queue.budget.max_required_samples == max_required
     assert 0 < run_b.queue.peak_staleness_samples <= max_required
     bound = allowed_lag(config_b)
-    assert bound is not None and max(rec_b.lags) <= bound, rec_b.lags
+    if bound is not None:
+        assert max(rec_b.lags) <= bound, rec_b.lags
 
 
 def test_launched_run_resumes_from_its_checkpoint(tmp_path):
