@@ -19,8 +19,9 @@ the conversation. Held slots are a cache, not a reservation: the least recently 
 waiting requests need its slot (that turn is then prefilled whole), and all are dropped on sleep and on a
 weight update with kv="recompute". `end_sessions(names)` frees them.
 
-RL controls (named after vLLM's) act at a step boundary — they take the same lock as `step()`, so they are
-safe to call from another thread (an RPC handler) while a driver loop calls `step()`:
+RL controls (named after vLLM's; their states and the request table are `asyncrl.policies.engine_control`,
+shared with the vLLM engine) act at a step boundary — they take the same lock as `step()`, so they are safe to
+call from another thread (an RPC handler) while a driver loop calls `step()`:
   pause(mode)   "keep": freeze running requests; "abort": end them and return the partial outputs;
                 "wait": stop admitting and pause once the running ones finish (keep calling step()).
   resume()      continue.
@@ -39,26 +40,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
-import threading
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from asyncrl.policies.decode_graphs import DecodeGraphs
-from asyncrl.policies.engine_adapters import EngineAdapters, check_named_tensors
+from asyncrl.policies.engine_adapters import EngineAdapters
+from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
-from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
-from asyncrl.types import Completion, GenerationOutput
 
 __all__ = ["EngineConfig", "Engine"]
-
-PauseMode = Literal["keep", "abort", "wait"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +88,10 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(eq=False)
-class _Sample:
+class _Sample(Sample):
+    _: dataclasses.KW_ONLY
     request: "_Request"
-    index: int
     uniforms: list[float]
-    completion: Completion = dataclasses.field(default_factory=lambda: Completion([], [], []))
     slot: int = -1
 
     @property
@@ -106,25 +101,21 @@ class _Sample:
 
 
 @dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new: int
-    stop_ids: frozenset[int]
+class _Request(Request):
     samples: list[_Sample] = dataclasses.field(default_factory=list)
     sessions: tuple[str, ...] | None = None
     """Sample i's K/V is held under sessions[i] when it finishes (and a held one is continued at admission)."""
     cached: int = 0
     """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
 
-    def output(self) -> GenerationOutput:
-        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples],
-                                         cached_prompt_tokens=self.cached)
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return self.cached
 
 
-class Engine:
-    """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume."""
+class Engine(EngineControl[_Request]):
+    """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume (the
+    controls and the request table: `EngineControl`)."""
 
     backend = "asyncrl"
 
@@ -137,17 +128,11 @@ class Engine:
                              "sliding-window attention is not implemented, so keep max_len <= sliding_window")
         self.model = model.eval().requires_grad_(False)
         self.config = config
-        self.version = version
         cfg = model.config
-        self.eos_token_ids = frozenset(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
                              model.dtype, model.device)
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._requests: dict[str, _Request] = {}
         self._running: list[_Sample] = []  # index = KV slot
-        self._lock = threading.RLock()
-        self._paused = self._draining = self._asleep = False
-        self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
         on_cuda = model.device.type == "cuda"
         self.fused: dict[str, bool] = {}
@@ -156,38 +141,32 @@ class Engine:
             # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
         self._graphs = DecodeGraphs(model, self.cache, config.max_slots) if (on_cuda and config.cuda_graphs) else None
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
+        super().__init__(version=version, vocab_size=cfg.vocab_size, max_len=config.max_len,
+                         max_slots=config.max_slots,
+                         eos_token_ids=cfg.eos_token_ids if eos_token_ids is None else eos_token_ids,
+                         weight_shapes={n: p.shape for n, p in self._params.items()}, lora_rank=config.lora_rank)
         self._adapters = None if config.lora_rank == 0 else EngineAdapters(
             rank=config.lora_rank, alpha=config.lora_alpha, take_base=self._params.__getitem__)
         self.stats = collections.Counter()
         self._held = HeldSessions(self.cache, config.max_slots, self.stats)
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, *, sessions: Sequence[str] | None = None) -> str:
-        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input.
-
-        sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_new: int,
+                     stop_ids: frozenset[int], sessions: Sequence[str] | None) -> _Request:
+        """sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
         sequence this prompt extends (see the module docstring)."""
-        check_request(prompt_ids, params, vocab_size=self.model.config.vocab_size, max_len=self.config.max_len,
-                      max_slots=self.config.max_slots, sessions=sessions)
-        with self._lock:
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self._requests:
-                raise ValueError(f"add_request: request_id {rid!r} is already in use")
-            max_new = min(params.max_new_tokens, self.config.max_len - len(prompt_ids))
-            request = _Request(rid, list(prompt_ids), params, max_new, params.stop_ids(self.eos_token_ids),
-                               sessions=None if sessions is None else tuple(sessions))
-            request.samples = [_Sample(request, i, self._uniforms(params, i, max_new)) for i in range(params.n)]
-            self._requests[rid] = request
-            self._waiting.append(request)
-            return rid
+        request = _Request(request_id, prompt_ids, params, max_new, stop_ids,
+                           sessions=None if sessions is None else tuple(sessions))
+        request.samples = [_Sample(i, request=request, uniforms=self._uniforms(params, i, max_new))
+                           for i in range(params.n)]
+        return request
+
+    def _enqueue(self, request: _Request) -> None:
+        self._waiting.append(request)
 
     def _uniforms(self, params: SamplingParams, index: int, count: int) -> list[float]:
         gen = self._rng if params.seed is None else torch.Generator().manual_seed(params.seed * 1_000_003 + index)
         return torch.rand(count, generator=gen).tolist()
-
-    def has_unfinished(self) -> bool:
-        return bool(self._requests)
 
     @property
     def num_running(self) -> int:
@@ -197,42 +176,20 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self._asleep
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
-                 ) -> list[GenerationOutput]:
-        """Run prompts to completion and return their outputs in order (blocking convenience)."""
-        return run_to_completion(self, prompts, params)
-
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def step(self) -> list[GenerationOutput]:
-        """Admit and prefill waiting requests, decode one token for every running sequence; return the
-        requests that finished."""
-        with self._lock:
-            if self._paused or self._asleep:
-                return []
-            finished: list[_Request] = []
-            if not self._draining:
-                admitted = self._admit()
-                if admitted:
-                    self._prefill(admitted, finished)
-            if self._running:
-                self._decode(finished)
-            if self._draining and not self._running:
-                self._paused, self._draining = True, False
-            self.stats["steps"] += 1
-            return [self._pop(r) for r in finished]
-
-    def _pop(self, request: _Request) -> GenerationOutput:
-        del self._requests[request.request_id]
-        return request.output()
+    def _advance(self) -> list[_Request]:
+        """Admit and prefill waiting requests (none while draining), decode one token for every running
+        sequence; return the requests that finished."""
+        finished: list[_Request] = []
+        if not self._draining:
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted, finished)
+        if self._running:
+            self._decode(finished)
+        self.stats["steps"] += 1
+        return finished
 
     def _admit(self) -> list[_Request]:
         admitted, longest = [], 0
@@ -374,10 +331,8 @@ class Engine:
         tokens, logprobs = sampled
         done: list[_Sample] = []
         for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):
+            sample.append([token], [logprob], self.version)
             c = sample.completion
-            c.token_ids.append(token)
-            c.logprobs.append(logprob)
-            c.versions.append(self.version)
             if token in sample.request.stop_ids:
                 c.finish_reason = "stop"
             elif len(c.token_ids) >= sample.request.max_new:
@@ -407,62 +362,25 @@ class Engine:
             s.slot = -1
 
     # ---------------------------------------------------------------- RL controls
-    def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]:
-        """End these requests now; return their partial outputs (unknown ids are ignored)."""
-        with self._lock:
-            outs = []
-            for rid in request_ids:
-                request = self._requests.get(rid)
-                if request is None:
-                    continue
-                if request in self._waiting:
-                    self._waiting.remove(request)
-                live = [s for s in request.samples if not s.completion.finished]
-                for s in live:
-                    s.completion.finish_reason = "abort"
-                self._release([s for s in live if s.slot >= 0])
-                outs.append(self._pop(request))
-            return outs
-
-    def pause(self, mode: PauseMode = "keep") -> list[GenerationOutput]:
-        """Pause at a step boundary. Returns the partial outputs for mode="abort", else []."""
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"pause: mode={mode!r} is not 'keep', 'abort' or 'wait'")
-        with self._lock:
-            if mode == "wait":
-                self._draining = bool(self._running)
-                self._paused = not self._running
-                return []
-            outs = self.abort(list(self._requests)) if mode == "abort" else []
-            self._paused, self._draining = True, False
-            return outs
-
-    def resume(self) -> None:
-        with self._lock:
-            self._paused = self._draining = False
+    def _withdraw(self, request: _Request) -> None:
+        """Drop it from the queue, or free the slots of its unfinished samples."""
+        if request in self._waiting:
+            self._waiting.remove(request)
+        self._release([s for s in request.samples if not s.completion.finished and s.slot >= 0])
 
     @torch.inference_mode()
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
-                       kv: Literal["keep", "recompute"] = "keep") -> None:
-        """Copy weights in place by Hugging Face name (all names and shapes are checked before any copy).
-
-        `version=None` copies a partial bucket without changing the version; pass the new version with the
-        last bucket. kv="recompute" re-prefills running sequences under the new weights; "keep" reuses
-        their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do). With lora_rank > 0 it
-        takes LoRA adapters: W_base + s·B·A copied into the same parameters (`asyncrl.policies.engine_adapters`)."""
-        if kv not in ("keep", "recompute"):
-            raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
-        items = list(named_tensors)
-        check_named_tensors(items, {n: p.shape for n, p in self._params.items()}, lora_rank=self.config.lora_rank)
-        with self._lock:
-            for name, tensor in (items if self._adapters is None else self._adapters.resolve(items, version)):
-                self._params[name].copy_(tensor)
-            if version is not None:
-                self.version = version
-            if kv == "recompute":
-                self._held.clear()  # held sessions are recomputed by their next turn's prefill
-                if self._running and self.cache.allocated:
-                    self._recompute_kv()
+    def _load_weights(self, items: list[tuple[str, Tensor]], version: int | None, kv: KVMode) -> None:
+        """Copy each bucket in place as it comes. kv="recompute" re-prefills running sequences under the new
+        weights; "keep" reuses their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do).
+        With lora_rank > 0: W_base + s·B·A copied into the same parameters (`asyncrl.policies.engine_adapters`)."""
+        for name, tensor in (items if self._adapters is None else self._adapters.resolve(items, version)):
+            self._params[name].copy_(tensor)
+        if version is not None:
+            self.version = version
+        if kv == "recompute":
+            self._held.clear()  # held sessions are recomputed by their next turn's prefill
+            if self._running and self.cache.allocated:
+                self._recompute_kv()
 
     def _recompute_kv(self) -> None:
         """Re-prefill prompt + generated tokens (all but the newest) of every running sequence."""
@@ -479,22 +397,18 @@ class Engine:
             if sample is not None:
                 batch.append(sample)
 
-    def sleep(self) -> None:
+    def _free_memory(self) -> None:
         """Free the KV cache (and captured graphs). Running sequences keep their tokens."""
-        with self._lock:
-            self._asleep = True
-            self._held.clear()
-            self.cache.free()
-            if self._graphs is not None:
-                self._graphs.clear()
-            if self.model.device.type == "cuda":
-                torch.cuda.empty_cache()
+        self._held.clear()
+        self.cache.free()
+        if self._graphs is not None:
+            self._graphs.clear()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def wake_up(self) -> None:
+    def _restore_memory(self) -> None:
         """Re-allocate the KV cache and recompute the K/V of running sequences."""
-        with self._lock:
-            self.cache.allocate()
-            if self._running:
-                self._recompute_kv()
-            self._asleep = False
+        self.cache.allocate()
+        if self._running:
+            self._recompute_kv()

