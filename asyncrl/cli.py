@@ -70,7 +70,7 @@ def train_main(args: list[str]) -> None:
         phase(f"note: {note}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(name)s %(levelname)s %(message)s")
     try:
-        summary = train(config, preflight_done=True)
+        summary = train(report)
     except ValueError as err:  # configuration errors name the flag and the fix
         raise SystemExit(f"asyncrl train: {err}") from None
     except RunKilled as err:

@@ -35,21 +35,26 @@ from asyncrl.resume_check import check_resume
 from asyncrl.rewards.plugin import RewardTable
 from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
+from asyncrl.rpc.spec import RunSpec
 from asyncrl.run_dir import overwrite_note, owns_run_dir, run_dir_problem
 from asyncrl.run_spec import build_spec, run_tokenizer, task_of, tokenizer_path, with_system
 
-__all__ = ["Preflight", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel",
+__all__ = ["CheckedRun", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel",
            "check_lora"]
 
 
 @dataclasses.dataclass
-class Preflight:
-    """What the checks found: problems stop the run; notes and facts are printed."""
+class CheckedRun:
+    """What the checks found (problems stop the run; notes and facts are printed) and, once the config
+    validated, the run it describes: `asyncrl.run.train` launches that spec."""
 
+    config: RunConfig
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     facts: list[str] = dataclasses.field(default_factory=list)
     """What was checked and found fine ("data: 7473 rows, 7473 kept")."""
+    spec: RunSpec | None = None
+    """The run `config` describes (`asyncrl.run_spec.build_spec`), built once; None when it did not validate."""
 
     @property
     def ok(self) -> bool:
@@ -210,12 +215,13 @@ class _Checks:
     """One pass of checks over a config; `report` collects the results."""
 
     def __init__(self, cfg: RunConfig, say: Callable[[str], None]):
-        self.cfg, self.say, self.report = cfg, say, Preflight()
+        self.cfg, self.say, self.report = cfg, say, CheckedRun(cfg)
 
-    def run(self) -> Preflight:
+    def run(self) -> CheckedRun:
         cfg = self.cfg
         try:
             cfg.validate()
+            self.report.spec = build_spec(cfg, validated=True)
             valid = True
         except ValueError as err:
             self.report.problems.append(str(err))
@@ -471,7 +477,7 @@ class _Checks:
         if not owns_run_dir(self.cfg):
             return
         try:
-            found = resume_checkpoint(build_spec(self.cfg, validated=True), repair=False)  # run() validated it
+            found = resume_checkpoint(self.report.spec, repair=False)
         except ValueError as err:
             self.report.problems.append(str(err))
             return
@@ -487,6 +493,6 @@ class _Checks:
             + (f"; the newer {skipped[0]} does not verify and is moved aside" if skipped else ""))
 
 
-def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None) -> Preflight:
+def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None) -> CheckedRun:
     """Run every up-front check of `cfg`; `say` gets a line before each slow one (loading a tokenizer)."""
     return _Checks(cfg, say).run()

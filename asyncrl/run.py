@@ -16,10 +16,10 @@ import torch
 
 from asyncrl.config import RunConfig
 from asyncrl.console import Console, phase
-from asyncrl.preflight import preflight
+from asyncrl.preflight import CheckedRun, preflight
 from asyncrl.resume_check import config_record, run_record
 from asyncrl.rewards.registry import BUILTIN_REWARDS
-from asyncrl.rpc.assembly import resume_checkpoint
+from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.launch import run_torchrun
 from asyncrl.rpc.lifecycle import StopRequest, on_signals
@@ -27,7 +27,6 @@ from asyncrl.rpc.local import LocalRun
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.supervise import launch
 from asyncrl.run_dir import clear_run_dir, owns_run_dir, run_dir_problem
-from asyncrl.run_spec import build_spec
 from asyncrl.tracking import Tracker, TrackingConfig
 
 __all__ = ["REWARDS", "train"]
@@ -39,40 +38,40 @@ REWARDS = BUILTIN_REWARDS
 --reward.fn (`asyncrl.rewards.plugin`)."""
 
 
-def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> pathlib.Path:
+def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> tuple[pathlib.Path, RunSpec]:
     """Before anything starts (rank 0 of a torchrun job only): refuse a new run into a used run directory
-    (`asyncrl.run_dir`), delete the old run with --overwrite, settle the checkpoints a resume reads (and refuse
-    a resume without one), and write config.json: the config and its data fingerprint (`asyncrl.resume_check`),
-    which each checkpoint copies."""
+    (`asyncrl.run_dir`), delete the old run with --overwrite, settle the checkpoint a resume reads (and refuse
+    a resume without one: the spec comes back with it chosen), and write config.json: the config and its data
+    fingerprint (`asyncrl.resume_check`), which each checkpoint copies."""
     run_dir = pathlib.Path(cfg.run_dir)
     if not owns_run_dir(cfg):
-        return run_dir
+        return run_dir, spec
     problem = run_dir_problem(cfg)
     if problem is not None:
         raise ValueError(problem)
     if cfg.overwrite and (removed := clear_run_dir(run_dir)):
         phase(f"--overwrite: deleted {', '.join(removed)} from {run_dir}")
-    resume_checkpoint(spec)  # a resume without a checkpoint is refused before anything starts
+    spec = resolve_resume(spec)  # a resume without a checkpoint is refused before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(run_record(cfg), indent=2))
-    return run_dir
+    return run_dir, spec
 
 
-def train(cfg: RunConfig, *, preflight_done: bool = False) -> RunSummary | None:
+def train(run: RunConfig | CheckedRun) -> RunSummary | None:
     """Run training as configured; write run_dir/config.json, metrics.jsonl and summary.json.
 
-    Every up-front check (`asyncrl.preflight`) runs first unless the caller ran it: a bad config raises
-    ValueError listing the problems and leaves no run directory behind. A new run into a run directory that
-    holds one is refused unless `cfg.overwrite` (`asyncrl.run_dir`); a resume that changes what cannot change
-    is refused (`asyncrl.resume_check`)."""
-    if not preflight_done:
-        report = preflight(cfg)
-        if not report.ok:
-            raise ValueError("\n  ".join(["the run cannot start:", *report.problems]))
-        for note in report.notes:
+    Given a config, every up-front check (`asyncrl.preflight`) runs first; given the `CheckedRun` those checks
+    returned, its spec is launched. A bad config raises ValueError listing the problems and leaves no run
+    directory behind. A new run into a run directory that holds one is refused unless `cfg.overwrite`
+    (`asyncrl.run_dir`); a resume that changes what cannot change is refused (`asyncrl.resume_check`)."""
+    checked = run if isinstance(run, CheckedRun) else preflight(run)
+    if not checked.ok:
+        raise ValueError("\n  ".join(["the run cannot start:", *checked.problems]))
+    if checked is not run:
+        for note in checked.notes:
             log.info("note: %s", note)
-    spec = build_spec(cfg, validated=True)  # preflight validated it
-    run_dir = _prepare_run_dir(cfg, spec)
+    cfg = checked.config
+    run_dir, spec = _prepare_run_dir(cfg, checked.spec)
     console = Console(total=cfg.async_training.total_versions, time_budget_s=cfg.async_training.time_budget_s,
                       warn_share=cfg.reward.error_warn_share)
     tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=config_record(cfg),

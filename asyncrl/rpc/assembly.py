@@ -23,7 +23,7 @@ from asyncrl.rpc.queue import SampleQueue
 from asyncrl.rpc.spec import AgentSpec, RunSpec
 
 __all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine",
-           "resume_checkpoint", "ResumeInfo", "resume_info"]
+           "resume_checkpoint", "resolve_resume", "ResumeInfo", "resume_info"]
 
 log = logging.getLogger("asyncrl.assembly")
 
@@ -97,6 +97,17 @@ def resume_checkpoint(spec: RunSpec, *, repair: bool = True) -> pathlib.Path | N
         raise ValueError(f"--resume: {pathlib.Path(spec.run_dir) / 'checkpoints'} holds no checkpoint; drop --resume "
                          "to start a new run there, or pass --resume-or-start to resume when one exists")
     return path
+
+
+def resolve_resume(spec: RunSpec) -> RunSpec:
+    """The spec with its resume request settled, once per launch and before any process starts: the chosen
+    checkpoint in `resume_from` (`resume_checkpoint`, which refuses a resume without one), the request
+    consumed, so every later call returns the spec as it is."""
+    if not (spec.resume or spec.resume_or_start):
+        return spec
+    path = resume_checkpoint(spec)
+    return dataclasses.replace(spec, resume=False, resume_or_start=False,
+                               resume_from=str(path) if path is not None else None)
 
 
 @dataclasses.dataclass

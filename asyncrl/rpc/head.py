@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pathlib
 import time
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.console import phase
 from asyncrl.rpc.agent_server import AgentServer
-from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resume_checkpoint, resume_info
+from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resolve_resume, resume_info
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
 from asyncrl.rpc.controller import Controller, RunSummary
 from asyncrl.rpc.fleet import Admissions, Fleet
@@ -75,9 +76,10 @@ class _Head:
             wall_clock=getattr(spec.log_fn, "wall_s", None))
 
     def _resume(self):
-        path = resume_checkpoint(self.spec)
-        if path is None:
+        chosen = resolve_resume(self.spec).resume_from  # the launcher chose it before spawning this process
+        if chosen is None:
             return None
+        path = pathlib.Path(chosen)
         extra = self.trainers.load(str(path), self.state)
         self.queue.load_state_dict(extra["queue"])
         self.queue.version = self.state.version

@@ -33,7 +33,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from asyncrl.rpc.assembly import local_device, resume_checkpoint
+from asyncrl.rpc.assembly import local_device, resolve_resume
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, new_token, read_token
 from asyncrl.rpc.head import run_head
@@ -279,7 +279,7 @@ def run_torchrun(spec: RunSpec) -> RunSummary | None:
     parent = os.getppid()  # torchrun's agent: if it is killed, so is this rank
     if rank < spec.num_trainers:
         if rank == 0:
-            resume_checkpoint(spec)
+            spec = resolve_resume(spec)  # train() settled it already: then the spec comes back as it is
         return run_trainer(rank, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token())
     slot = rank - spec.num_trainers
     run_agent_process(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent, token=token)

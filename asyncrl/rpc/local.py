@@ -13,6 +13,7 @@ process (several GPUs included: put each engine on its own device).
 from __future__ import annotations
 
 import logging
+import pathlib
 from typing import Callable
 
 from asyncrl.algos.staleness import verl_max_required_samples
@@ -25,7 +26,7 @@ from asyncrl.learner import LearnerState, train_step
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.rpc.agent import RolloutAgent
 from asyncrl.rpc.agent_server import heartbeat_period
-from asyncrl.rpc.assembly import build_engine, build_learner_state, resume_checkpoint, resume_info
+from asyncrl.rpc.assembly import build_engine, build_learner_state, resolve_resume, resume_info
 from asyncrl.rpc.controller import Controller, RunSummary
 from asyncrl.rpc.lifecycle import StopRequest
 from asyncrl.rpc.param_server import LocalPublisher
@@ -90,7 +91,8 @@ class LocalRun:
     def from_spec(cls, spec: RunSpec, *, log_metrics=None, on_step=None, stop: StopRequest | None = None,
                   ) -> "LocalRun":
         """The run a `RunSpec` describes, every agent a thread of this process; resumed when the spec says so."""
-        path = resume_checkpoint(spec)
+        chosen = resolve_resume(spec).resume_from
+        path = pathlib.Path(chosen) if chosen is not None else None
         state = build_learner_state(spec, spec.trainer_devices[0])
         extra = None
         if path is not None:

@@ -88,6 +88,9 @@ class RunSpec:
     """Resume from the newest checkpoint in run_dir; refused when there is none (unless resume_or_start)."""
     resume_or_start: bool = False
     """Resume when run_dir holds a checkpoint, start fresh otherwise."""
+    resume_from: str | None = None
+    """The checkpoint the run resumes from, once `asyncrl.rpc.assembly.resolve_resume` has chosen it (and
+    consumed `resume` / `resume_or_start`); None: a fresh start."""
     log_fn: Callable[[dict, int], None] | None = None
     rpc_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0

@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 
-from asyncrl.rpc.assembly import resume_checkpoint
+from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.rpc.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
 from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
@@ -308,5 +308,4 @@ def launch(spec: RunSpec) -> RunSummary:
     """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
     return rank 0's summary. Agents that die are tolerated (their work is re-admitted; with `restart_agents`
     they are restarted); any other failure raises."""
-    resume_checkpoint(spec)  # refuse a resume without a checkpoint before anything starts
-    return Supervisor(spec).run()
+    return Supervisor(resolve_resume(spec)).run()  # a resume without a checkpoint is refused before any spawn
