@@ -1,7 +1,8 @@
 """What both rollout engines share: the request table, the RL controls' states and the version on every token.
 
 `EngineControl` is the base of the embedded `Engine` and of `VLLMEngine`. It owns the state the controls act
-on; the engines read it and never write it:
+on; the engines read the pause and sleep flags and the request table but never write them, and set `version`
+only when an update is whole:
 
   requests   unfinished requests by id ("req-<n>" when the caller gives none), added by add_request() after
              `check_request`, removed when they finish or are aborted

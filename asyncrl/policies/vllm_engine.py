@@ -7,7 +7,7 @@
         for out in engine.step(): ...
 
 How each RL control maps onto vLLM (the calls into vLLM are `asyncrl.policies.vllm_calls`; the controls' states
-and the request table, `asyncrl.policies.engine_control`, are the embedded engine's):
+and the request table are `asyncrl.policies.engine_control`, shared with the embedded engine):
   behaviour log-probs  `logprobs=0` with `logprobs_mode="processed_logprobs"`: the log-prob of each sampled token
                        under the distribution it was sampled from (after temperature, top-k, top-p). vLLM's
                        default, raw log-probs, is the distribution before temperature.
