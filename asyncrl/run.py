@@ -112,7 +112,7 @@ def _announce(spec: RunSpec, launcher: str) -> None:
 
 
 def _train_local(spec: RunSpec, tracker) -> RunSummary:
-    torch.set_num_threads(spec.threads_per_process)
+    torch.set_num_threads(spec.placement.threads_per_process)
     stop = StopRequest()
     on_signals(stop.set)
     run = LocalRun.from_spec(spec, log_metrics=tracker, on_step=tracker.log_samples, stop=stop)

@@ -206,9 +206,5 @@ def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSp
                    trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
                    reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, master_addr=cfg.placement.master_addr,
-                   join_port=cfg.placement.join_port, threads_per_process=cfg.placement.threads_per_process,
-                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local",
-                   restart_agents=cfg.placement.restart_agents, restart_backoff_s=cfg.placement.restart_backoff_s,
-                   max_run_time_s=cfg.placement.max_run_time_s, token_file=cfg.placement.token_file,
-                   user_code_workers=cfg.placement.user_code_workers)
+                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement,
+                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")

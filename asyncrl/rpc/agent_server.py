@@ -86,8 +86,8 @@ class AgentServer:
         phase(f"{name}: {backend} engine ready in {time.monotonic() - loading:.1f} s")
         colocated = spec.async_.colocated and spec.async_.colocated_sleep
         # your synchronous rewards and environment steps run here, where a call that hangs can be killed
-        self.workers = WorkerPool(spec.user_code_workers, name=f"{name}-user-code", preload=USER_CODE_MODULES) \
-            if spec.user_code_workers > 0 else None
+        self.workers = WorkerPool(spec.placement.user_code_workers, name=f"{name}-user-code", preload=USER_CODE_MODULES) \
+            if spec.placement.user_code_workers > 0 else None
         self.agent = RolloutAgent(name, engine, spec.scorer_factory(workers=self.workers), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
                                   heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended,

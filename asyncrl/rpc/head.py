@@ -45,7 +45,7 @@ class _Head:
         self.queue = build_queue(spec)
         self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
         self.roster = Roster(self.queue, agent_timeout_s=spec.async_.agent_timeout_s,
-                             allow_empty=spec.restart_agents > 0, on_removed=self.fleet.discard)
+                             allow_empty=spec.placement.restart_agents > 0, on_removed=self.fleet.discard)
         self.roster_rref = rpc.RRef(self.roster)
         payload = dataclasses.replace(spec, log_fn=None)  # what other processes need (no open files)
         followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(payload, r, self.roster_rref),

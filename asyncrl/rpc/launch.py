@@ -88,7 +88,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     if parent_pid is not None:
         die_with_parent(parent_pid)
         name_process(f"asyncrl-{role}")
-    torch.set_num_threads(spec.threads_per_process)
+    torch.set_num_threads(spec.placement.threads_per_process)
     stop = StopRequest()
     if rank == 0:
         on_signals(stop.set)
@@ -111,7 +111,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
                 store.leave_token(token)
             store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce})
             store.reserve_slots(len(spec.agents))
-            store.set_restarts_left(spec.restart_agents)
+            store.set_restarts_left(spec.placement.restart_agents)
             print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
         join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s)
         if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
@@ -270,8 +270,8 @@ def run_torchrun(spec: RunSpec) -> RunSummary | None:
                          f"({spec.num_trainers} trainers + {spec.num_agent_processes} agents); fix --nproc-per-node / "
                          "--nnodes or --placement.trainer-devices / --placement.agent-devices")
     host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"])
-    spec = dataclasses.replace(spec, master_addr=host)
-    token = read_token(spec.token_file, flag="--placement.token-file")
+    spec = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, master_addr=host))
+    token = read_token(spec.placement.token_file, flag="--placement.token-file")
     if token is None and not is_loopback(host):
         raise ValueError(f"a torchrun job with MASTER_ADDR={host} (not loopback) needs the run's token on every node: "
                          f"export {TOKEN_ENV}=<at least 16 random characters> (the same on each node) or give "

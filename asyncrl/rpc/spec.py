@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from asyncrl.config import AlgorithmConfig, AsyncConfig, LoraConfig, RolloutConfig, TrainerConfig
+from asyncrl.config import AlgorithmConfig, AsyncConfig, LoraConfig, PlacementConfig, RolloutConfig, TrainerConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
@@ -96,22 +96,12 @@ class RunSpec:
     startup_timeout_s: float = 600.0
     """How long rank 0 waits for the configured agents to build their engines and join."""
     bucket_mb: int = 256
-    master_addr: str = "127.0.0.1"
-    join_port: int | None = None
-    """Port of the run's store, where agents join (`asyncrl agent --join HOST:PORT`); None: a free port."""
-    threads_per_process: int = 1
     colocate: bool = False
     """Host agent i inside trainer rank i's process, on its device (needs one agent per trainer)."""
-    restart_agents: int = 0
-    """Times the launcher restarts a dead rollout agent process (in all, across agents)."""
-    restart_backoff_s: float = 2.0
-    """Seconds before the first restart; doubled for each further restart of the same agent."""
-    max_run_time_s: float | None = None
-    """Stop the job like a SIGTERM (checkpoint, then exit) after this many seconds of wall-clock; None: never."""
-    user_code_workers: int = 2
-    """Worker processes per agent for synchronous user code (`asyncrl.rpc.worker_pool`); 0: in the agent's threads."""
-    token_file: str | None = None
-    """File holding the run's token (else $ASYNCRL_RUN_TOKEN, else one made for the run): `asyncrl.rpc.exposure`."""
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """The process and network knobs (`--placement.*`): address, join port, token file, threads per process,
+    agent restarts and back-off, the wall-clock cap, user-code workers. The roles this spec runs are
+    `trainer_devices` and `agents`; the launchers read no devices from here."""
 
     def __post_init__(self):
         if self.colocate and len(self.agents) != len(self.trainer_devices):

@@ -89,16 +89,16 @@ class Supervisor:
         self.spec, self.poll_s, self.exit_grace_s = spec, poll_s, exit_grace_s
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
-        self.host = spec.master_addr
-        self.token = read_token(spec.token_file, flag="--placement.token-file") or new_token()
+        self.host = spec.placement.master_addr
+        self.token = read_token(spec.placement.token_file, flag="--placement.token-file") or new_token()
         # held until the run ends, so that no other run on this host is given them (a --placement.join-port
         # the user chose is theirs to keep free)
-        self.reserved = [reserve_port(bind_address(self.host)) for _ in range(1 if spec.join_port else 2)]
+        self.reserved = [reserve_port(bind_address(self.host)) for _ in range(1 if spec.placement.join_port else 2)]
         ports = [s.getsockname()[1] for s in self.reserved]
-        self.store_port = spec.join_port or ports.pop()
+        self.store_port = spec.placement.join_port or ports.pop()
         self.rpc_port = ports.pop()
         self.children: list[_Child] = []
-        self.restarts_left = spec.restart_agents
+        self.restarts_left = spec.placement.restart_agents
         self.pending_restarts: list[tuple[float, int, int]] = []  # (when, slot, restarts so far)
         self.signals: list[str] = []
         self.store: RunStore | None = None
@@ -197,7 +197,7 @@ class Supervisor:
                 except queue_mod.Empty:
                     raise RuntimeError(f"trainer rank 0 exited with code {rank0.exitcode} before reporting a result; "
                                        "see its log above") from None
-            cap = self.spec.max_run_time_s
+            cap = self.spec.placement.max_run_time_s
             if cap is not None and time.monotonic() - start > cap:
                 self._stop_for(f"max_run_time_s={cap:g} reached")
             self._check_children()
@@ -216,7 +216,7 @@ class Supervisor:
                 self._tell_exit(c)
                 if self.restarts_left > 0 and not self.signals:
                     self.restarts_left -= 1
-                    delay = self.spec.restart_backoff_s * 2 ** c.restarts
+                    delay = self.spec.placement.restart_backoff_s * 2 ** c.restarts
                     self.pending_restarts.append((time.monotonic() + delay, c.slot, c.restarts + 1))
                     log.warning("agent slot %d (pid %d) exited with code %s; restarting it in %.1f s (%d restarts "
                                 "left)", c.slot, c.process.pid, c.process.exitcode, delay, self.restarts_left)
@@ -225,7 +225,7 @@ class Supervisor:
     def _end_dead_agents(self) -> None:
         """Rank 0 declared these agents dead: with restarts on, end a process that still exists (hung), so it
         can be restarted."""
-        if self.spec.restart_agents == 0:
+        if self.spec.placement.restart_agents == 0:
             return
         store = self._store()
         if store is None:
