@@ -36,6 +36,7 @@ from asyncrl.envs.isolated import close_env, open_env, step_env
 from asyncrl.envs.protocol import EnvFactory, StepResult, Turn
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
+from asyncrl.seeding import derive_seed
 from asyncrl.types import Completion, GenerationOutput, Prompt
 
 __all__ = ["EnvRuntime", "EpisodeGroup", "EpisodeRunner"]
@@ -306,4 +307,4 @@ def _turn_seed(seed: int | None, key: str, turn: int) -> int | None:
     if seed is None:
         return None
     index = int(key.rpartition(".e")[2]) if ".e" in key else 0
-    return (seed * 1_000_003 + index * 7919 + turn) % (2**31 - 1)
+    return derive_seed(seed, index, turn)

@@ -53,6 +53,7 @@ from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, sample_tokens
+from asyncrl.seeding import derive_seed
 
 __all__ = ["EngineConfig", "Engine"]
 
@@ -165,7 +166,7 @@ class Engine(EngineControl[_Request]):
         self._waiting.append(request)
 
     def _uniforms(self, params: SamplingParams, index: int, count: int) -> list[float]:
-        gen = self._rng if params.seed is None else torch.Generator().manual_seed(params.seed * 1_000_003 + index)
+        gen = self._rng if params.seed is None else torch.Generator().manual_seed(derive_seed(params.seed, index))
         return torch.rand(count, generator=gen).tolist()
 
     @property

@@ -87,6 +87,7 @@ from asyncrl.policies.vllm_calls import (
     check_fused_groups, vllm_add, vllm_add_lora, vllm_generate, vllm_llm, vllm_llm_engine, vllm_reload,
     vllm_remove_lora, with_fused_siblings,
 )
+from asyncrl.seeding import derive_seed
 
 __all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing", "vllm_offline_generate"]
 
@@ -191,7 +192,7 @@ class VLLMEngine(EngineControl[_Request]):
         sample.pieces += 1
         seed = request.params.seed
         if seed is not None:  # distinct per sample and per piece, the same from run to run
-            seed = (seed * 1_000_003 + index * 7_919 + done) % (2 ** 63)
+            seed = derive_seed(seed, index, done)
         vllm_add(self._engine, vllm_id, request.prompt_ids + sample.completion.token_ids, request.params,
                  max_tokens=request.max_new - done, stop_ids=sorted(request.stop_ids), seed=seed,
                  salt=f"v{self.version}", lora=self._lora)
