@@ -47,6 +47,7 @@ import re
 import shutil
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -91,10 +92,6 @@ def _rng_state() -> dict:
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return out
     algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     out["numpy"] = {"algorithm": str(algorithm), "keys": torch.from_numpy(keys.astype(np.int64)),
                     "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
@@ -107,7 +104,6 @@ def _set_rng_state(rng: dict) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     if "numpy" in rng:
-        import numpy as np
         saved = rng["numpy"]
         np.random.set_state((saved["algorithm"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
                              saved["has_gauss"], saved["cached_gaussian"]))

@@ -10,15 +10,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import logging
 import sys
-from typing import TYPE_CHECKING
 
+import torch
 import tyro
 
+from asyncrl import evaluate, export, report
+from asyncrl.config import RunConfig
+from asyncrl.console import phase
+from asyncrl.data import cli as data_cli
+from asyncrl.flags import as_flags
+from asyncrl.preflight import check_devices, preflight
 from asyncrl.presets import PRESETS
-
-if TYPE_CHECKING:
-    from asyncrl.config import RunConfig
+from asyncrl.rpc.exposure import read_token
+from asyncrl.rpc.launch import run_agent_process
+from asyncrl.rpc.lifecycle import exit_code
+from asyncrl.rpc.supervise import RunKilled
+from asyncrl.run import train
 
 __all__ = ["main", "run_config"]
 
@@ -37,14 +48,12 @@ def run_config(preset: str, args: list[str]) -> RunConfig:
     bad flag, as tyro does). The run's flags may come before or after `algorithm:NAME`, the algorithm's only
     after it: tyro.conf.CascadeSubcommandArgs (by default tyro gives the flags after a subcommand to that
     subcommand alone, so `algorithm:dapo --wandb off` was refused)."""
-    from asyncrl.config import RunConfig
     description, default = PRESETS[preset]
     return tyro.cli(RunConfig, default=default, args=args, prog=f"asyncrl train {preset}", description=description,
                     config=(tyro.conf.CascadeSubcommandArgs,))
 
 
 def train_main(args: list[str]) -> None:
-    from asyncrl.run import train
     if not args or args[0] in ("-h", "--help"):
         print(_presets_help())
         raise SystemExit(0 if args else 2)
@@ -52,17 +61,11 @@ def train_main(args: list[str]) -> None:
         raise SystemExit(f"asyncrl train: unknown preset {args[0]!r}; choose one of {', '.join(PRESETS)}\n\n"
                          + _presets_help())
     config = run_config(args[0], args[1:])
-    import logging
-    from asyncrl.console import phase
-    from asyncrl.preflight import preflight
-    from asyncrl.rpc.lifecycle import exit_code
-    from asyncrl.rpc.supervise import RunKilled
     phase("checking the configuration, devices, model, rewards and data")
     report = preflight(config, say=phase)
     if not report.ok:
         raise SystemExit(report.failure("asyncrl train"))
     if config.dry_run:
-        from asyncrl.flags import as_flags
         print(f"asyncrl train {args[0]} \\\n  " + " \\\n  ".join(as_flags(config)))
         print("checks:\n" + report.render())
         return
@@ -86,38 +89,33 @@ def train_main(args: list[str]) -> None:
     print(summary.done_lines(config.reward.error_warn_share), flush=True)
 
 
+@dataclasses.dataclass
+class AgentArgs:
+    """Join a running asyncrl job as one more rollout agent. The job prints its join address at start-up
+    ("more rollout agents can join this run: ..."); the agent takes the next free slot, receives the current
+    weights at the next publication, then generates. SIGTERM or Ctrl-C leaves cleanly (its unfinished
+    prompts go to the other agents)."""
+
+    join: str
+    """HOST:PORT of the job's store (--placement.join-port on the trainer's host; torchrun: MASTER_PORT+1)."""
+    device: str = "cpu"
+    """Device of this agent's engine (cuda:N, or cpu)."""
+    threads: int = 1
+    """torch intra-op threads (CPU)."""
+    token_file: str | None = None
+    """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
+    (its join line shows it); a loopback run on this host hands it over by itself."""
+
+
 def agent_main(args: list[str]) -> None:
     """`asyncrl agent --join HOST:PORT --device DEVICE`: one more rollout agent for a running job."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class AgentArgs:
-        """Join a running asyncrl job as one more rollout agent. The job prints its join address at start-up
-        ("more rollout agents can join this run: ..."); the agent takes the next free slot, receives the current
-        weights at the next publication, then generates. SIGTERM or Ctrl-C leaves cleanly (its unfinished
-        prompts go to the other agents)."""
-
-        join: str
-        """HOST:PORT of the job's store (--placement.join-port on the trainer's host; torchrun: MASTER_PORT+1)."""
-        device: str = "cpu"
-        """Device of this agent's engine (cuda:N, or cpu)."""
-        threads: int = 1
-        """torch intra-op threads (CPU)."""
-        token_file: str | None = None
-        """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
-        (its join line shows it); a loopback run on this host hands it over by itself."""
-
     parsed = tyro.cli(AgentArgs, args=args, prog="asyncrl agent")
     host, _, port = parsed.join.rpartition(":")
     if not host or not port.isdigit():
         raise SystemExit(f"asyncrl agent: --join {parsed.join!r} is not HOST:PORT (e.g. --join 10.0.0.5:29511)")
-    from asyncrl.preflight import check_devices
     for problem in check_devices({"--device": (parsed.device,)}):
         raise SystemExit(f"asyncrl agent: {problem}")
-    import torch
     torch.set_num_threads(parsed.threads)
-    from asyncrl.rpc.launch import run_agent_process
-    from asyncrl.rpc.exposure import read_token
     try:
         token = read_token(parsed.token_file, flag="--token-file")
     except ValueError as err:
@@ -125,22 +123,19 @@ def agent_main(args: list[str]) -> None:
     run_agent_process(host, int(port), device=parsed.device, token=token)
 
 
-def _lazy(module: str, function: str):
-    def run(args: list[str]) -> None:
-        import importlib
-        getattr(importlib.import_module(module), function)(args)
-    return run
+def bench_main(args: list[str]) -> None:
+    """`asyncrl bench`: asyncrl_bench is a separate package beside the library, imported only when it runs."""
+    importlib.import_module("asyncrl_bench.cli").bench_main(args)
 
 
 COMMANDS = {
     "train": train_main,
     "agent": agent_main,
-    "eval": _lazy("asyncrl.evaluate", "eval_main"),
-    "export": _lazy("asyncrl.export", "export_main"),
-    # asyncrl_bench is a separate package beside the library, imported only when `asyncrl bench` runs
-    "bench": _lazy("asyncrl_bench.cli", "bench_main"),
-    "data": _lazy("asyncrl.data.cli", "data_main"),
-    "report": _lazy("asyncrl.report", "report_main"),
+    "eval": evaluate.eval_main,
+    "export": export.export_main,
+    "bench": bench_main,
+    "data": data_cli.data_main,
+    "report": report.report_main,
 }
 
 

@@ -14,6 +14,8 @@ import math
 import sys
 from typing import TextIO
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 __all__ = ["Console", "version_line", "format_seconds", "eta_seconds", "phase"]
 
 LINE_WIDTH = 120
@@ -109,11 +111,6 @@ class Console:
 
     def _progress(self):
         if self._bar is None and self.interactive and self.total:
-            try:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            except ImportError:
-                self.interactive = False
-                return None
             self._bar = Progress(TextColumn("versions"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  transient=True)
             self._bar.start()

@@ -31,6 +31,7 @@ import time
 from typing import Literal, Sequence
 
 import torch
+from tqdm import tqdm
 
 from asyncrl.checkpoint import export_hf
 from asyncrl.config import DataConfig
@@ -118,7 +119,6 @@ def _default_dtype(dtype: str, device: str) -> str:
 
 def _generate_with_progress(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]):
     """`engine.generate`, with a progress bar over finished prompts (stderr)."""
-    from tqdm import tqdm
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
     with tqdm(total=len(ids), desc="eval", unit="prompt", leave=False) as bar:

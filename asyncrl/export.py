@@ -26,6 +26,7 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
+from safetensors.torch import save_file
 
 from asyncrl.checkpoint import _load_learner_file, describe_checkpoint, export_hf, run_model
 from asyncrl.evaluate import is_checkpoint
@@ -38,7 +39,6 @@ def export_adapters(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path,
                     base_name: str | None = None) -> pathlib.Path:
     """Write a LoRA checkpoint's adapters in peft's format (see the module docstring); `base_name` is what
     adapter_config.json records as base_model_name_or_path (default: the run's --model.path)."""
-    from safetensors.torch import save_file
     saved = _load_learner_file(pathlib.Path(checkpoint), "export")
     lora = saved.get("lora")
     if lora is None:

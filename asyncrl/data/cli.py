@@ -13,6 +13,8 @@ from typing import Annotated
 import tyro
 
 from asyncrl.data.files import GSM8K_INSTRUCTION, convert_gsm8k, load_prompt_file
+from asyncrl.policies.loading import load_tokenizer
+from asyncrl.preflight import check_model_path
 
 __all__ = ["data_main", "convert_gsm8k_command", "inspect_command"]
 
@@ -37,11 +39,9 @@ def convert_gsm8k_command(
 
 
 def _tokenizer(model: str):
-    from asyncrl.policies.loading import load_tokenizer
     if model.startswith("random:"):
         raise ValueError(f"--model {model}: random models have no tokenizer; give 'smollm2', an HF model directory "
                          "or a .gguf file")
-    from asyncrl.preflight import check_model_path
     problem, _ = check_model_path(model, "--model")
     if problem is not None:
         raise ValueError(problem)

@@ -33,6 +33,9 @@ import os
 import pathlib
 from typing import Any, Literal, Mapping, Sequence
 
+import pyarrow
+import pyarrow.parquet as pq
+
 from asyncrl.data.tasks import render_chat
 from asyncrl.rewards.gsm8k import gsm8k_ground_truth
 from asyncrl.types import Prompt
@@ -92,8 +95,6 @@ def read_parquet(path: str | os.PathLike) -> list[dict]:
     Raises:
       ValueError: the file is missing or is not Parquet.
     """
-    import pyarrow
-    import pyarrow.parquet as pq
     path = pathlib.Path(path)
     _check_exists(path)
     try:
@@ -111,9 +112,7 @@ def write_rows(rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike) -
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
         if out.suffix == ".parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-            pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), tmp)
+            pq.write_table(pyarrow.Table.from_pylist([dict(r) for r in rows]), tmp)
         else:
             with tmp.open("w", encoding="utf-8") as f:
                 for row in rows:

@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 __all__ = ["shard_model", "grad_norm_", "full_weights"]
 
@@ -57,7 +58,6 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -
     Sharded, not replicated: the adapters' optimizer state splits over the ranks too, and one mechanism serves
     both kinds of parameter (mixed dtypes, bf16 base and fp32 adapters, gather together).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kwargs = {"mesh": mesh} if mesh is not None else {}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

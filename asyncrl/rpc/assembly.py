@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
@@ -30,7 +32,6 @@ log = logging.getLogger("asyncrl.assembly")
 
 def local_device(device: str) -> str:
     """'cuda' alone means this node's GPU number LOCAL_RANK (torchrun); anything else is taken as is."""
-    import os
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
 
 
@@ -54,7 +55,6 @@ def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | N
             apply_lora(policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
     reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
     if group is not None and dist.get_world_size(group) > 1:
-        from torch.distributed.device_mesh import DeviceMesh
         shard_model(policy, DeviceMesh.from_group(group, torch.device(device).type))
     else:
         group = None
