@@ -27,7 +27,7 @@ from asyncrl.preflight import check_devices, preflight
 from asyncrl.presets import PRESETS
 from asyncrl.rpc.exposure import read_token
 from asyncrl.rpc.launch import run_agent_process
-from asyncrl.rpc.lifecycle import exit_code
+from asyncrl.runtime.lifecycle import exit_code
 from asyncrl.rpc.supervise import RunKilled
 from asyncrl.run import train
 

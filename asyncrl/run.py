@@ -20,9 +20,9 @@ from asyncrl.preflight import CheckedRun, preflight
 from asyncrl.resume_check import config_record, run_record
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resolve_resume
-from asyncrl.rpc.controller import RunSummary
+from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.launch import run_torchrun
-from asyncrl.rpc.lifecycle import StopRequest, on_signals
+from asyncrl.runtime.lifecycle import StopRequest, on_signals
 from asyncrl.rpc.local import LocalRun
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.supervise import launch

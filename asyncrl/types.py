@@ -91,7 +91,7 @@ class GroupInfo:
     """The decoded completions, in order."""
     rewards: dict = dataclasses.field(default_factory=dict)
     """The reward function's calls, errors, timeouts, mean extras and error examples for this group
-    (`asyncrl.rpc.reward_tally.group_reward_info`); empty when no reward function ran."""
+    (`asyncrl.runtime.reward_tally.group_reward_info`); empty when no reward function ran."""
     env: dict[str, int] = dataclasses.field(default_factory=dict)
     """Summed `EpisodeStats` of its episodes (`asyncrl.envs.episode`); empty for single-turn groups."""
 

@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 from hypothesis import given
 
 from asyncrl.console import LINE_WIDTH, Console, eta_seconds, format_seconds, version_line
-from asyncrl.rpc.controller import RunSummary
+from asyncrl.runtime.controller import RunSummary
 
 FULL = {"critic/score/mean": 0.875, "response_length/mean": 123.4, "actor/entropy": 0.0123,
         "training/version_lag/max": 2, "timing_s/param_sync": 0.68, "perf/throughput": 12345.6,

@@ -159,6 +159,16 @@ def test_no_import_cycles():
         + ". Move what both sides need into a lower module that both import.")
 
 
+def test_the_run_logic_knows_no_processes():
+    # asyncrl.runtime (queue, roster, agent loop, controller) runs in one process or many: it never reaches
+    # into the transport that moves it between them
+    graph = import_graph()
+    reaching = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("asyncrl.runtime")
+                      for t in targets if t.startswith("asyncrl.rpc"))
+    assert not reaching, reaching
+    assert any(m.startswith("asyncrl.runtime.") for m in graph)
+
+
 def test_cycle_finder_finds_a_planted_cycle(tmp_path):
     """The finder itself: a -> b -> c -> a inside functions is one cycle; d -> a is not part of it; an import
     under TYPE_CHECKING is not an edge."""

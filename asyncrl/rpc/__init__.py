@@ -1,21 +1,19 @@
-"""Transport: who runs where and how bytes move. The only package that knows processes exist.
+"""Transport: who runs where and how bytes move. The only package that knows processes exist; the run's logic
+(queue, roster, agent loop, controller) is `asyncrl.runtime`.
 
-`queue` (admission, streaming, accounting), `roster` (agents' membership, liveness, fencing), `agent` (engine
-loop), `controller` (the trainer's run loop), `param_server` (weight publication), `local` (in-process
-launcher: threads); the multi-process run: `spec` (what it is made of), `assembly` (building it, both
-launchers), `launch` (process bodies, torchrun), `supervise` (the one-machine launcher and its supervision),
-`head` (rank 0), `commands` (the trainer group), `fleet` (agents' admission), `agent_server`, `channels` (weight
-transport), `store` and `membership` (the run's control plane), `lifecycle` (signals, parent death).
+`local` (in-process launcher: agents in threads); the multi-process run: `spec` (what it is made of),
+`assembly` (building it, both launchers), `launch` (process bodies, torchrun), `supervise` (the one-machine
+launcher and its supervision), `head` (rank 0), `commands` (the trainer group), `fleet` (agents' admission),
+`agent_server` (an agent process's RPC face), `param_server` (weight publication), `channels` (weight
+transport), `store` and `membership` (the run's control plane), `exposure` (loopback binding, the run token),
+`worker_pool` (processes for synchronous user code).
 """
 
 import importlib
 
-_HOMES = {"RolloutAgent": "agent", "Controller": "controller", "RunSummary": "controller", "LocalRun": "local",
-          "Ledger": "queue", "QueueTimeout": "queue", "SampleQueue": "queue", "Task": "queue", "Fenced": "roster",
-          "Roster": "roster"}
+_HOMES = {"LocalRun": "local", "RunSpec": "spec", "AgentSpec": "spec", "ModelSpec": "spec"}
 
-__all__ = ["SampleQueue", "Ledger", "Task", "QueueTimeout", "RolloutAgent", "Controller", "RunSummary", "LocalRun",
-           "Roster", "Fenced"]
+__all__ = ["LocalRun", "RunSpec", "AgentSpec", "ModelSpec"]
 
 
 def __getattr__(name: str):

@@ -23,11 +23,11 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.console import phase
 from asyncrl.learner import memory_metrics
-from asyncrl.rpc.agent import RolloutAgent
+from asyncrl.runtime.agent import RolloutAgent
 from asyncrl.rpc.assembly import build_engine, local_device
 from asyncrl.rpc.channels import Layout, WeightChannel, numel, unflatten
 from asyncrl.rpc.membership import leave_rpc
-from asyncrl.rpc.roster import Fenced
+from asyncrl.runtime.roster import Fenced
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.rpc.worker_pool import WorkerPool

@@ -21,7 +21,7 @@ from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
 from asyncrl.learner import LearnerState, build_learner, shard_model
 from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
-from asyncrl.rpc.queue import SampleQueue
+from asyncrl.runtime.queue import SampleQueue
 from asyncrl.rpc.spec import AgentSpec, RunSpec
 
 __all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine",

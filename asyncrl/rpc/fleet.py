@@ -35,7 +35,7 @@ from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.channels import WeightChannel, channel_backend
 from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.membership import RpcMembership
-from asyncrl.rpc.roster import Roster
+from asyncrl.runtime.roster import Roster
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 

@@ -20,12 +20,12 @@ from asyncrl.console import phase
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resolve_resume, resume_info
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
-from asyncrl.rpc.controller import Controller, RunSummary
+from asyncrl.runtime.controller import Controller, RunSummary
 from asyncrl.rpc.fleet import Admissions, Fleet
-from asyncrl.rpc.lifecycle import StopRequest
+from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
-from asyncrl.rpc.roster import Roster
+from asyncrl.runtime.roster import Roster
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.store import RunStore

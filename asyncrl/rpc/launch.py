@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.rpc.assembly import local_device, resolve_resume
-from asyncrl.rpc.controller import RunSummary
+from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, new_token, read_token
 from asyncrl.rpc.head import run_head
-from asyncrl.rpc.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name

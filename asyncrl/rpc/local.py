@@ -24,14 +24,14 @@ from asyncrl.data.sources import PromptSource
 from asyncrl.envs import EnvRuntime
 from asyncrl.learner import LearnerState, train_step
 from asyncrl.policies.protocol import RolloutEngine
-from asyncrl.rpc.agent import RolloutAgent
+from asyncrl.runtime.agent import RolloutAgent
 from asyncrl.rpc.agent_server import heartbeat_period
 from asyncrl.rpc.assembly import build_engine, build_learner_state, resolve_resume, resume_info
-from asyncrl.rpc.controller import Controller, RunSummary
-from asyncrl.rpc.lifecycle import StopRequest
+from asyncrl.runtime.controller import Controller, RunSummary
+from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.rpc.param_server import LocalPublisher
-from asyncrl.rpc.queue import SampleQueue
-from asyncrl.rpc.roster import Roster
+from asyncrl.runtime.queue import SampleQueue
+from asyncrl.runtime.roster import Roster
 from asyncrl.rpc.spec import RunSpec
 
 __all__ = ["LocalRun", "LocalTrainer"]

@@ -29,7 +29,7 @@ import torch.distributed.rpc as rpc
 from asyncrl.learner import LearnerState, published_weights
 from asyncrl.rpc.channels import flatten, layout_of, make_buckets
 from asyncrl.rpc.fleet import Fleet
-from asyncrl.rpc.roster import Roster
+from asyncrl.runtime.roster import Roster
 
 __all__ = ["WeightPublisher", "LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner"]
 

@@ -30,10 +30,10 @@ import socket
 import time
 
 from asyncrl.rpc.assembly import resolve_resume
-from asyncrl.rpc.controller import RunSummary
+from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
 from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
-from asyncrl.rpc.lifecycle import on_signals
+from asyncrl.runtime.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 

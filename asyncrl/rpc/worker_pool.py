@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from asyncrl.rpc.lifecycle import die_with_parent
+from asyncrl.runtime.lifecycle import die_with_parent
 
 __all__ = ["WorkerPool", "CallTimedOut", "WorkerLost", "CallFailed"]
 

@@ -14,7 +14,7 @@ import torch
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.config import AsyncConfig
 from asyncrl.policies import random_model
-from asyncrl.rpc import Fenced
+from asyncrl.runtime.roster import Fenced
 from tests.rpc.helpers import (
     MODEL_CONFIG, TrainRecorder, allowed_lag, check_books, full_forward_logprobs, local_run,
 )

@@ -27,10 +27,10 @@ import threading
 import time
 from typing import Callable, Literal
 
-from asyncrl.rpc.lifecycle import RunFailed
-from asyncrl.rpc.queue import SampleQueue, Task
+from asyncrl.runtime.lifecycle import RunFailed
+from asyncrl.runtime.queue import SampleQueue, Task
 from asyncrl.envs.metrics import EnvTally
-from asyncrl.rpc.reward_tally import RewardTally
+from asyncrl.runtime.reward_tally import RewardTally
 from asyncrl.types import Group
 
 __all__ = ["Roster", "Fenced", "Member"]

@@ -29,9 +29,9 @@ from typing import Callable, NamedTuple
 
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
-from asyncrl.rpc.lifecycle import StopRequest
-from asyncrl.rpc.queue import QueueTimeout, SampleQueue
-from asyncrl.rpc.roster import Roster
+from asyncrl.runtime.lifecycle import StopRequest
+from asyncrl.runtime.queue import QueueTimeout, SampleQueue
+from asyncrl.runtime.roster import Roster
 from asyncrl.types import Group
 
 __all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted"]

@@ -1,4 +1,4 @@
-"""The roster (asyncrl.rpc.roster): membership, liveness on its own clock, fencing of agents declared dead, and
+"""The roster (asyncrl.runtime.roster): membership, liveness on its own clock, fencing of agents declared dead, and
 the books it keeps per agent. A fake clock makes the liveness rules exact; one test runs the real thread."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from asyncrl.rpc import Fenced, Roster, SampleQueue
+from asyncrl.runtime.queue import SampleQueue
+from asyncrl.runtime.roster import Fenced, Roster
 from asyncrl.types import Completion, Group, GroupInfo, Prompt
 from tests.timing import limit
 

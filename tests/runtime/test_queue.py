@@ -1,4 +1,4 @@
-"""SampleQueue and Ledger (asyncrl.rpc.queue), without a model: admission under verl's budget, the carry-over at
+"""SampleQueue and Ledger (asyncrl.runtime.queue), without a model: admission under verl's budget, the carry-over at
 a new version, oldest-first streaming, the lag cap (drop / wait), re-admission after an agent failure,
 late submissions, the ledger's once-only endings, checkpoint round trip, and a random event simulation."""
 
@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.algos.staleness import verl_max_required_samples
-from asyncrl.rpc.queue import Ledger, QueueTimeout, SampleQueue, Task
+from asyncrl.runtime.queue import Ledger, QueueTimeout, SampleQueue, Task
 from asyncrl.types import Completion, Group
 from tests.rpc.helpers import make_prompt, source
 from tests.timing import limit

@@ -40,9 +40,9 @@ from asyncrl.data.scoring import RewardError, Scorer
 from asyncrl.envs import EnvRuntime, EpisodeGroup, EpisodeRunner
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
-from asyncrl.rpc.queue import Task
-from asyncrl.rpc.reward_tally import group_reward_info
-from asyncrl.rpc.roster import Fenced
+from asyncrl.runtime.queue import Task
+from asyncrl.runtime.reward_tally import group_reward_info
+from asyncrl.runtime.roster import Fenced
 from asyncrl.types import Completion, GenerationOutput, Group, GroupInfo
 
 __all__ = ["RolloutAgent", "RosterHandle"]
