@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -31,13 +31,9 @@ from asyncrl.rpc.channels import flatten, layout_of, make_buckets
 from asyncrl.rpc.fleet import Fleet
 from asyncrl.runtime.roster import Roster
 
-__all__ = ["WeightPublisher", "LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner"]
+__all__ = ["LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner"]
 
 log = logging.getLogger("asyncrl.param_server")
-
-
-class WeightPublisher(Protocol):
-    def publish(self, state: LearnerState, version: int) -> dict: ...
 
 
 class SyncResult:

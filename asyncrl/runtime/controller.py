@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import pathlib
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
@@ -34,9 +34,26 @@ from asyncrl.runtime.queue import QueueTimeout, SampleQueue
 from asyncrl.runtime.roster import Roster
 from asyncrl.types import Group
 
-__all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted"]
+__all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted", "WeightPublisher", "Trainers"]
 
 log = logging.getLogger("asyncrl.controller")
+
+
+class WeightPublisher(Protocol):
+    """Hands the learner's weights to every live agent as `version` (`asyncrl.rpc.param_server`); returns the
+    publication's metrics."""
+
+    def publish(self, state: LearnerState, version: int) -> dict: ...
+
+
+class Trainers(Protocol):
+    """The trainer ranks as one (`asyncrl.rpc.commands.TrainerGroup`; one process: `asyncrl.rpc.local`)."""
+
+    def step(self, state: LearnerState, groups: list[Group]) -> tuple[LearnerState, dict]:
+        """One learner step on `groups` (every rank on its share); the new state and the step's metrics."""
+
+    def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int) -> pathlib.Path:
+        """Write a checkpoint of every rank's shard (and `extra`, rank 0's books); keep the newest `keep`."""
 
 
 class TrainingEnd(NamedTuple):
@@ -97,8 +114,8 @@ class RunSummary:
 
 
 class Controller:
-    def __init__(self, queue: SampleQueue, roster: Roster, state: LearnerState, publisher, trainers,
-                 config: AsyncConfig, *, log_metrics: Callable[[dict, int], None] | None = None,
+    def __init__(self, queue: SampleQueue, roster: Roster, state: LearnerState, publisher: WeightPublisher,
+                 trainers: Trainers, config: AsyncConfig, *, log_metrics: Callable[[dict, int], None] | None = None,
                  on_step: Callable[[list[Group], dict], None] | None = None,
                  agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
