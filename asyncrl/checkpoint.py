@@ -37,9 +37,7 @@ meta.json); the base comes back from --model.path (a resume cannot change it; `e
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
-import os
 import pathlib
 import pickle
 import random
@@ -56,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from asyncrl.checkpoint_files import CheckpointError, fsync_dir, write_checkpoint_dir
 from asyncrl.learner import LearnerState
 from asyncrl.learner.state import apply_optim_config
 from asyncrl.policies.loading import load_model, save_pretrained
@@ -66,16 +65,9 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_ch
            "list_checkpoints", "export_hf", "run_model", "lora_base_weights", "fsync_dir", "RUN_CONFIG"]
 
 _COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
-_MARGIN_BYTES = 16 * 2**20  # zip headers, pickled structure, meta.json: a few KB; the rest is slack
-_MARGIN_FRACTION = 0.02
 _STEP_DIR = re.compile(r"step_\d+")  # step_00000012; not step_….tmp / .old / .corrupt
 RUN_CONFIG = "run_config.json"
 """The copy of `run_dir/config.json` a checkpoint holds: the config (and data fingerprint) it was trained under."""
-
-
-class CheckpointError(OSError):
-    """A checkpoint does not fit on its disk. The message names the checkpoint directory, the bytes it needs
-    and the bytes free, and what to do."""
 
 
 def _distributed(state: LearnerState) -> bool:
@@ -189,70 +181,6 @@ def _extra_json(extra: dict) -> str:
     return json.dumps(extra, indent=None)
 
 
-# ------------------------------------------------------------------------------------ disk space
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
-
-
-def _bytes_needed(payload: dict, extra_text: str) -> int:
-    """Bytes the checkpoint takes: every storage torch.save writes, once (tied weights share one), the
-    extra JSON, and a margin for the rest."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(payload)}
-    data = sum(storages.values()) + len(extra_text.encode("utf-8"))
-    return data + int(data * _MARGIN_FRACTION) + _MARGIN_BYTES
-
-
-def _free_bytes(path: pathlib.Path) -> int:
-    """Free bytes on the disk that holds `path` (or its nearest existing parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _written_bytes(directory: pathlib.Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def _no_space(final: pathlib.Path, needed: int, free: int) -> CheckpointError:
-    return CheckpointError(f"no space left on device: {final} needs ~{_size(needed)}, {_size(free)} free; "
-                           "free space or point --run-dir elsewhere")
-
-
-def _is_enospc(exc: BaseException) -> bool:
-    """Whether an OSError with errno ENOSPC is anywhere in the chain of causes and contexts of `exc`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _free_if_disk_full(exc: BaseException, root: pathlib.Path, tmp: pathlib.Path, needed: int) -> int | None:
-    """The free bytes when the failed write `exc` came from a full disk (ENOSPC in its chain, or less free
-    space than the part of the checkpoint not yet written), else None."""
-    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a disk problem
-        return None
-    try:
-        free = _free_bytes(root)
-        short = free < needed - _written_bytes(tmp)
-    except OSError:
-        free, short = 0, False
-    return free if short or _is_enospc(exc) else None
-
-
 # ------------------------------------------------------------------------------------ writing
 def list_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """The run's published checkpoints, oldest first (not the `.tmp`, `.old` or `.corrupt` directories)."""
@@ -264,88 +192,6 @@ def list_checkpoints(run_dir: str | pathlib.Path) -> list[pathlib.Path]:
 def latest_checkpoint(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
-
-
-def _remove_stale_tmp(root: pathlib.Path) -> None:
-    """Remove the `.tmp` directories that saves which crashed mid-write left behind."""
-    for stale in root.glob("step_*.tmp"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: str | pathlib.Path) -> None:
-    """Flush a directory's entries (names created, renamed or removed in it) to disk: without it, a power loss
-    after a rename can leave the old name, or no name at all."""
-    _fsync(pathlib.Path(directory))
-
-
-def _sync(directory: pathlib.Path) -> None:
-    """Flush the files of `directory` and the directory itself to disk, so a rename publishes full files."""
-    for path in [*sorted(p for p in directory.iterdir() if p.is_file()), directory]:
-        _fsync(path)
-
-
-def _write_files(tmp: pathlib.Path, payload: dict, extra_text: str, meta: dict, run_config: str | None) -> None:
-    created = not tmp.parent.is_dir()
-    tmp.mkdir(parents=True)
-    if created:  # checkpoints/ itself is a new name in the run directory
-        fsync_dir(tmp.parent.parent)
-    torch.save(payload, tmp / "learner.pt")
-    (tmp / "extra.json").write_text(extra_text, encoding="utf-8")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    if run_config is not None:
-        (tmp / RUN_CONFIG).write_text(run_config, encoding="utf-8")
-    _sync(tmp)
-
-
-def _publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """Rename the finished `tmp` to `final` and fsync `checkpoints/`; a step saved before is replaced only
-    once the new copy is in (until then it is `final`.old, which a resume restores if this is interrupted)."""
-    root = final.parent
-    if not final.exists():
-        tmp.rename(final)
-        fsync_dir(root)
-        return
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    final.rename(old)
-    try:
-        tmp.rename(final)
-    except BaseException:
-        old.rename(final)
-        raise
-    fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_checkpoint(final: pathlib.Path, payload: dict, extra_text: str, meta: dict,
-                      run_config: str | None = None) -> None:
-    """Write into `final`.tmp and rename; on any failure remove the `.tmp` and re-raise (a full disk as
-    `CheckpointError`: ENOSPC in the exception chain, or too little free space left for the rest)."""
-    root, tmp = final.parent, final.with_name(final.name + ".tmp")
-    if root.is_dir():
-        _remove_stale_tmp(root)
-    needed = _bytes_needed(payload, extra_text)
-    free = _free_bytes(root)
-    if free < needed:
-        raise _no_space(final, needed, free)
-    try:
-        _write_files(tmp, payload, extra_text, meta, run_config)
-        _publish(tmp, final)
-    except BaseException as exc:
-        free = _free_if_disk_full(exc, root, tmp, needed)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if free is not None:
-            raise _no_space(final, needed, free) from exc
-        raise
 
 
 def _prune(run_dir: str | pathlib.Path, final: pathlib.Path, keep_last: int) -> None:
@@ -376,7 +222,10 @@ def save_checkpoint(run_dir: str | pathlib.Path, state: LearnerState, extra: dic
                 "algorithm": type(state.algorithm).__name__}
         if (lora := lora_record(state.policy)) is not None:
             meta["lora"] = lora
-        _write_checkpoint(final, _learner_payload(state, gathered), extra_text, meta, _run_config_text(run_dir))
+        texts = {"extra.json": extra_text, "meta.json": json.dumps(meta, indent=2)}
+        if (run_config := _run_config_text(run_dir)) is not None:
+            texts[RUN_CONFIG] = run_config
+        write_checkpoint_dir(final, _learner_payload(state, gathered), texts)
         _prune(run_dir, final, keep_last)
     if _distributed(state):
         dist.barrier(group=state.group)
