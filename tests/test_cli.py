@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.cli import run_config
+from asyncrl.train_command import run_config
 from asyncrl.config import DAPO
 from asyncrl.flags import as_flags
 from asyncrl.presets import PRESETS

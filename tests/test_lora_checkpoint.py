@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.checkpoint import describe_checkpoint, load_checkpoint, save_checkpoint
-from asyncrl.cli import run_config
+from asyncrl.train_command import run_config
 from asyncrl.config import PPO, CriticConfig, DataConfig, LoraConfig
 from asyncrl.evaluate import evaluate
 from asyncrl.export import ExportArgs, export
