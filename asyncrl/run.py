@@ -21,11 +21,11 @@ from asyncrl.resume_check import config_record, run_record
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
-from asyncrl.rpc.launch import run_torchrun
 from asyncrl.runtime.lifecycle import StopRequest, on_signals
 from asyncrl.rpc.local import LocalRun
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.supervise import launch
+from asyncrl.rpc.torchrun import run_torchrun
 from asyncrl.run_dir import clear_run_dir, owns_run_dir, run_dir_problem
 from asyncrl.tracking import Tracker, TrackingConfig
 

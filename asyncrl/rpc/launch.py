@@ -1,5 +1,5 @@
 """The multi-process run: the body of each process (one per role), started on one machine by `launch`
-(`asyncrl.rpc.supervise`) or across nodes by torchrun (`run_torchrun`).
+(`asyncrl.rpc.supervise`) or on one or more nodes by torchrun (`asyncrl.rpc.torchrun`).
 
     summary = launch(spec)              # asyncrl.rpc.supervise: spawns trainer + agent processes, supervises them
     torchrun ... -m asyncrl.cli train ... --placement.launcher torchrun   # same roles, from RANK
@@ -18,7 +18,6 @@ network.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import faulthandler
 import logging
@@ -33,16 +32,16 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from asyncrl.rpc.assembly import local_device, resolve_resume
+from asyncrl.rpc.assembly import local_device
 from asyncrl.runtime.controller import RunSummary
-from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, new_token, read_token
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, read_token
 from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
-__all__ = ["run_torchrun", "run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
+__all__ = ["run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -252,34 +251,3 @@ def run_agent_process(host: str, port: int, **kwargs) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# ------------------------------------------------------------------------------------------- torchrun
-def run_torchrun(spec: RunSpec) -> RunSummary | None:
-    """Entry point under `torchrun`: this process's role comes from RANK (0 .. T−1 trainers, then agents);
-    rank 0 serves the run's store on MASTER_PORT + 1 (where `asyncrl agent --join` connects) and the RPC group
-    on MASTER_PORT + 2. Returns the summary on rank 0, None on other trainer ranks; an agent rank ends its process."""
-    env = os.environ
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-    if missing:
-        raise ValueError(f"--placement.launcher torchrun needs {', '.join(missing)} in the environment; start the "
-                         "run with `torchrun --nnodes N --nproc-per-node P ... -m asyncrl.cli train ...`")
-    world = spec.num_trainers + spec.num_agent_processes
-    if int(env["WORLD_SIZE"]) != world:
-        raise ValueError(f"torchrun started {env['WORLD_SIZE']} processes but the placement needs {world} "
-                         f"({spec.num_trainers} trainers + {spec.num_agent_processes} agents); fix --nproc-per-node / "
-                         "--nnodes or --placement.trainer-devices / --placement.agent-devices")
-    host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"])
-    spec = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, master_addr=host))
-    token = read_token(spec.placement.token_file, flag="--placement.token-file")
-    if token is None and not is_loopback(host):
-        raise ValueError(f"a torchrun job with MASTER_ADDR={host} (not loopback) needs the run's token on every node: "
-                         f"export {TOKEN_ENV}=<at least 16 random characters> (the same on each node) or give "
-                         "--placement.token-file FILE")
-    parent = os.getppid()  # torchrun's agent: if it is killed, so is this rank
-    if rank < spec.num_trainers:
-        if rank == 0:
-            spec = resolve_resume(spec)  # train() settled it already: then the spec comes back as it is
-        return run_trainer(rank, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token())
-    slot = rank - spec.num_trainers
-    run_agent_process(host, port + 1, device=spec.agents[slot].device, slot=slot, parent_pid=parent, token=token)

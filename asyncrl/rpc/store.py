@@ -147,5 +147,13 @@ class RunStore:
     def set_restarts_left(self, n: int) -> None:
         self.raw.set("asyncrl/restarts_left", str(n))
 
+    def take_restart(self) -> bool:
+        """Use one restart of the run's budget, atomically (keepers on several nodes share it); False when it
+        is spent."""
+        if self.raw.add("asyncrl/restarts_left", -1) >= 0:
+            return True
+        self.raw.add("asyncrl/restarts_left", 1)
+        return False
+
     def restarts_left(self) -> int:
         return int(self.raw.get("asyncrl/restarts_left")) if self.raw.check(["asyncrl/restarts_left"]) else 0
