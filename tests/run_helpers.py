@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -19,6 +20,23 @@ def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> sub
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
+
+
+def torchrun_port() -> int:
+    """A loopback port p with p + 1 and p + 2 free too, for a torchrun job: its rendezvous, the run's store and
+    RPC."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in (port + 1, port + 2):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports on loopback")
 
 
 def tiny_run(tmp_path_factory) -> pathlib.Path:

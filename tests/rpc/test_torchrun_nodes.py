@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 
 from asyncrl.rpc.torchrun import TorchrunRole, torchrun_role
 from tests.rpc.jobs import TOY, alive, wait_until
-from tests.run_helpers import ROOT
+from tests.run_helpers import ROOT, torchrun_port
 from tests.timing import limit
 
 
@@ -61,24 +60,6 @@ def test_a_layout_that_does_not_fit_names_the_flags():
 
 
 # ----------------------------------------------------------------------------------- two nodes, one host
-def _three_free_ports() -> int:
-    """A port p with p + 1 and p + 2 free too (torchrun's rendezvous, the run's store, RPC)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 2 >= 65536:
-            continue
-        try:
-            for p in (port + 1, port + 2):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports on loopback")
-
-
 def _named(name: str) -> list[int]:
     """The live processes named `name` (asyncrl names its processes: asyncrl-trainer1, asyncrl-agent1, and
     asyncrl-keep1 for the keeper of agent slot 1)."""
@@ -112,7 +93,7 @@ def _children(pid: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(limit(600))
 def test_two_torchrun_nodes_train_one_job_and_restart_a_killed_agent(tmp_path):
-    port = _three_free_ports()
+    port = torchrun_port()
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     train = ["-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(run_dir),

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.rpc.jobs import TOY
-from tests.run_helpers import ROOT
+from tests.run_helpers import ROOT, torchrun_port
 from tests.timing import limit
 
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -44,28 +43,12 @@ def _slurm_env(tmp_path: pathlib.Path, **settings: str) -> dict[str, str]:
             "SLURM_JOB_NAME": "asyncrl-test", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **settings}
 
 
-def _free_port_run() -> int:
-    """A port p with p + 1 and p + 2 free (the rendezvous, the run's store, RPC)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for p in (port + 1, port + 2):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports on loopback")
-
-
 @pytest.mark.slow
 def test_the_sbatch_script_trains_one_job_on_two_nodes(tmp_path):
     run_dir = tmp_path / "run"
     env = _slurm_env(tmp_path, ASYNCRL_RUN_TOKEN="0123456789abcdef0123456789abcdef", PRESET="cpu-demo",
                      RUN_DIR=str(run_dir), GPUS_PER_NODE="2", TRAINERS_PER_NODE="1", DEVICE="cpu",
-                     MASTER_PORT=str(_free_port_run()))
+                     MASTER_PORT=str(torchrun_port()))
     out = subprocess.run(["bash", str(SCRIPT), *TOY, "--async-training.total-versions", "3"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=limit(300))
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+from tests.run_helpers import torchrun_port
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def test_invalid_config_names_the_field():
 def test_torchrun_launch_runs_the_same_roles(tmp_path):
     # the multi-node path on one machine: torchrun starts 3 processes, roles come from RANK
     run_dir = tmp_path / "torchrun"
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", "29561",
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(torchrun_port()),
                "-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
                "--async-training.total-versions", "2", "--wandb", "off", "--run-dir", str(run_dir),
                "--placement.launcher", "torchrun", "--placement.agent-devices", "cpu", "cpu")
@@ -60,7 +61,7 @@ def test_torchrun_launch_runs_the_same_roles(tmp_path):
 
 
 def test_torchrun_with_the_wrong_process_count_names_the_fix(tmp_path):
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29563",
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(torchrun_port()),
                "-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
                "--wandb", "off", "--run-dir", str(tmp_path / "bad"), "--placement.launcher", "torchrun",
                "--placement.agent-devices", "cpu", "cpu")
