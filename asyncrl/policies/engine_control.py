@@ -63,8 +63,8 @@ class Sample:
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
-    """A queued prompt and its n samples."""
+class Request(abc.ABC):
+    """A queued prompt and its n samples; each engine's own kind says how much of its prompt came from cache."""
 
     request_id: str
     prompt_ids: list[int]
@@ -79,9 +79,9 @@ class Request:
         return all(s.completion.finished for s in self.samples)
 
     @property
+    @abc.abstractmethod
     def cached_prompt_tokens(self) -> int:
         """Prompt tokens whose K/V was reused rather than prefilled."""
-        raise NotImplementedError
 
     def output(self) -> GenerationOutput:
         return GenerationOutput.snapshot(self.request_id, self.prompt_ids, [s.completion for s in self.samples],
