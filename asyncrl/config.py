@@ -442,6 +442,13 @@ class RunConfig:
             _fail("trainer", "param_dtype", self.trainer.param_dtype,
                   f"with --lora.rank {self.lora.rank} the adapters train in float32 and the frozen base is bf16 on "
                   "CUDA (fp32 on CPU) by itself; leave --trainer.param-dtype at float32")
+        trainers = len(self.placement.trainer_devices)
+        if self.trainer.offload == "optimizer" and trainers > 1:
+            _fail("trainer", "offload", "optimizer", f"a group of {trainers} trainer ranks already splits the optimizer "
+                  "state over them; --trainer.offload params keeps each rank's shards in host memory")
+        if self.trainer.offload == "params" and self.placement.launcher == "local":
+            _fail("trainer", "offload", "params", "FSDP2's CPU offload runs in a trainer process with its process "
+                  "group; use --placement.launcher rpc (the default) or torchrun")
         for field, off in (("top_p", 1.0), ("top_k", -1)):
             if getattr(self.rollout, field) != off:  # the sampled distribution must be the one the learner scores
                 _fail("rollout", field, getattr(self.rollout, field),

@@ -144,6 +144,12 @@ class TrainerConfig:
     fused_kernels: bool = False
     """torch.compile the model's elementwise pieces on CUDA (measured slower for training on an H100:
     the guards cost more host time than the launches they save; see BENCHMARKS.md)."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """Host memory for what does not fit the GPU. optimizer: AdamW's moments (and, with
+    --trainer.param-dtype bfloat16, an fp32 master copy of the weights) live in pinned host memory and are
+    streamed through the GPU for the update: the GPU holds weights and gradients only (one trainer process).
+    params: FSDP2's CPU offload (weights, gradients and optimizer state on the host, the update on the CPU;
+    any number of trainer ranks). See BENCHMARKS.md for what each costs a step."""
     temperature: float | None = None
     """Temperature of the learner's log-probs (logits / temperature). None: the rollout's
     (--rollout.temperature); 1.0 for a learner used on its own. Set it only to check it matches."""

@@ -94,16 +94,17 @@ def make_algorithm(name: str, **kwargs):
 
 
 def build(algorithm: str, *, sharded: bool = False, config: TrainerConfig | None = None, seed: int = 0,
-          algo_kwargs: dict | None = None):
+          algo_kwargs: dict | None = None, offload: bool = False):
     """A learner on a fresh `tiny_policy(seed)`; `sharded`: FSDP2 over the default process group, the way
     the runtime builds a trainer rank (shard the policy, then build_learner, which makes PPO's critic from
     the sharded policy and shards it too). A KL algorithm gets a frozen `tiny_policy(seed)` as reference
-    (as a run rebuilds it from the model path at start-up)."""
+    (as a run rebuilds it from the model path at start-up). `offload`: sharded with FSDP2's CPU offload
+    (`--trainer.offload params`)."""
     policy = tiny_policy(seed)
     algo = make_algorithm(algorithm, **(algo_kwargs or {}))
     reference = tiny_policy(seed) if algo.needs_reference else None
     if sharded:
-        shard_model(policy)
+        shard_model(policy, offload=offload)
     return build_learner(policy, config or trainer_config(), algo, reference=reference,
                          group=dist.group.WORLD if sharded else None)
 
@@ -194,7 +195,8 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
     2. one `train_step(groups)` of sharded GRPO and PPO learners: full weights and metrics;
     3. the PPO learner then saves a checkpoint, exports itself with export_hf, and steps on `next_groups`;
     4. a fresh sharded learner (other init) loads that checkpoint and takes the same step;
-    5. another one loads `single_ckpt` (written by one process) and takes the same step.
+    5. another one loads `single_ckpt` (written by one process) and takes the same step;
+    6. a PPO learner sharded with FSDP2's CPU offload (`--trainer.offload params`) takes the step of 2.
     Writes its results to `out/rank{rank}.pt`."""
     res: dict = {"grads": {}, "train": {}, "clip": {}}
     for max_norm in (0.0, 0.5, 1e6):
@@ -229,6 +231,10 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
     res["from_single"] = dict(policy=weights(other.policy), critic=weights(other.critic))
     other, _ = train_step(other, next_groups)
     res["from_single_continued"] = dict(policy=weights(other.policy), critic=weights(other.critic))
+
+    offloaded, _ = train_step(build("ppo", sharded=True, offload=True), groups)
+    res["offloaded"] = dict(policy=weights(offloaded.policy), critic=weights(offloaded.critic),
+                            offloaded=all(p.device.type == "cpu" for p in offloaded.critic.parameters()))
     torch.save(res, out / f"rank{rank}.pt")
 
 

@@ -1,6 +1,7 @@
 """FSDP2 (`shard_model`, i.e. `fully_shard`) on 2 CPU processes over gloo against one unsharded process:
 the policy gradient (packed micro-batches on the ranks, against packed and padded ones in one process), a
-whole train_step (GRPO, and PPO with its critic), and checkpoints written by one layout and read by the other.
+whole train_step (GRPO, and PPO with its critic; also with the shards offloaded to the host), and checkpoints
+written by one layout and read by the other.
 
 Each rank of a sharded learner takes every world-th group of a mini-batch. With 5 groups the ranks hold
 different row counts and different numbers of micro-batches (the learner pads with empty ones so the FSDP2
@@ -153,6 +154,17 @@ def test_sharded_train_step_updates_like_a_single_process(groups, sharded, algor
         # losses and token means are reduced over the group: every rank reports the single process's
         for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
             assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), (rank, key)
+
+
+def test_cpu_offloaded_shards_train_like_a_single_process(groups, sharded):
+    """`--trainer.offload params`: FSDP2 keeps the shards (the critic's too) and their optimizer state on the
+    host; the PPO step is the single process's."""
+    state, _ = train_step(build("ppo"), groups)
+    for rank, res in enumerate(sharded["ranks"]):
+        got = res["offloaded"]
+        assert got["offloaded"], rank
+        assert max_diff(got["policy"], weights(state.policy)) <= 1e-5, rank
+        assert max_diff(got["critic"], weights(state.critic)) <= 1e-5, rank
 
 
 def test_sharded_checkpoint_round_trips_and_matches_the_single_process_one(sharded, single):

@@ -76,6 +76,12 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
      ["--rollout.vllm.gpu-memory-utilization 1.5 is invalid: must lie in (0, 1]"]),
     (["--rollout.backend", "vllm", "--rollout.vllm.kv-cache-gb", "0"],
      ["--rollout.vllm.kv-cache-gb 0.0 is invalid: must be > 0"]),
+    (["--trainer.offload", "optimizer", "--placement.trainer-devices", "cpu", "cpu"],
+     ["--trainer.offload optimizer is invalid: a group of 2 trainer ranks already splits the optimizer state",
+      "--trainer.offload params keeps each rank's shards in host memory"]),
+    (["--trainer.offload", "params", "--placement.launcher", "local"],
+     ["--trainer.offload params is invalid: FSDP2's CPU offload runs in a trainer process",
+      "use --placement.launcher rpc"]),
 ])
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device cases assume a machine without CUDA")
 def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, expected):

@@ -14,6 +14,7 @@ from asyncrl.config import OffPolicyConfig
 from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
 from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
+from asyncrl.learner.sharding import compute_device
 from asyncrl.learner.state import LearnerState
 from asyncrl.policies.lora import adapters_off
 
@@ -47,7 +48,7 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     (a reference or critic may live elsewhere); returned on the batch's device."""
     cfg = state.config
     home = batch.tokens.device
-    tokens = batch.tokens.to(next(model.parameters()).device)
+    tokens = batch.tokens.to(compute_device(model))
     width = batch.response_mask.shape[1]
     totals = [lengths.total(r) for r in range(batch.num_rows)]
     micros = plan_micro_batches(tokens, split_rows(list(range(batch.num_rows)), totals, cfg), lengths,

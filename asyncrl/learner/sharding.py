@@ -8,9 +8,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_model", "grad_norm_", "full_weights"]
+__all__ = ["shard_model", "grad_norm_", "full_weights", "compute_device"]
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tensor:
@@ -42,7 +42,17 @@ def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tenso
     return norm
 
 
-def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -> nn.Module:
+def compute_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: its parameters' device, or, for FSDP2 with CPU offload (parameters on the host),
+    the device of its mesh."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and mesh.device_type != p.device.type:
+        return torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
+    return p.device
+
+
+def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, offload: bool = False) -> nn.Module:
     """Shard a CausalLM / ValueModel with FSDP2 (`fully_shard`): each decoder layer, then the root.
 
     The root (embeddings, final norm, heads) stays gathered from its forward to the end of its backward, so
@@ -51,6 +61,9 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -
     heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
     count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
     `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
+    `offload` keeps the shards, their gradients and so the optimizer's state in pinned host memory (FSDP2's
+    `CPUOffloadPolicy`): each layer's weights are copied to the mesh's device for its forward and backward,
+    and the optimizer steps on the CPU. Build the model on the CPU first: it never needs the GPU whole.
 
     LoRA: the adapters are parameters of their layer like any other, so they are sharded with it (each rank
     holds 1/N of every lora_A / lora_B, gathered for the layer's forward and backward, their gradients
@@ -61,6 +74,8 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False) -
     kwargs = {"mesh": mesh} if mesh is not None else {}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh is not None and mesh.device_type == "cuda")
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

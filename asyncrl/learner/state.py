@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
-from asyncrl.learner.sharding import shard_model
+from asyncrl.learner.offload import HostAdamW
+from asyncrl.learner.sharding import compute_device, shard_model
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
 from asyncrl.policies.value import ValueModel
@@ -43,7 +44,8 @@ class LearnerState:
 
     @property
     def device(self) -> torch.device:
-        return next(self.policy.parameters()).device
+        """Where the policy computes (with FSDP2's CPU offload its parameters live on the host)."""
+        return compute_device(self.policy)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
@@ -86,11 +88,14 @@ def apply_optim_config(state: LearnerState) -> None:
         state.kl_coef = state.algorithm.kl_in_reward_coef
 
 
-def _adamw(model: nn.Module, lr: float, config: TrainerConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: fused (one kernel) on CUDA when asked and the parameters are
-    plain tensors; FSDP2's DTensor shards use the multi-tensor (foreach) one."""
+def _adamw(model: nn.Module, lr: float, config: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: with `offload="optimizer"` its state in host memory (`HostAdamW`);
+    else fused (one kernel) on CUDA when asked and the parameters are plain tensors; FSDP2's DTensor shards
+    (on the host too with `offload="params"`) use the multi-tensor (foreach) one."""
     params = [p for p in model.parameters() if p.requires_grad]
     cfg = config.optim
+    if config.offload == "optimizer":
+        return HostAdamW(params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     fused = (config.fused_optimizer and bool(params) and all(p.is_cuda for p in params)
              and not any(hasattr(p, "device_mesh") for p in params))
     return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -129,9 +134,9 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
         critic = ValueModel.from_policy(policy, device=algorithm.critic.device)
         mesh = getattr(next(policy.parameters()), "device_mesh", None)
         if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
-            shard_model(critic, mesh)
+            shard_model(critic, mesh, offload=compute_device(policy) != next(policy.parameters()).device)
     _prepare_for_training(policy, config)
-    device = next(policy.parameters()).device
+    device = compute_device(policy)
     if config.fused_kernels and device.type == "cuda":
         use_fused_kernels(True, device, torch.bfloat16 if config.autocast_bf16 else next(policy.parameters()).dtype,
                           model=policy)

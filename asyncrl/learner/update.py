@@ -24,7 +24,7 @@ from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
 from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
 from asyncrl.learner.prepare import Prepared
-from asyncrl.learner.sharding import grad_norm_
+from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
 from asyncrl.seeding import derive_seed
 
@@ -219,7 +219,7 @@ def run_updates(state: LearnerState, prep: Prepared, loss: MicroLoss, model: nn.
                 scheduler) -> UpdateResult:
     """`ppo_epochs` passes over the batch's mini-batches, one optimizer step each."""
     cfg = state.config
-    device = next(model.parameters()).device
+    device = compute_device(model)
     group = state.group if world(state)[1] > 1 else None
     totals = Totals()
     grad_norms = []

@@ -42,20 +42,23 @@ def reference_dtype(device: str) -> str:
 
 
 def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | None = None) -> LearnerState:
-    """The policy (sharded with FSDP2 over `group` when it has more than one rank), the reference model when
-    the algorithm needs one, and the optimizer. With LoRA (`spec.lora.rank` > 0) the policy is its base,
-    loaded frozen in the reference's precision (bf16 on GPUs, fp32 on CPU: no fp32 master copy, no optimizer
-    state), with fp32 adapters on it; it is its own reference (adapters off) and the critic shares its base."""
+    """The policy (sharded with FSDP2 over `group` when it has more than one rank or keeps its weights on the
+    host, `--trainer.offload params`), the reference model when the algorithm needs one, and the optimizer.
+    With LoRA (`spec.lora.rank` > 0) the policy is its base, loaded frozen in the reference's precision (bf16
+    on GPUs, fp32 on CPU: no fp32 master copy, no optimizer state), with fp32 adapters on it; it is its own
+    reference (adapters off) and the critic shares its base."""
     device = local_device(device)
     lora = spec.lora
-    policy = spec.model.build(device, reference_dtype(device) if lora.enabled else spec.trainer.param_dtype)
+    offload = spec.trainer.offload == "params"  # FSDP2 keeps the weights on the host: build them there
+    policy = spec.model.build("cpu" if offload else device,
+                              reference_dtype(device) if lora.enabled else spec.trainer.param_dtype)
     if lora.enabled:
         with torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else []):
             torch.manual_seed(spec.seed)  # every rank of a trainer group draws the same initial adapters
             apply_lora(policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
     reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
-    if group is not None and dist.get_world_size(group) > 1:
-        shard_model(policy, DeviceMesh.from_group(group, torch.device(device).type))
+    if group is not None and (dist.get_world_size(group) > 1 or offload):
+        shard_model(policy, DeviceMesh.from_group(group, torch.device(device).type), offload=offload)
     else:
         group = None
     return build_learner(policy, spec.trainer, spec.algorithm, reference=reference, group=group)

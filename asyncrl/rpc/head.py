@@ -56,7 +56,7 @@ class _Head:
             torch.cuda.set_device(torch.device(self.device))
         phase(f"trainer0: loading the model on {self.device}")
         loading = time.monotonic()
-        self.state = build_learner_state(spec, self.device, dist.group.WORLD if spec.num_trainers > 1 else None)
+        self.state = build_learner_state(spec, self.device, dist.group.WORLD)
         phase(f"trainer0: model ready in {time.monotonic() - loading:.1f} s")
         self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
             if spec.colocate else None

@@ -6,6 +6,7 @@ In-process (LocalRun) with a recorder of trained ids, and once through the multi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -137,6 +138,9 @@ def test_launched_run_resumes_from_its_checkpoint(tmp_path):
     spec_b = make_spec([AgentSpec(), AgentSpec()], total_versions=6, staleness_threshold=0.5,
                        trigger_parameter_sync_step=1)
     spec_b.run_dir, spec_b.resume = str(tmp_path), True
+    # B trains with its weights and optimizer state on the host (FSDP2's CPU offload, one trainer rank): a
+    # checkpoint moves between the layouts
+    spec_b.trainer = dataclasses.replace(spec_b.trainer, offload="params")
     summary_b = launch(spec_b)
     assert summary_b.versions == 6 and len(summary_b.history) == 2  # versions 5 and 6 only
     assert summary_b.steps == summary_a.steps + 2  # the learner's step counter came back too
