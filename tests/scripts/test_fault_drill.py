@@ -17,9 +17,13 @@ pytestmark = pytest.mark.slow
 
 def test_fault_drill_smoke_run(tmp_path):
     out = tmp_path / "drill"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_drill.py"), "--repeats", "1", "--faults",
-                           "kill", "--out", str(out), "--", "--model.path", "random:tiny-qwen2", "--data.task", "toy"],
-                          capture_output=True, text=True, timeout=limit(300), cwd=ROOT)
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_drill.py"), "--repeats", "1", "--faults",
+                               "kill", "--out", str(out), "--", "--model.path", "random:tiny-qwen2", "--data.task",
+                               "toy"], capture_output=True, text=True, timeout=limit(300), cwd=ROOT)
+    except subprocess.TimeoutExpired as err:  # say where it stood: the run's own log and the drill's output
+        logs = "".join(f"\n--- {p.name} ---\n{p.read_text()[-4000:]}" for p in sorted(out.glob("*.log")))
+        pytest.fail(f"the drill ran past {err.timeout:.0f} s; its output: {err.stdout!r}{logs}")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "drill.json").read_text())
     (run,) = report["runs"]
