@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import resource
 import time
 from typing import Literal
 
@@ -86,6 +87,11 @@ class LearnerBenchArgs:
     """Ours: torch.compile each decoder layer (CUDA only)."""
     fused_optimizer: bool = True
     """Fused AdamW on CUDA, ours and HF's."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """Ours: --trainer.offload (optimizer: AdamW state in host memory, stepped on the GPU; params: FSDP2's CPU
+    offload on a one-rank group)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Ours: --trainer.param-dtype (bfloat16 with --offload optimizer keeps an fp32 master copy on the host)."""
     steps: int = 5
     """Timed optimizer steps (after one warm-up step)."""
     baseline: bool = True
@@ -98,6 +104,9 @@ class LearnerBenchArgs:
     def validate(self) -> None:
         """Refuse impossible shapes (ValueError naming the CLI flag) before anything is loaded."""
         self.lora.validate()
+        if self.offload != "none" and (self.baseline or self.lora.rank > 0):
+            raise ValueError(f"--offload {self.offload} times our own step only (compare it with a run of "
+                             "--offload none): add --no-baseline, and leave --lora.rank at 0")
         if self.group_size < 1 or self.rows < self.group_size or self.rows % self.group_size:
             raise ValueError(f"--rows {self.rows} must be a positive multiple of --group-size {self.group_size}")
         for flag, value in (("--steps", self.steps), ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch)):
@@ -214,8 +223,19 @@ def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, 
                         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                         pack_sequences=args.pack_sequences, gradient_checkpointing=args.gradient_checkpointing,
                         checkpoint_scope=args.checkpoint_scope, compile_layers=args.compile_layers,
-                        fused_optimizer=args.fused_optimizer, optim=OptimConfig(lr=lr))
-    state = build_learner(model, cfg, GRPO())
+                        fused_optimizer=args.fused_optimizer, offload=args.offload, param_dtype=args.param_dtype,
+                        optim=OptimConfig(lr=lr))
+    group = None
+    if args.offload == "params":  # FSDP2 on a group of one: the shards live on the host
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from asyncrl.learner import shard_model
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        group = dist.group.WORLD
+        shard_model(model, DeviceMesh.from_group(group, torch.device(args.device).type), offload=True)
+    state = build_learner(model, cfg, GRPO(), group=group)
     return _timed(args.device, lambda groups: train_step(state, groups), step_groups)
 
 
@@ -278,7 +298,8 @@ def _learner_row(args: LearnerBenchArgs, timed_rows: list[list[tuple[int, int]]]
             "tokens_per_step": tokens / args.steps, "response_tokens_per_step": response / args.steps,
             "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch, "pack_sequences": args.pack_sequences,
             "gradient_checkpointing": args.gradient_checkpointing, "checkpoint_scope": args.checkpoint_scope,
-            "compile_layers": args.compile_layers, "fused_optimizer": args.fused_optimizer}
+            "compile_layers": args.compile_layers, "fused_optimizer": args.fused_optimizer,
+            "offload": args.offload, "param_dtype": args.param_dtype}
 
 
 def bench_learner(args: LearnerBenchArgs) -> dict:
@@ -288,7 +309,8 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     args.validate()
     on_cuda = args.device.startswith("cuda")
     lora = args.lora.rank > 0
-    model = load_model(args.model, dtype=torch.bfloat16 if lora and on_cuda else torch.float32, device=args.device)
+    dtype = torch.bfloat16 if (lora and on_cuda) or args.param_dtype == "bfloat16" else torch.float32
+    model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" else args.device)
     step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.steps + 1)]
     timed_rows = [row_lengths(groups) for groups in step_groups[1:]]
     if lora:
@@ -309,6 +331,7 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     row.update(ours_tok_s=tokens / seconds, ours_mfu=_mfu(flops, seconds, peak))
     if on_cuda:
         row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["host_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     if args.baseline:
         del model
         if on_cuda:

@@ -124,3 +124,27 @@ def test_a_learner_with_its_optimizer_offloaded_trains_like_one_without(groups, 
     a, _ = train_step(reloaded, more)
     b, _ = train_step(offloaded, more)
     assert max_diff(weights(a.policy), weights(b.policy)) <= tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the streamed update runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_streamed_buckets_update_like_torch_adamw(dtype):
+    """CUDA: pinned host state, two buckets in flight on two streams (here 7 buckets of one parameter each):
+    the weights of torch's AdamW on the same gradients (bf16: its master against fp32 AdamW)."""
+    shapes = [(256, 128), (4096,), (64, 64, 3), (17,), (1024, 33), (5,), (300, 7)]
+    ours = [torch.nn.Parameter(p.detach().cuda()) for p in _params(shapes, dtype)]
+    theirs = [torch.nn.Parameter(p.detach().float().cuda()) for p in _params(shapes, dtype)]
+    optimizer = HostAdamW(ours, bucket_bytes=1, **SETTINGS)
+    assert all(s["exp_avg"].is_pinned() for s in optimizer.state.values())
+    reference = torch.optim.AdamW(theirs, foreach=False, **SETTINGS)
+    for t in range(4):
+        for a, b, g in zip(ours, theirs, _grads(ours, t)):
+            a.grad = g.to(dtype).cuda()
+            b.grad = g.to(dtype).float().cuda()
+        optimizer.step()
+        reference.step()
+    for p, want in zip(ours, theirs):
+        got = optimizer.state[p]["master"] if dtype != torch.float32 else p.detach()
+        assert torch.allclose(got.cuda(), want.detach(), rtol=0, atol=close_tol(torch.float32, want, terms=4))
+        if dtype != torch.float32:
+            assert torch.equal(p.detach().cpu(), optimizer.state[p]["master"].to(dtype))
