@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import json
 import resource
+import sys
 import time
 from typing import Literal
 
@@ -205,13 +206,17 @@ def _mfu(flops: float, seconds: float, peak: float | None) -> float | None:
 
 
 def _timed(device: str, step, step_groups: list[list]) -> float:
-    """Seconds of `step(groups)` over `step_groups[1:]`, after a warm-up `step(step_groups[0])`."""
+    """Seconds of `step(groups)` over `step_groups[1:]`, after a warm-up `step(step_groups[0])`. Each step's
+    seconds go to stderr as it ends (a run stopped by a time limit still says how far it got)."""
+    begin = time.perf_counter()
     step(step_groups[0])
     synchronize(device)
     start = time.perf_counter()
-    for groups in step_groups[1:]:
+    print(f"warm-up step: {start - begin:.1f} s", file=sys.stderr, flush=True)
+    for i, groups in enumerate(step_groups[1:]):
         step(groups)
-    synchronize(device)
+        synchronize(device)
+        print(f"step {i + 1}: {time.perf_counter() - start:.1f} s since the warm-up", file=sys.stderr, flush=True)
     return time.perf_counter() - start
 
 

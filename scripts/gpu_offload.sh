@@ -26,10 +26,12 @@ run() {  # run NAME ARGS...: the learner benchmark with ARGS, its log in OUT/NAM
 case $STAGE in
   small)
     for mode in none optimizer params; do run "1.7b-$mode" --model random:qwen3-1.7b --offload "$mode"; done ;;
+  again)  # the no-offload baseline once more, after other runs warmed the machine (order effects)
+    run 1.7b-none-again --model random:qwen3-1.7b --offload none ;;
   big)
     run 8b-optimizer --model random:qwen3-8b --offload optimizer --param-dtype bfloat16
     run 8b-lora --model random:qwen3-8b --lora.rank 32 --lora.alpha 32 ;;
   params8b)
     run 8b-params --model random:qwen3-8b --offload params --param-dtype bfloat16 ;;
-  *) echo "unknown stage $STAGE (small, big, params8b)"; exit 2 ;;
+  *) echo "unknown stage $STAGE (small, again, big, params8b)"; exit 2 ;;
 esac
