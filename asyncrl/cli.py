@@ -1,4 +1,4 @@
-"""`asyncrl` command line: train, agent, eval, export, bench, data, report.
+"""`asyncrl` command line: train, agent, eval, export, bench, plan, data, report.
 
     asyncrl train cpu-demo                          # the default job (what `make train` runs)
     asyncrl train --help
@@ -22,6 +22,7 @@ COMMANDS = {
     "eval": "asyncrl.evaluate:eval_main",
     "export": "asyncrl.export:export_main",
     "bench": "asyncrl_bench.cli:bench_main",  # a separate package beside the library
+    "plan": "asyncrl.plan_command:plan_main",
     "data": "asyncrl.data.cli:data_main",
     "report": "asyncrl.report:report_main",
 }
