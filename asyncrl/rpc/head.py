@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from asyncrl.console import phase
+from asyncrl.planning import layout_of
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resolve_resume, resume_info
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
@@ -73,7 +74,8 @@ class _Head:
             agent_metrics=self._agent_metrics, run_dir=spec.run_dir, checkpoint_every=spec.checkpoint_every,
             keep_checkpoints=spec.keep_checkpoints, stop=stop,
             window_steps=self.resumed.window_steps if self.resumed else 0,
-            wall_clock=getattr(spec.log_fn, "wall_s", None))
+            wall_clock=getattr(spec.log_fn, "wall_s", None),
+            layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.colocate))
 
     def _resume(self):
         chosen = resolve_resume(self.spec).resume_from  # the launcher chose it before spawning this process

@@ -23,6 +23,7 @@ from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.envs import EnvRuntime
 from asyncrl.learner import LearnerState, train_step
+from asyncrl.planning import Layout, layout_of
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.runtime.agent import RolloutAgent
 from asyncrl.rpc.agent_server import heartbeat_period
@@ -56,7 +57,8 @@ class LocalRun:
                  rollout: RolloutConfig, config: AsyncConfig, *, seed: int = 0,
                  log_metrics: Callable[[dict, int], None] | None = None, on_step=None, run_dir: str | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, resume_extra: dict | None = None,
-                 stop: StopRequest | None = None, trainer=None, env_setup: Callable[[], EnvRuntime] | None = None):
+                 stop: StopRequest | None = None, trainer=None, env_setup: Callable[[], EnvRuntime] | None = None,
+                 layout: Layout | None = None):
         rollout.validate()
         config.validate()
         self.state, self.engines, self.config = state, engines, config
@@ -85,7 +87,7 @@ class LocalRun:
                                      agent_metrics=self._agent_metrics, run_dir=run_dir,
                                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, stop=stop,
                                      window_steps=int(run_state.get("window_steps", 0)),
-                                     wall_clock=getattr(log_metrics, "wall_s", None))
+                                     wall_clock=getattr(log_metrics, "wall_s", None), layout=layout)
 
     @classmethod
     def from_spec(cls, spec: RunSpec, *, log_metrics=None, on_step=None, stop: StopRequest | None = None,
@@ -105,7 +107,8 @@ class LocalRun:
         return cls(state, engines, spec.source_factory(), spec.scorer_factory(), spec.rollout, spec.async_,
                    seed=spec.seed, log_metrics=log_metrics, on_step=on_step, run_dir=spec.run_dir,
                    checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
-                   resume_extra=extra, stop=stop, env_setup=spec.env_setup)
+                   resume_extra=extra, stop=stop, env_setup=spec.env_setup,
+                   layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.async_.colocated))
 
     def _agent_metrics(self) -> dict:
         windows = [a.window_metrics() for a in self.agents if self.roster.is_live(a.name)]

@@ -15,7 +15,10 @@ agent left) and, when no agent is live but one is waiting for its first weights 
 agent), publishes early so it can start. A stop request (`stop` set by a signal handler, or
 `max_run_time_s`) ends the loop at the next step boundary: the step in progress finishes, a step still
 waiting for samples is abandoned (its groups go back to the queue), and a checkpoint is written.
-Metrics per version use verl's names (`fully_async/*`, `timing_s/*`, `trainer/idle_ratio`, ...).
+Metrics per version use verl's names (`fully_async/*`, `timing_s/*`, `trainer/idle_ratio`, ...). Given the
+run's `layout`, each version also carries the split planner's view of it (`asyncrl.runtime.plan_view`):
+`plan/trainer_idle_predicted` and `plan/rollout_idle_predicted` beside the measured idle ratios, and at most every
+`plan_every` versions a log line when another split of the GPUs is predicted to train faster.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Callable, NamedTuple, Protocol
 
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
+from asyncrl.planning import Layout
+from asyncrl.runtime.plan_view import runtime_plan
 from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.runtime.queue import QueueTimeout, SampleQueue
 from asyncrl.runtime.roster import Roster
@@ -119,7 +124,8 @@ class Controller:
                  on_step: Callable[[list[Group], dict], None] | None = None,
                  agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
-                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None, history_limit: int = 1000):
+                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None, history_limit: int = 1000,
+                 layout: Layout | None = None, plan_every: int = 10):
         config.validate()
         self.queue, self.roster, self.state, self.publisher, self.trainers = queue, roster, state, publisher, trainers
         self.config = config
@@ -136,6 +142,8 @@ class Controller:
         self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
         self.started_at_step = state.step
+        self.layout, self.plan_every = layout, plan_every  # the run's devices, for the planner's view (None: none)
+        self._advised_at: int | None = None  # the version of the last advice logged
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -203,6 +211,7 @@ class Controller:
             "fully_async/partial/partial_ratio": sum(lo != hi for lo, hi in versions) / len(versions),
             "fully_async/partial/max_partial_span": max(hi - lo for lo, hi in versions),
             "training/version_lag/max_group": max(self.state.version - lo for lo, _ in versions),
+            "perf/response_tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
         })
         return metrics
 
@@ -235,7 +244,29 @@ class Controller:
         metrics.update({"timing_s/step": total, "perf/time_per_step": total, "perf/throughput": tokens / total,
                         "trainer/idle_ratio": sum(m["timing_s/gen"] for m in steps) / total,
                         "timing_s/param_sync_total": time.monotonic() - sync_start, "time/wall_s": self.wall_clock()})
+        metrics.update(self._plan(metrics))
         return metrics
+
+    def _plan(self, metrics: dict) -> dict:
+        """The planner's view of this version from its own busy times: `plan/*` metrics, and (at most every
+        `plan_every` versions) a log line when another split would train faster."""
+        if self.layout is None:
+            return {}
+        estimate = runtime_plan(
+            self.layout, tokens=metrics.get("perf/total_num_tokens", 0), response_tokens=metrics.get(
+                "perf/response_tokens", 0), train_s=metrics.get("timing_s/update_actor", 0.0),
+            gen_s=metrics.get("rollouter/active_time", 0.0), sync_s=metrics.get("timing_s/param_sync_total", 0.0),
+            compiled=self.state.config.compile_layers and self.state.device.type == "cuda")
+        if estimate is None:
+            return {}
+        advice = estimate.advice(self.layout)
+        version = self.state.version
+        if advice and (self._advised_at is None or version - self._advised_at >= self.plan_every):
+            self._advised_at = version
+            log.info("plan: trainer idle %.2f (predicted %.2f), rollout idle %.2f (predicted %.2f): %s "
+                     "(see `asyncrl plan`)", metrics["trainer/idle_ratio"], estimate.trainer_idle,
+                     metrics.get("rollouter/idle_ratio", float("nan")), estimate.rollout_idle, advice)
+        return estimate.metrics()
 
     def publish(self, version: int) -> dict:
         metrics = self.publisher.publish(self.state, version)
@@ -314,7 +345,8 @@ def _merge(steps: list[dict]) -> dict:
     out: dict = {}
     for key in dict.fromkeys(k for m in steps for k in m):
         values = [m[key] for m in steps if key in m]
-        if key.startswith(("timing_s/", "training/version_lag/hist/")) or key in ("perf/total_num_tokens",):
+        if key.startswith(("timing_s/", "training/version_lag/hist/")) or key in ("perf/total_num_tokens",
+                                                                                   "perf/response_tokens"):
             out[key] = sum(values)
         elif key.endswith(("/max", "max_partial_span", "max_group")):
             out[key] = max(values)

@@ -1,0 +1,76 @@
+"""The split planner's view in a running job: every version's metrics carry `plan/*` beside the measured idle
+ratios (in-process run; and through `asyncrl train` with the local and the multi-process launcher, which pass
+the run's layout), and the controller logs a better split at most every `plan_every` versions."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from asyncrl.config import AsyncConfig
+from asyncrl.planning import Layout
+from tests.rpc.helpers import TrainRecorder, local_run
+from tests.run_helpers import cli, tiny_run
+from tests.timing import limit
+
+PLAN_KEYS = {"plan/trainer_idle_predicted", "plan/rollout_idle_predicted", "plan/trained_tok_s_predicted",
+             "plan/trainer_tok_s_busy", "plan/rollout_tok_s_busy", "plan/split_gain_predicted"}
+
+
+def test_every_version_carries_the_planners_view_of_its_own_busy_times():
+    run = local_run(AsyncConfig(total_versions=3, trigger_parameter_sync_step=2, take_timeout_s=limit(60)))
+    run.controller.layout = Layout("split", 1, 2)
+    rec = TrainRecorder(run)
+    summary = run.run()
+    assert len(summary.history) == 3
+    trained = [g for _, groups in rec.steps for g in groups]
+    assert sum(m["perf/response_tokens"] for m in summary.history) == sum(
+        len(c.token_ids) for g in trained for c in g.completions)
+    for m in summary.history:
+        assert PLAN_KEYS <= m.keys()
+        assert 0 <= m["plan/trainer_idle_predicted"] <= 1 and 0 <= m["plan/rollout_idle_predicted"] <= 1
+        # the rates are the version's own: trained tokens over the trainer's busy seconds, generated tokens over
+        # the agents' mean busy seconds, per agent
+        assert m["plan/trainer_tok_s_busy"] == pytest.approx(m["perf/total_num_tokens"] / m["timing_s/update_actor"])
+        assert m["plan/rollout_tok_s_busy"] == pytest.approx(
+            m["perf/response_tokens"] / (2 * m["rollouter/active_time"]))
+
+
+def test_a_better_split_is_logged_at_most_every_plan_every_versions(caplog):
+    run = local_run(AsyncConfig(total_versions=1, take_timeout_s=limit(60)))
+    controller = run.controller
+    controller.layout, controller.plan_every = Layout("split", 1, 1), 3
+    # the trainer busy 6 s, the agent 3 s: a second trainer GPU is predicted 1.75x (tests/runtime/test_plan_view.py)
+    window = {"perf/total_num_tokens": 1000, "perf/response_tokens": 800, "timing_s/update_actor": 6.0,
+              "rollouter/active_time": 3.0, "timing_s/param_sync_total": 1.0, "trainer/idle_ratio": 0.1,
+              "rollouter/idle_ratio": 0.55}
+    logged = []
+    with caplog.at_level(logging.INFO, logger="asyncrl.controller"):
+        for version in range(1, 8):
+            controller.state.version = version
+            before = len(caplog.records)
+            assert controller._plan(window)["plan/split_gain_predicted"] == pytest.approx(0.75)
+            logged += [version] * (len(caplog.records) - before)
+    assert logged == [1, 4, 7]
+    assert caplog.records[0].message == (
+        "plan: trainer idle 0.10 (predicted 0.00), rollout idle 0.55 (predicted 0.57): one trainer GPU more "
+        "(1+1 -> 2+1) would raise trained tok/s by ~75% (see `asyncrl plan`)")
+    controller.layout = None  # a run without a layout (e.g. built from parts) logs no plan/* metrics
+    assert controller._plan(window) == {}
+
+
+def _plan_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_the_launchers_give_the_controller_the_runs_layout(tmp_path, tmp_path_factory):
+    out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--placement.launcher",
+              "local", "--async-training.total-versions", "2", "--wandb", "off", "--run-dir", str(tmp_path / "local"),
+              timeout=limit(240))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for run_dir in (tmp_path / "local", tiny_run(tmp_path_factory)):  # the in-process and multi-process launchers
+        rows = _plan_rows(run_dir)
+        assert rows and all(PLAN_KEYS <= row.keys() for row in rows), run_dir
+        assert all(row["plan/split_gain_predicted"] == 0 for row in rows)  # trainer and agent share the cpu: no advice

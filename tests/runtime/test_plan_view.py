@@ -1,0 +1,66 @@
+"""A running job's version as the split planner sees it (asyncrl.runtime.plan_view): golden values worked by
+hand, the advice line, and properties over random busy times."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asyncrl.planning import ADVICE_GAIN, FSDP_EAGER, Layout
+from asyncrl.runtime.plan_view import runtime_plan
+
+
+def test_split_golden_values_and_one_trainer_gpu_more():
+    view = runtime_plan(Layout("split", 1, 1), tokens=1000, response_tokens=800, train_s=6, gen_s=3, sync_s=1)
+    # the trainer sets the pace: version 6 + 1 = 7 s, trainer idle 1 - (6 + 1)/7 = 0, rollout idle 1 - 3/7
+    assert view.trainer_idle == 0 and view.rollout_idle == pytest.approx(4 / 7)
+    assert view.trained_tok_s == pytest.approx(1000 / 7)
+    assert view.trainer_tok_s == pytest.approx(1000 / 6) and view.rollout_tok_s == pytest.approx(800 / 3)
+    # no GPU to move (1+1); a second trainer GPU: max(6/2, 3) + 1 = 4 s, 7/4 = 1.75x; a second agent: 7 s
+    assert view.better == Layout("split", 2, 1) and view.gain == pytest.approx(0.75)
+    assert view.advice(Layout("split", 1, 1)) == "one trainer GPU more (1+1 -> 2+1) would raise trained tok/s by ~75%"
+    metrics = view.metrics()
+    assert metrics["plan/trainer_idle_predicted"] == 0 and metrics["plan/split_gain_predicted"] == pytest.approx(0.75)
+
+
+def test_a_compiled_trainer_growing_into_an_fsdp2_group_pays_for_its_eager_layers():
+    view = runtime_plan(Layout("split", 1, 1), tokens=1000, response_tokens=800, train_s=6, gen_s=3, sync_s=1,
+                        compiled=True)
+    # two ranks train at 2 x 0.55 of one: 6 / 1.1 = 5.45 s, + 1 = 6.45 s: 7 / 6.45 = 1.08x, under ADVICE_GAIN
+    assert 7 / (6 / (2 * FSDP_EAGER) + 1) - 1 < ADVICE_GAIN
+    assert view.better is None and view.gain == 0 and view.advice(Layout("split", 1, 1)) is None
+
+
+def test_moving_a_gpu_is_preferred_to_adding_one():
+    layout = Layout("split", 2, 2)
+    view = runtime_plan(layout, tokens=1000, response_tokens=900, train_s=2, gen_s=8, sync_s=0)
+    # agents set the pace (8 s); 1+3: max(2 x 2, 8 x 2/3) = 5.33 s, 1.5x; 3+1: 16 s. (2+3 would give 2.0x.)
+    assert view.better == Layout("split", 1, 3) and view.gain == pytest.approx(0.5)
+    assert view.advice(layout) == "moving a trainer GPU to the agents (2+2 -> 1+3) would raise trained tok/s by ~50%"
+    assert view.rollout_idle == 0 and view.trainer_idle == pytest.approx(1 - 2 / 8)
+
+
+def test_colocated_and_shared_runs_get_no_advice():
+    colocated = runtime_plan(Layout("colocated", 2, 2), tokens=600, response_tokens=500, train_s=2, gen_s=3, sync_s=1)
+    # one after the other: 2 + 3 + 1 = 6 s; the trainer waits the 3 s of generation
+    assert colocated.trainer_idle == pytest.approx(0.5) and colocated.rollout_idle == pytest.approx(0.5)
+    assert colocated.trained_tok_s == pytest.approx(100) and colocated.better is None
+    shared = runtime_plan(Layout("shared", 1, 1), tokens=600, response_tokens=500, train_s=8, gen_s=1, sync_s=0)
+    assert shared.better is None and shared.rollout_idle == pytest.approx(7 / 8)  # measured busy: as a split
+    assert runtime_plan(Layout("split", 1, 1), tokens=600, response_tokens=500, train_s=1, gen_s=0, sync_s=0) is None
+
+
+@given(st.sampled_from(["split", "shared", "colocated"]), st.integers(1, 4), st.integers(1, 4),
+       st.floats(1e-3, 100), st.floats(1e-3, 100), st.floats(0, 10), st.booleans())
+def test_idle_fractions_in_0_1_and_advice_only_where_it_pays(kind, k, a, train_s, gen_s, sync_s, compiled):
+    layout = Layout(kind, k, k if kind == "colocated" else a)
+    view = runtime_plan(layout, tokens=1e5, response_tokens=8e4, train_s=train_s, gen_s=gen_s, sync_s=sync_s,
+                        compiled=compiled)
+    assert 0 <= view.trainer_idle <= 1 and 0 <= view.rollout_idle <= 1
+    assert view.trained_tok_s <= min(view.trainer_tok_s, 1e5 / gen_s) * (1 + 1e-9)
+    if view.better is None:
+        assert view.gain == 0 and view.advice(layout) is None
+    else:
+        assert kind == "split" and view.gain >= ADVICE_GAIN and f"~{view.gain:.0%}" in view.advice(layout)
+        assert abs(view.better.trainer_gpus - k) + abs(view.better.agent_gpus - a) in (1, 2)
