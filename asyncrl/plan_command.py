@@ -18,7 +18,9 @@ import math
 import pathlib
 from typing import Literal
 
+from asyncrl.config import LoraConfig
 from asyncrl.planning import WORKLOADS, ModelShape, Plan, Prediction, Rates, Workload, plan
+from asyncrl.policies.loading import ARCH_PRESETS, hf_config, resolve_model_dir
 
 __all__ = ["PlanArgs", "plan_main", "run_plan", "rates_from_rows", "check_learner_row", "check_engine_rows", "train_flags",
            "format_plan"]
@@ -95,7 +97,6 @@ class PlanArgs:
 
 def model_shape(model: str) -> ModelShape:
     """The shape of a model spec as --model.path takes it, from its config (no weights are loaded)."""
-    from asyncrl.policies.loading import ARCH_PRESETS, hf_config, resolve_model_dir
     if model.startswith("random:"):
         return ModelShape.from_hf(hf_config(model.removeprefix("random:")))
     if model == "smollm2":
@@ -157,7 +158,6 @@ def rates_from_rows(learner: dict, engine: list[dict]) -> Rates:
 
 def measure_learner(a: PlanArgs, work: Workload) -> dict:
     """A brief `asyncrl bench learner` on --device (our step only) at the workload's lengths."""
-    from asyncrl.config import LoraConfig
     from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
     fixed = a.workload == "gsm8k" or a.prompt_len is not None or a.response_len is not None
     print(f"[asyncrl] measuring the learner on {a.device} ({a.measure_steps} steps after a warm-up)", flush=True)
