@@ -198,13 +198,13 @@ def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int
 def format_plan(result: Plan, head: list[str], flags: list[str] | None) -> str:
     """The printed plan: `head` lines, one row per layout (* the recommended), then how to run it."""
     cols = f"  {'placement':24s}{'trained tok/s':>14s}  {'idle T / R':>11s}  {'sync s':>7s}  {'GiB/GPU T / R':>14s}" \
-           f"  {'batch':>5s}  {'staleness':>9s}  {'trigger':>7s}"
+           f"  {'mini-batch':>10s}  {'staleness':>9s}  {'trigger':>7s}"
     lines = head + ["", cols]
     for p in result.predictions:
         gib = f"{p.trainer_gib:.1f} / {p.agent_gib:.1f}" if p.layout.kind == "split" else f"{p.trainer_gib:.1f}"
         mark = "*" if p is result.best else " "
         lines.append(f"{mark} {p.layout.name:24s}{p.trained_tok_s:>14,.0f}  {p.trainer_idle:>4.2f} / {p.rollout_idle:4.2f}"
-                     f"  {p.sync_s:>7.2f}  {gib:>14s}  {p.knobs.mini_batch_size:>5d}  {p.knobs.staleness:>9g}"
+                     f"  {p.sync_s:>7.2f}  {gib:>14s}  {p.knobs.mini_batch_size:>10d}  {p.knobs.staleness:>9g}"
                      f"  {p.knobs.trigger:>7d}" + ("" if p.fits else "  (does not fit)"))
     if result.best is None:
         lines += ["", "no layout fits in --gpu-memory-gib: lower --slots, use --lora-rank or --trainer-dtype bfloat16, "
