@@ -21,6 +21,7 @@ between runs with and without offload.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Iterable, Iterator
 
 import torch
@@ -47,25 +48,18 @@ class HostAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.01, bucket_bytes: int = 256 << 20):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.bucket_bytes = bucket_bytes
-        for group in self.param_groups:
-            for p in group["params"]:
-                if hasattr(p, "device_mesh"):
-                    raise ValueError("HostAdamW takes plain tensors; a sharded (FSDP2) model offloads with "
-                                     "--trainer.offload params")
-                self.state[p] = self._fresh_state(p)
-
-    @staticmethod
-    def _host(like: Tensor, pin: bool) -> Tensor:
-        out = torch.zeros(like.shape, dtype=torch.float32, device="cpu")
-        return out.pin_memory() if pin else out
-
-    def _fresh_state(self, p: Tensor) -> dict[str, Tensor]:
-        pin = p.is_cuda
-        state = {"step": torch.tensor(0.0), "exp_avg": self._host(p, pin), "exp_avg_sq": self._host(p, pin)}
-        if p.dtype != torch.float32:
-            state["master"] = self._host(p, pin)
-            state["master"].copy_(p.detach())
-        return state
+        owned = [p for group in self.param_groups for p in group["params"]]
+        if any(hasattr(p, "device_mesh") for p in owned):
+            raise ValueError("HostAdamW takes plain tensors; a sharded (FSDP2) model offloads with "
+                             "--trainer.offload params")
+        self._arena = _HostArena(sum(p.numel() * _slots(p) for p in owned), pinned=any(p.is_cuda for p in owned))
+        offset = 0
+        for p in owned:
+            slots = self._arena.flat[offset:offset + p.numel() * _slots(p)].view(_slots(p), *p.shape)
+            offset += slots.numel()
+            self.state[p] = {"step": torch.tensor(0.0), "exp_avg": slots[0], "exp_avg_sq": slots[1]}
+            if _slots(p) == 3:
+                self.state[p]["master"] = slots[2].copy_(p.detach())
 
     # ---------------------------------------------------------------------------------------------- step
 
@@ -162,14 +156,36 @@ class HostAdamW(torch.optim.Optimizer):
                 raise ValueError("the saved optimizer's parameter groups do not match this model's")
             group.update({k: (tuple(v) if k == "betas" else v) for k, v in saved.items() if k != "params"})
             for p, key in zip(group["params"], saved["params"]):
-                old = state_dict["state"].get(key)
-                fresh = self._fresh_state(p)
-                if old is not None:
-                    fresh["step"] = torch.tensor(float(old["step"]))
-                    for name in ("exp_avg", "exp_avg_sq", "master"):
-                        if name in old:
-                            fresh[name].copy_(old[name])
-                self.state[p] = fresh
+                old, state = state_dict["state"].get(key, {}), self.state[p]
+                state["step"] = torch.tensor(float(old.get("step", 0.0)))
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if name in old:
+                        state[name].copy_(old[name])
+                    else:
+                        state[name].zero_()
+                if "master" in state:
+                    state["master"].copy_(old["master"] if "master" in old else p.detach())
+
+
+def _slots(p: Tensor) -> int:
+    """fp32 tensors of host state per parameter: the two moments, and a master copy unless it is fp32."""
+    return 2 if p.dtype == torch.float32 else 3
+
+
+class _HostArena:
+    """One flat fp32 host buffer for every state tensor, page-locked with cudaHostRegister when the parameters
+    are on a GPU (torch's pinned allocator rounds each block up to a power of two: for an 8B model's 98 GB of
+    state that is more than the host has); unregistered when the arena is freed."""
+
+    def __init__(self, elements: int, *, pinned: bool):
+        self.flat = torch.zeros(elements, dtype=torch.float32)
+        if pinned and elements:
+            nbytes = self.flat.numel() * self.flat.element_size()
+            if int(torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), nbytes, 0)) != 0:
+                raise RuntimeError(f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory for the optimizer "
+                                   "state (--trainer.offload optimizer); free host memory or raise the locked-memory "
+                                   "limit (ulimit -l)")
+            weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, self.flat.data_ptr())
 
 
 def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Parameter]]:
