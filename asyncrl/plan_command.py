@@ -36,8 +36,8 @@ class PlanArgs:
     gpus: int = 1
     """GPUs to place the trainer ranks and the rollout agents on."""
     workload: Literal["gsm8k", "ragged"] = "gsm8k"
-    """Sample lengths: gsm8k, 107-token prompts and 1,024-token responses (a random model runs them to the limit);
-    ragged, as `asyncrl bench learner --workload ragged` (prompts 64-512, responses 32-2,048 tokens)."""
+    """Sample lengths: gsm8k, 107-token prompts and 1024-token responses (a random model runs them to the limit);
+    ragged, as `asyncrl bench learner --workload ragged` (prompts 64-512, responses 32-2048 tokens)."""
     learner_json: str | None = None
     """`asyncrl bench learner --out` file (trained tok/s on one GPU); without it the learner is measured briefly."""
     engine_json: str | None = None

@@ -131,6 +131,8 @@ class Rates:
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
+    """The run's knobs the prediction depends on (verl's names; `asyncrl train` flags in `plan_command`)."""
+
     mini_batch_size: int  # groups per learner step
     staleness: float  # verl's staleness_threshold
     trigger: int  # learner steps per publication
@@ -156,6 +158,8 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
+    """One layout run with `knobs`, as `predict` sees it (tokens/s, seconds, GiB)."""
+
     layout: Layout
     knobs: Knobs
     trained_tok_s: float
@@ -174,6 +178,8 @@ class Prediction:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """Every layout of a number of GPUs, predicted with its recommended knobs."""
+
     predictions: tuple[Prediction, ...]
     best: Prediction | None  # the highest trained tok/s that fits in memory; None if nothing fits
 
@@ -232,7 +238,7 @@ def layouts(gpus: int) -> tuple[Layout, ...]:
 
 
 def timeline(kind: Kind, train_s: float, gen_s: float, sync_s: float,
-              wait_s: float = 0.0) -> tuple[float, float, float]:
+             wait_s: float = 0.0) -> tuple[float, float, float]:
     """(version seconds, trainer idle, rollout idle) of a version in which the trainer group alone would be busy
     `train_s` and each engine alone `gen_s`. Colocated: one after the other, then the sync. Split: at once, the
     slower side setting the pace, plus `wait_s` lost at the version boundary and the sync. Shared: as split, both
