@@ -67,6 +67,8 @@ class PlanArgs:
     """--trainer.param-dtype (memory of weights, grads and Adam states)."""
     lora_rank: int = 0
     """--lora.rank (memory and publication size; measure the learner with the same rank)."""
+    offload: Literal["none", "optimizer", "params"] = "none"
+    """--trainer.offload (memory per trainer GPU; measure the learner with the same offload: its row records it)."""
     gpu_memory_gib: float = 79.0
     """Memory of one GPU (an H100 80GB holds 79.6 GiB)."""
     out: str | None = None
@@ -90,6 +92,9 @@ class PlanArgs:
         if self.lora_rank and self.trainer_dtype != "float32":
             raise ValueError(f"--trainer-dtype {self.trainer_dtype} with --lora-rank {self.lora_rank}: LoRA adapters "
                              "train in fp32 on a bf16 base (asyncrl train refuses the pair); leave --trainer-dtype out")
+        if self.lora_rank and self.offload != "none":
+            raise ValueError(f"--offload {self.offload} with --lora-rank {self.lora_rank}: the adapters' optimizer state is "
+                             "small; leave --offload out")
         if self.lora_rank < 0 or self.gpu_memory_gib <= 0:
             raise ValueError(f"--lora-rank {self.lora_rank} must be >= 0 and --gpu-memory-gib {self.gpu_memory_gib} "
                              "> 0")
@@ -165,7 +170,7 @@ def measure_learner(a: PlanArgs, work: Workload) -> dict:
         model=a.model, device=a.device, rows=a.n * math.ceil(64 / a.n), group_size=a.n,
         workload="fixed" if fixed else "ragged", prompt_len=round(work.prompt_len),
         response_len=round(work.response_len), steps=a.measure_steps, baseline=False, param_dtype=a.trainer_dtype,
-        lora=LoraConfig(rank=a.lora_rank)))
+        offload=a.offload, lora=LoraConfig(rank=a.lora_rank)))
 
 
 def measure_engine(a: PlanArgs, work: Workload) -> list[dict]:
@@ -178,7 +183,7 @@ def measure_engine(a: PlanArgs, work: Workload) -> list[dict]:
         prompt_len=round(work.prompt_len), new_tokens=round(work.response_len)))
 
 
-def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int = 0) -> list[str]:
+def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none") -> list[str]:
     """The `asyncrl train` flags that run prediction `p` on GPUs cuda:0, cuda:1, ..."""
     lay, k = p.layout, p.knobs
     gpus = [f"cuda:{i}" for i in range(lay.trainer_gpus + (lay.agent_gpus if lay.kind == "split" else 0))]
@@ -192,6 +197,8 @@ def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int
               "--rollout.max-slots", str(k.slots), "--trainer.max-tokens-per-micro-batch", str(p.budget)]
     if trainer_dtype != "float32":
         flags += ["--trainer.param-dtype", trainer_dtype]
+    if offload != "none":
+        flags += ["--trainer.offload", offload]
     return flags + (["--lora.rank", str(lora_rank)] if lora_rank else [])
 
 
@@ -207,8 +214,8 @@ def format_plan(result: Plan, head: list[str], flags: list[str] | None) -> str:
                      f"  {p.sync_s:>7.2f}  {gib:>14s}  {p.knobs.mini_batch_size:>10d}  {p.knobs.staleness:>9g}"
                      f"  {p.knobs.trigger:>7d}" + ("" if p.fits else "  (does not fit)"))
     if result.best is None:
-        lines += ["", "no layout fits in --gpu-memory-gib: lower --slots, use --lora-rank or --trainer-dtype bfloat16, "
-                      "or more GPUs"]
+        lines += ["", "no layout fits in --gpu-memory-gib: lower --slots, use --lora-rank, --trainer-dtype bfloat16 "
+                      "or --offload optimizer, or more GPUs"]
         return "\n".join(lines)
     best = result.best
     lines += ["", f"recommended (*): {best.layout.name}, {best.trained_tok_s:,.0f} trained tok/s predicted "
@@ -233,7 +240,7 @@ def _describe(a: PlanArgs, shape: ModelShape, work: Workload, rates: Rates, meas
 
 def _as_json(a: PlanArgs, shape: ModelShape, work: Workload, rates: Rates, result: Plan) -> dict:
     rows = [{"placement": p.layout.name, **dataclasses.asdict(p), "recommended": p is result.best,
-             "train_flags": train_flags(p, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank)}
+             "train_flags": train_flags(p, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank, offload=a.offload)}
             for p in result.predictions]
     return {"args": dataclasses.asdict(a), "shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(work),
             "rates": dataclasses.asdict(rates), "placements": rows,
@@ -250,6 +257,10 @@ def run_plan(a: PlanArgs) -> dict:
     engine = _read(a.engine_json, "--engine-json", "bench engine") if a.engine_json else None
     if engine is not None:
         check_engine_rows(engine, f"--engine-json {a.engine_json}")
+    if learner is not None and learner.get("offload", "none") != a.offload:
+        raise ValueError(f"--learner-json {a.learner_json} was measured with --offload {learner.get('offload', 'none')} "
+                         f"and this plan is for --offload {a.offload}: pass --offload {learner.get('offload', 'none')}, or "
+                         f"measure with `asyncrl bench learner --offload {a.offload} --no-baseline --out FILE`")
     learner = learner if learner is not None else measure_learner(a, work)
     engine = engine if engine is not None else measure_engine(a, work)
     if a.learner_tok_s is not None:
@@ -257,8 +268,9 @@ def run_plan(a: PlanArgs) -> dict:
     rates = rates_from_rows(learner, engine)
     result = plan(shape, work, rates, a.gpus, n=a.n, slots=a.slots, trigger=a.trigger,
                   mini_batch_size=a.mini_batch_size, staleness=a.staleness_threshold, trainer_dtype=a.trainer_dtype,
-                  lora_rank=a.lora_rank, gpu_gib=a.gpu_memory_gib)
-    flags = train_flags(result.best, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank) if result.best else None
+                  lora_rank=a.lora_rank, offload=a.offload, gpu_gib=a.gpu_memory_gib)
+    flags = (train_flags(result.best, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank, offload=a.offload)
+             if result.best else None)
     print(format_plan(result, _describe(a, shape, work, rates, (learner, engine)), flags), flush=True)
     return _as_json(a, shape, work, rates, result)
 

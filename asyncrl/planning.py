@@ -205,15 +205,17 @@ def _trainer_tok_s(rates: Rates, k: int) -> float:
 
 
 def memory_gib(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, slots: int, *,
-               trainer_dtype: str = "float32", lora_rank: int = 0) -> tuple[float, float]:
+               trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none") -> tuple[float, float]:
     """(per trainer GPU, per agent GPU) peak GiB. Trainer: weights, grads and AdamW states (16 bytes a parameter in
-    fp32, 8 in bf16; LoRA: a bf16 base and 16 bytes an adapter parameter) sharded over its ranks, plus activations
+    fp32, 8 in bf16; LoRA: a bf16 base and 16 bytes an adapter parameter; `--trainer.offload optimizer`: the
+    weights and grads alone, 8 or 4 bytes; `params`: none of them stay) sharded over its ranks, plus activations
     that do not shard (a measured peak above the states, else ACTIVATION_BYTES). Engine: bf16 weights (twice with
     LoRA: it merges from a kept base), the KV cache of `slots` full-length sequences, fp32 logits and
     ENGINE_OVERHEAD_GIB. Shared: both on one GPU. Colocated: the KV cache is freed while training
     (`colocated_sleep`), so it shares its memory with the activations."""
     p = shape.params
-    states = 2 * p + 16 * shape.lora_params(lora_rank) if lora_rank else (16 if trainer_dtype == "float32" else 8) * p
+    per_param = {"none": 16, "optimizer": 8, "params": 0}[offload] // (1 if trainer_dtype == "float32" else 2)
+    states = 2 * p + 16 * shape.lora_params(lora_rank) if lora_rank else per_param * p
     activations = (max(rates.learner_peak_gib * GIB - states, 0.0) if rates.learner_peak_gib is not None
                    else ACTIVATION_BYTES * rates.learner_budget * shape.layers * shape.hidden)
     cache = slots * ((work.max_prompt_len + work.max_response_len) * shape.kv_bytes_per_token + 4 * shape.vocab)
@@ -294,7 +296,8 @@ def _ahead_steps(knobs: Knobs) -> int:
 
 
 def predict(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, knobs: Knobs, *,
-            trainer_dtype: str = "float32", lora_rank: int = 0, gpu_gib: float = 79.0) -> Prediction:
+            trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0
+            ) -> Prediction:
     """Trained tok/s, idle fractions, publication time and memory per GPU of `layout` run with `knobs`. Colocated
     sync generates a step's samples in waves of `slots`, each lasting until its longest response."""
     t = _step_times(work, rates, layout, knobs)
@@ -307,7 +310,7 @@ def predict(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, kno
         version, trainer_idle, rollout_idle = timeline(layout.kind, t.steps * t.train, t.steps * t.gen, sync,
                                                         _boundary_wait(t.train, t.gen, t.wave, ahead))
     trainer_gib, agent_gib = memory_gib(shape, work, rates, layout, knobs.slots, trainer_dtype=trainer_dtype,
-                                        lora_rank=lora_rank)
+                                        lora_rank=lora_rank, offload=offload)
     return Prediction(layout, knobs, t.steps * knobs.mini_batch_size * knobs.n * work.row_tokens / version,
                       _trainer_tok_s(rates, layout.trainer_gpus),
                       layout.agent_gpus * t.gen_tok_s * work.row_tokens / work.response_len, trainer_idle, rollout_idle,
@@ -340,12 +343,14 @@ def recommend(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, *
 
 def plan(shape: ModelShape, work: Workload, rates: Rates, gpus: int, *, n: int = 8, slots: int = 256,
          trigger: int = 4, mini_batch_size: int | None = None, staleness: float | None = None,
-         trainer_dtype: str = "float32", lora_rank: int = 0, gpu_gib: float = 79.0) -> Plan:
-    """Every layout of `gpus` GPUs predicted with its recommended knobs (`recommend`); the best one that fits."""
-    kw = dict(trainer_dtype=trainer_dtype, lora_rank=lora_rank, gpu_gib=gpu_gib)
+         trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0) -> Plan:
+    """Every layout of `gpus` GPUs predicted with its recommended knobs (`recommend`); the best one that fits.
+    With `offload="optimizer"` only layouts of one trainer GPU (a trainer group shards the state instead)."""
+    kw = dict(trainer_dtype=trainer_dtype, lora_rank=lora_rank, offload=offload, gpu_gib=gpu_gib)
     predictions = tuple(predict(shape, work, rates, layout, recommend(
         shape, work, rates, layout, n=n, slots=slots, trigger=trigger, mini_batch_size=mini_batch_size,
-        staleness=staleness, **kw), **kw) for layout in layouts(gpus))
+        staleness=staleness, **kw), **kw) for layout in layouts(gpus)
+        if offload != "optimizer" or layout.trainer_gpus == 1)
     fitting = [p for p in predictions if p.fits]
     return Plan(predictions, max(fitting, key=lambda p: p.trained_tok_s) if fitting else None)
 

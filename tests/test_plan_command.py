@@ -12,7 +12,7 @@ from asyncrl.plan_command import plan_main, rates_from_rows, train_flags
 from asyncrl.planning import WORKLOADS, ModelShape, plan
 from asyncrl.policies.loading import ARCH_PRESETS
 from asyncrl.train_command import run_config
-from tests.run_helpers import cli
+from tests.run_helpers import ROOT, cli
 
 # what `asyncrl bench learner --rows 64 --out F` writes (asyncrl_bench.learner._learner_row + our columns) ...
 LEARNER_ROW = {"device": "NVIDIA H100 80GB HBM3", "model": "random:qwen2.5-0.5b", "workload": "fixed", "rows": 64,
@@ -139,3 +139,28 @@ def test_the_command_is_registered():
     assert "Traceback" not in out.stderr
     usage = cli("--help")
     assert "plan" in usage.stdout
+
+
+def test_an_8b_full_fine_tune_fits_one_gpu_only_with_the_optimizer_offloaded(tmp_path, capsys):
+    """Qwen3-8B shape, bf16 weights, one 80 GB GPU, from the learner row measured on an H100 with --offload
+    optimizer (examples/plan): with offload the plan fits and its flags carry it; without, AdamW's states do not
+    fit beside the weights (the message names --offload optimizer); that row is refused for a plan without
+    offload (its peak memory is another layout's)."""
+    measured = json.loads((ROOT / "examples/plan/learner-h100-qwen3-8b-offload-optimizer.json").read_text())
+    learner, engine = tmp_path / "learner.json", tmp_path / "engine.json"
+    engine.write_text(json.dumps(ENGINE_ROWS))
+    learner.write_text(json.dumps(measured))
+    base = ["--model", "random:qwen3-8b", "--gpus", "1", "--trainer-dtype", "bfloat16", "--slots", "32",
+            "--engine-json", str(engine), "--learner-json", str(learner)]
+    plan_main([*base, "--offload", "optimizer"])
+    text = capsys.readouterr().out
+    run_line = text.splitlines()[-1].strip()
+    assert run_line.endswith("--trainer.param-dtype bfloat16 --trainer.offload optimizer")
+    assert run_config("cpu-demo", run_line.split()[3:]).trainer.offload == "optimizer"  # asyncrl train parses them
+    with pytest.raises(SystemExit, match="was measured with --offload optimizer and this plan is for --offload none"):
+        plan_main(base)
+    learner.write_text(json.dumps(dict(measured, offload="none", ours_peak_gib=None)))
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(base)
+    assert exit_.value.code == 1
+    assert "no layout fits in --gpu-memory-gib" in capsys.readouterr().out
