@@ -22,7 +22,7 @@ COMMANDS = {
     "eval": "asyncrl.evaluate:eval_main",
     "export": "asyncrl.export:export_main",
     "bench": "asyncrl_bench.cli:bench_main",  # a separate package beside the library
-    "plan": "asyncrl.plan_command:plan_main",
+    "plan": "asyncrl_bench.plan:plan_main",  # beside the benchmarks it can run
     "data": "asyncrl.data.cli:data_main",
     "report": "asyncrl.report:report_main",
 }

@@ -131,7 +131,7 @@ class Rates:
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-    """The run's knobs the prediction depends on (verl's names; `asyncrl train` flags in `plan_command`)."""
+    """The run's knobs the prediction depends on (verl's names; `asyncrl train` flags in `asyncrl_bench.plan`)."""
 
     mini_batch_size: int  # groups per learner step
     staleness: float  # verl's staleness_threshold

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from asyncrl.plan_command import plan_main, rates_from_rows, train_flags
+from asyncrl_bench.plan import plan_main, rates_from_rows, train_flags
 from asyncrl.planning import WORKLOADS, ModelShape, plan
 from asyncrl.policies.loading import ARCH_PRESETS
 from asyncrl.train_command import run_config
@@ -113,8 +113,8 @@ def test_bad_input_names_the_flag_and_the_fix(files, tmp_path, monkeypatch, args
 
     def measuring(*_):  # a bad flag is refused before anything is measured
         raise AssertionError("measured before refusing bad input")
-    monkeypatch.setattr("asyncrl.plan_command.measure_learner", measuring)
-    monkeypatch.setattr("asyncrl.plan_command.measure_engine", measuring)
+    monkeypatch.setattr("asyncrl_bench.plan.measure_learner", measuring)
+    monkeypatch.setattr("asyncrl_bench.plan.measure_engine", measuring)
     with pytest.raises(SystemExit) as exit_:
         plan_main([a.format(tmp=tmp_path) for a in args])
     assert str(exit_.value).startswith("asyncrl plan: " + message.format(tmp=tmp_path)), str(exit_.value)

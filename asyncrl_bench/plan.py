@@ -21,6 +21,8 @@ from typing import Literal
 from asyncrl.config import LoraConfig
 from asyncrl.planning import WORKLOADS, ModelShape, Plan, Prediction, Rates, Workload, plan
 from asyncrl.policies.loading import ARCH_PRESETS, hf_config, resolve_model_dir
+from asyncrl_bench.engine import EngineBenchArgs, bench_engine
+from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
 
 __all__ = ["PlanArgs", "plan_main", "run_plan", "rates_from_rows", "check_learner_row", "check_engine_rows", "train_flags",
            "format_plan"]
@@ -163,7 +165,6 @@ def rates_from_rows(learner: dict, engine: list[dict]) -> Rates:
 
 def measure_learner(a: PlanArgs, work: Workload) -> dict:
     """A brief `asyncrl bench learner` on --device (our step only) at the workload's lengths."""
-    from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
     fixed = a.workload == "gsm8k" or a.prompt_len is not None or a.response_len is not None
     print(f"[asyncrl] measuring the learner on {a.device} ({a.measure_steps} steps after a warm-up)", flush=True)
     return bench_learner(LearnerBenchArgs(
@@ -175,7 +176,6 @@ def measure_learner(a: PlanArgs, work: Workload) -> dict:
 
 def measure_engine(a: PlanArgs, work: Workload) -> list[dict]:
     """A brief `asyncrl bench engine` on --device (our engine only) at 64 sequences and at --slots."""
-    from asyncrl_bench.engine import EngineBenchArgs, bench_engine
     print(f"[asyncrl] measuring the engine on {a.device}", flush=True)
     return bench_engine(EngineBenchArgs(
         model=a.model, device=a.device, dtype="bfloat16" if a.device.startswith("cuda") else "float32",
