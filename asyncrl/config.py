@@ -16,20 +16,17 @@ from typing import Literal
 from asyncrl.algorithm_config import (CISPO, DAPO, GRPO, GSPO, PPO, RLOO, AlgorithmConfig, CriticConfig, DrGRPO,
                                       ReinforcePP)
 from asyncrl.flags import fail as _fail
-from asyncrl.flags import flag, shown
+from asyncrl.flags import flag, is_placeholder, shown
 from asyncrl.policies.lora import LORA_TARGETS
+from asyncrl.eval_config import EvalConfig
 from asyncrl.trainer_config import OffPolicyConfig, OptimConfig, TrainerConfig
 
 __all__ = [
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
     "DataConfig", "PlacementConfig", "RewardConfig", "EnvConfig", "RunConfig", "VLLMConfig", "LoraConfig",
+    "EvalConfig",
 ]
-
-
-def is_placeholder(value) -> bool:
-    """A preset's stand-in for a value the user must give (a path in angle brackets, '<...>')."""
-    return isinstance(value, str) and value.startswith("<") and value.endswith(">")
 
 
 @dataclasses.dataclass
@@ -425,6 +422,8 @@ class RunConfig:
     reward/errors)."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation during training (`--eval.*`), pinned to weight versions, on the rollout agents."""
     dry_run: bool = False
     """Check the configuration, the data, the model, the devices and the rewards, print the resolved
     configuration and exit without starting any process."""
@@ -468,6 +467,10 @@ class RunConfig:
                   "distribution); leave it out and the trainer takes the rollout's")
         self.reward.validate()
         self.env.validate()
+        self.eval.validate()
+        if self.eval.enabled and not self.eval.data and self.data.path is not None:
+            _fail("eval", "data", self.eval.data, f"the run trains on the prompt file --data.path {self.data.path}: "
+                  "give held-out prompt files with --eval.data PATH [PATH ...]")
         if self.checkpoint_every < 0:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
         if (self.model.path.startswith("random:") and self.model.tokenizer is None

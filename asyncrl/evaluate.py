@@ -38,22 +38,10 @@ from asyncrl.config import DataConfig
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
 from asyncrl.preflight import check_devices, check_model_path
 from asyncrl.run_spec import ScorerFactory, SourceFactory
+from asyncrl.runtime.evaluation import pass_at_k
 from asyncrl.seeding import derive_seed
 
 __all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 − C(n−c, k) / C(n, k)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    # C(n−c, k) / C(n, k) = Π_{i=n−c+1}^{n} (1 − k / i), stable for large n
-    miss = 1.0
-    for i in range(n - c + 1, n + 1):
-        miss *= 1.0 - k / i
-    return 1.0 - miss
 
 
 def is_checkpoint(path: str | pathlib.Path) -> bool:

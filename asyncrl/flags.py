@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-__all__ = ["flag", "shown", "fail", "as_flags", "algorithm_command"]
+__all__ = ["flag", "shown", "fail", "is_placeholder", "as_flags", "algorithm_command"]
 
 _FLAG_PREFIX = {"run": "", "async": "async-training."}
 
@@ -32,6 +32,11 @@ def shown(value) -> str:
     if isinstance(value, (tuple, list)):
         return " ".join(map(str, value)) or "(empty)"
     return str(value)
+
+
+def is_placeholder(value) -> bool:
+    """A preset's stand-in for a value the user must give (a path in angle brackets, '<...>')."""
+    return isinstance(value, str) and value.startswith("<") and value.endswith(">")
 
 
 def fail(owner: str, field: str, value, want: str) -> None:
