@@ -468,6 +468,9 @@ class RunConfig:
         self.reward.validate()
         self.env.validate()
         self.eval.validate()
+        if (self.eval.max_new_tokens or 0) > self.rollout.max_new_tokens:
+            _fail("eval", "max_new_tokens", self.eval.max_new_tokens, f"the engines' K/V slots hold "
+                  f"--rollout.max-new-tokens {self.rollout.max_new_tokens} new tokens; give at most that")
         if self.eval.enabled and not self.eval.data and self.data.path is not None:
             _fail("eval", "data", self.eval.data, f"the run trains on the prompt file --data.path {self.data.path}: "
                   "give held-out prompt files with --eval.data PATH [PATH ...]")

@@ -247,6 +247,7 @@ class _Checks:
         table = self._rewards()
         if model_ok and valid:
             self._data(table)
+            self._eval(table)
         if not self.report.problems and (cfg.resume or cfg.resume_or_start):
             self._resume()
         return self.report
@@ -369,6 +370,31 @@ class _Checks:
                         f"--reward.fn {source}=PATH.py:NAME for this data source only)")
                 else:
                     self.report.facts.append(f"reward of {source!r}: {found.name}")
+
+    def _eval(self, table) -> None:
+        """--eval.*: the held-out prompts load and render, and every data source of them has a reward."""
+        cfg, spec = self.cfg, self.report.spec
+        if spec is None or spec.eval_prompts is None:
+            return
+        for path in cfg.eval.data:
+            if not pathlib.Path(path).is_file():
+                self.report.problems.append(f"--eval.data {path}: no such file")
+                return
+        self.say("checking the held-out prompts (--eval.*)")
+        try:
+            prompts = spec.eval_prompts()
+        except (ValueError, OSError) as err:
+            self.report.problems.append(f"--eval.data: {err}" if cfg.eval.data else f"--eval: {err}")
+            return
+        sources = sorted({p.data_source for p in prompts})
+        missing = [s for s in sources if table is not None and table.get(s) is None]
+        if missing and cfg.env.fn is None:
+            self.report.problems.append(f"--eval.data: no reward function for data_source {missing[0]!r}; pass "
+                                        f"--reward.fn {missing[0]}=PATH.py:NAME")
+            return
+        every = f"every {cfg.eval.every_versions} versions" if cfg.eval.every_versions else "once"
+        self.report.facts.append(f"evaluation: {len(prompts)} held-out prompts ({', '.join(sources)}), {every}, "
+                                 f"mean@{cfg.eval.n}, at most {cfg.eval.max_share:g} of an agent's prompts")
 
     def _env(self, tokenizer) -> tuple[bool, list[dict] | None]:
         """(loads, its tools' schemas): --env.fn imports, and observations render with this chat template."""

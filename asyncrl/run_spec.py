@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 import logging
 
-from asyncrl.config import DataConfig, EnvConfig, RunConfig
+from asyncrl.config import DataConfig, EnvConfig, EvalConfig, RunConfig
 from asyncrl.data.files import load_prompt_file
 from asyncrl.data.scoring import Scorer, Workers, decode_ids
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
@@ -26,6 +27,7 @@ from asyncrl.policies.loading import load_tokenizer
 from asyncrl.policies.vllm_engine import build_vllm_engine
 from asyncrl.rewards.plugin import RewardTable, absolute_reward_spec
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engine
+from asyncrl.types import Prompt
 
 __all__ = ["SourceFactory", "ScorerFactory", "EnvSetup", "build_spec", "tokenizer_path", "run_tokenizer", "task_of",
            "with_system", "env_tools"]
@@ -96,23 +98,28 @@ class SourceFactory:
 
     def __call__(self) -> PromptSource:
         if self.data.path is not None:
-            return self._file_source()
+            return DatasetSource(self.file_prompts(), seed=self.data.seed, shuffle=self.data.shuffle)
+        return GeneratedSource(self.task_maker())
+
+    def task_maker(self) -> Callable[[int], Prompt]:
+        """index -> prompt `index` of the built-in task."""
         tokenizer = with_system(run_tokenizer(self.model_path), self.data.system_prompt, env_tools(self.env_fn))
         task = task_of(self.data)
 
-        def make(index: int):
+        def make(index: int) -> Prompt:
             prompt = task.prompt(index, tokenizer)
             if len(prompt.prompt_ids) > self.max_prompt_length:
                 raise ValueError(f"{self.data.task} prompt {index} has {len(prompt.prompt_ids)} tokens > "
                                  f"--rollout.max-prompt-length {self.max_prompt_length}; raise it")
             return prompt
 
-        return GeneratedSource(make)
+        return make
 
-    def _file_source(self) -> DatasetSource:
+    def file_prompts(self, flag: str = "--data.path") -> list[Prompt]:
+        """The rows of the prompt file, rendered and length-filtered."""
         tokenizer = run_tokenizer(self.model_path)
         if tokenizer is None:
-            raise ValueError(f"--data.path {self.data.path} needs a tokenizer to render its prompts, and "
+            raise ValueError(f"{flag} {self.data.path} needs a tokenizer to render its prompts, and "
                              f"--model.path {self.model_path} has none; use a model with a tokenizer, set "
                              "--model.tokenizer, or --data.task toy for random models")
         tokenizer = with_system(tokenizer, None, env_tools(self.env_fn))
@@ -123,12 +130,37 @@ class SourceFactory:
                  self.data.path, stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length,
                  stats["truncated"], stats["empty"])
         if not stats["rows"]:
-            raise ValueError(f"--data.path {self.data.path} holds no rows; check the file")
+            raise ValueError(f"{flag} {self.data.path} holds no rows; check the file")
         if not prompts:
-            raise ValueError(f"--data.path {self.data.path}: all {stats['rows'] - stats['empty']} prompts are longer "
+            raise ValueError(f"{flag} {self.data.path}: all {stats['rows'] - stats['empty']} prompts are longer "
                              f"than --rollout.max-prompt-length {self.max_prompt_length} tokens; raise it or pass "
                              "--data.on-long truncate")
-        return DatasetSource(prompts, seed=self.data.seed, shuffle=self.data.shuffle)
+        return prompts
+
+
+@dataclasses.dataclass
+class EvalPrompts:
+    """The held-out prompts of `--eval.*` (built on rank 0): the rows of every --eval.data file in order, or the
+    training task's prompts under --eval.task-seed; the first --eval.max-prompts of them (the task: 64 unless
+    given)."""
+
+    eval: EvalConfig
+    data: DataConfig
+    model_path: str
+    max_prompt_length: int
+    env_fn: str | None = None
+
+    def __call__(self) -> list[Prompt]:
+        limit = self.eval.max_prompts
+        if not self.eval.data:
+            task_data = dataclasses.replace(self.data, seed=self.eval.task_seed)
+            make = SourceFactory(task_data, self.model_path, self.max_prompt_length, self.env_fn).task_maker()
+            return [make(i) for i in range(limit or 64)]
+        prompts: list[Prompt] = []
+        for path in self.eval.data:
+            rows = dataclasses.replace(self.data, path=path, shuffle=False)
+            prompts += SourceFactory(rows, self.model_path, self.max_prompt_length, self.env_fn).file_prompts("--eval.data")
+        return prompts[:limit]
 
 
 @dataclasses.dataclass
@@ -206,5 +238,7 @@ def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSp
                    trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
                    reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement,
+                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement, eval=cfg.eval,
+                   eval_prompts=EvalPrompts(cfg.eval, cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn)
+                   if cfg.eval.enabled else None,
                    colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")

@@ -66,8 +66,14 @@ class RemoteRoster:
     def submit(self, agent: str, group) -> None:
         self._call("submit", agent, group)
 
+    def submit_eval(self, agent: str, task, completions, rewards) -> None:
+        self._call("submit_eval", agent, task, completions, rewards)
+
     def heartbeat(self, agent: str) -> None:
         self._call("heartbeat", agent)
+
+    def evaluating(self, agent: str) -> bool:
+        return self._call("evaluating", agent)
 
     def agent_failed(self, agent: str, why: str) -> None:
         self._call("agent_failed", agent, why)

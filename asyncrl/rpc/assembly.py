@@ -21,10 +21,11 @@ from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
 from asyncrl.learner import LearnerState, build_learner, shard_model
 from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.runtime.evaluation import EvalBoard
 from asyncrl.runtime.queue import SampleQueue
 from asyncrl.rpc.spec import AgentSpec, RunSpec
 
-__all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine",
+__all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine", "build_evals",
            "resume_checkpoint", "resolve_resume", "ResumeInfo", "resume_info"]
 
 log = logging.getLogger("asyncrl.assembly")
@@ -71,6 +72,15 @@ def build_queue(spec: RunSpec, version: int = 0) -> SampleQueue:
                                              cfg.staleness_threshold, cfg.trigger_parameter_sync_step)
     return SampleQueue(spec.source_factory(), max_required_samples=max_required, version=version, seed=spec.seed,
                        max_version_lag=cfg.max_version_lag, lag_policy=cfg.lag_policy)
+
+
+def build_evals(spec: RunSpec) -> tuple[EvalBoard | None, int]:
+    """The evaluation board of `--eval.*` with its held-out prompts (None when off), and how many of an agent's
+    concurrent prompts may be evaluation prompts (`--eval.max-share`, at least one)."""
+    if spec.eval_prompts is None:
+        return None, 0
+    board = EvalBoard(spec.eval_prompts(), spec.eval, seed=spec.seed, max_new_tokens=spec.rollout.max_new_tokens)
+    return board, max(1, int(spec.eval.max_share * spec.rollout.concurrent_prompts))
 
 
 def build_engine(spec: RunSpec, agent: AgentSpec, slot: int, name: str) -> RolloutEngine:

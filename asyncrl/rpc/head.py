@@ -19,7 +19,8 @@ import torch.distributed.rpc as rpc
 from asyncrl.console import phase
 from asyncrl.planning import layout_of
 from asyncrl.rpc.agent_server import AgentServer
-from asyncrl.rpc.assembly import build_learner_state, build_queue, local_device, resolve_resume, resume_info
+from asyncrl.rpc.assembly import (build_evals, build_learner_state, build_queue, local_device, resolve_resume,
+                                  resume_info)
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
 from asyncrl.runtime.controller import Controller, RunSummary
 from asyncrl.rpc.fleet import Admissions, Fleet
@@ -45,8 +46,10 @@ class _Head:
         self.token, self.nonce = token, nonce
         self.queue = build_queue(spec)
         self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
+        evals, eval_slots = build_evals(spec)
         self.roster = Roster(self.queue, agent_timeout_s=spec.async_.agent_timeout_s,
-                             allow_empty=spec.placement.restart_agents > 0, on_removed=self.fleet.discard)
+                             allow_empty=spec.placement.restart_agents > 0, on_removed=self.fleet.discard,
+                             evals=evals, eval_slots=eval_slots)
         self.roster_rref = rpc.RRef(self.roster)
         payload = dataclasses.replace(spec, log_fn=None)  # what other processes need (no open files)
         followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(payload, r, self.roster_rref),
@@ -65,6 +68,7 @@ class _Head:
         for rref in followers:
             rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)
         self.followers = followers
+        self.resumed_extra: dict = {}
         self.resumed = self._resume()
         self.admissions: Admissions | None = None
         self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
@@ -75,7 +79,8 @@ class _Head:
             keep_checkpoints=spec.keep_checkpoints, stop=stop,
             window_steps=self.resumed.window_steps if self.resumed else 0,
             wall_clock=getattr(spec.log_fn, "wall_s", None),
-            layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.colocate))
+            layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.colocate), evals=evals,
+            resumed_evals=self.resumed_extra.get("evals"))
 
     def _resume(self):
         chosen = resolve_resume(self.spec).resume_from  # the launcher chose it before spawning this process
@@ -83,6 +88,7 @@ class _Head:
             return None
         path = pathlib.Path(chosen)
         extra = self.trainers.load(str(path), self.state)
+        self.resumed_extra = extra
         self.queue.load_state_dict(extra["queue"])
         self.queue.version = self.state.version
         info = resume_info(path, self.state, extra)

@@ -27,8 +27,9 @@ from asyncrl.planning import Layout, layout_of
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.runtime.agent import RolloutAgent
 from asyncrl.rpc.agent_server import heartbeat_period
-from asyncrl.rpc.assembly import build_engine, build_learner_state, resolve_resume, resume_info
+from asyncrl.rpc.assembly import build_engine, build_evals, build_learner_state, resolve_resume, resume_info
 from asyncrl.runtime.controller import Controller, RunSummary
+from asyncrl.runtime.evaluation import EvalBoard
 from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.rpc.param_server import LocalPublisher
 from asyncrl.runtime.queue import SampleQueue
@@ -58,7 +59,7 @@ class LocalRun:
                  log_metrics: Callable[[dict, int], None] | None = None, on_step=None, run_dir: str | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, resume_extra: dict | None = None,
                  stop: StopRequest | None = None, trainer=None, env_setup: Callable[[], EnvRuntime] | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, evals: EvalBoard | None = None, eval_slots: int = 0):
         rollout.validate()
         config.validate()
         self.state, self.engines, self.config = state, engines, config
@@ -70,7 +71,7 @@ class LocalRun:
         if resume_extra is not None:  # a checkpoint's extra: cursor, queued groups, unfinished prompts
             self.queue.load_state_dict(resume_extra["queue"])
             run_state = resume_extra.get("run", {})
-        self.roster = Roster(self.queue, agent_timeout_s=config.agent_timeout_s)
+        self.roster = Roster(self.queue, agent_timeout_s=config.agent_timeout_s, evals=evals, eval_slots=eval_slots)
         self.agents = [RolloutAgent(f"agent{i}", engine, scorer, rollout, self.roster,
                                     colocated=config.colocated and config.colocated_sleep,
                                     heartbeat_s=heartbeat_period(config.agent_timeout_s),
@@ -87,7 +88,8 @@ class LocalRun:
                                      agent_metrics=self._agent_metrics, run_dir=run_dir,
                                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, stop=stop,
                                      window_steps=int(run_state.get("window_steps", 0)),
-                                     wall_clock=getattr(log_metrics, "wall_s", None), layout=layout)
+                                     wall_clock=getattr(log_metrics, "wall_s", None), layout=layout, evals=evals,
+                                     resumed_evals=(resume_extra or {}).get("evals"))
 
     @classmethod
     def from_spec(cls, spec: RunSpec, *, log_metrics=None, on_step=None, stop: StopRequest | None = None,
@@ -104,11 +106,13 @@ class LocalRun:
             if hasattr(log_metrics, "resume"):
                 log_metrics.resume(info.version, info.wall_s)
         engines = [build_engine(spec, agent, slot, f"agent{slot}") for slot, agent in enumerate(spec.agents)]
+        evals, eval_slots = build_evals(spec)
         return cls(state, engines, spec.source_factory(), spec.scorer_factory(), spec.rollout, spec.async_,
                    seed=spec.seed, log_metrics=log_metrics, on_step=on_step, run_dir=spec.run_dir,
                    checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
                    resume_extra=extra, stop=stop, env_setup=spec.env_setup,
-                   layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.async_.colocated))
+                   layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.async_.colocated),
+                   evals=evals, eval_slots=eval_slots)
 
     def _agent_metrics(self) -> dict:
         windows = [a.window_metrics() for a in self.agents if self.roster.is_live(a.name)]

@@ -68,6 +68,8 @@ class SyncRunner:
 
         def run(result: SyncResult, fn: Callable[[], float]) -> None:
             try:
+                while self.roster.evaluating(result.name):  # it keeps its weights until that evaluation ends
+                    time.sleep(self.poll_s)
                 result.seconds = fn()
             except BaseException as err:  # noqa: BLE001 - reported by the caller
                 result.error = err
@@ -88,6 +90,10 @@ class SyncRunner:
                     self.unfinished[name] = results.pop(name)
                     pending.discard(name)
                     late += 1
+                elif status == "live" and self.roster.evaluating(name):  # it finishes them at its version first
+                    log.info("agent %s finishes its evaluation prompts before it takes version %d", name, version)
+                    self.unfinished[name] = results.pop(name)
+                    pending.discard(name)
             if pending:
                 time.sleep(self.poll_s)
         ended = [r for r in self.unfinished.values() if r.done.is_set()]

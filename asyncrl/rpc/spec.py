@@ -11,13 +11,15 @@ from typing import Any, Callable
 
 import torch
 
-from asyncrl.config import AlgorithmConfig, AsyncConfig, LoraConfig, PlacementConfig, RolloutConfig, TrainerConfig
+from asyncrl.config import (AlgorithmConfig, AsyncConfig, EvalConfig, LoraConfig, PlacementConfig, RolloutConfig,
+                            TrainerConfig)
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
 from asyncrl.policies.loading import load_model, random_model
 from asyncrl.policies.model import CausalLM
 from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.types import Prompt
 
 __all__ = ["ModelSpec", "AgentSpec", "RunSpec", "EngineFactory", "build_embedded_engine"]
 
@@ -98,6 +100,10 @@ class RunSpec:
     bucket_mb: int = 256
     colocate: bool = False
     """Host agent i inside trainer rank i's process, on its device (needs one agent per trainer)."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation during training (`--eval.*`)."""
+    eval_prompts: Callable[[], list[Prompt]] | None = None
+    """Builds the held-out prompts on rank 0 (None: no evaluation)."""
     placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """The process and network knobs (`--placement.*`): address, join port, token file, threads per process,
     agent restarts and back-off, the wall-clock cap, user-code workers. The roles this spec runs are

@@ -40,6 +40,7 @@ from asyncrl.data.scoring import RewardError, Scorer
 from asyncrl.envs import EnvRuntime, EpisodeGroup, EpisodeRunner
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
+from asyncrl.runtime.evaluation import EvalTask
 from asyncrl.runtime.queue import Task
 from asyncrl.runtime.reward_tally import group_reward_info
 from asyncrl.runtime.roster import Fenced
@@ -53,11 +54,15 @@ log = logging.getLogger("asyncrl.agent")
 class RosterHandle(Protocol):
     """What an agent calls on the run's roster (rank 0): the `Roster`, or an RPC proxy of it."""
 
-    def request(self, agent: str, n: int) -> list[Task]: ...
+    def request(self, agent: str, n: int) -> list[Task | EvalTask]: ...
 
     def submit(self, agent: str, group: Group) -> None: ...
 
+    def submit_eval(self, agent: str, task: EvalTask, completions: list[Completion], rewards: list[float]) -> None: ...
+
     def heartbeat(self, agent: str) -> None: ...
+
+    def evaluating(self, agent: str) -> bool: ...
 
     def agent_failed(self, agent: str, why: str) -> None: ...
 
@@ -67,7 +72,7 @@ class _Scoring:
     """A prompt's finished completions on their way to the queue: their reward function's scores (a future,
     done at once for sync rewards) and, for episodes, the environment's rewards."""
 
-    task: Task
+    task: Task | EvalTask
     completions: list[Completion]
     future: Future | None
     """Scores of the completions the reward function scores (all, or the episodes whose env gave none)."""
@@ -98,7 +103,8 @@ class RolloutAgent:
         self.roster, self.colocated = roster, colocated
         self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
         self.on_exit = on_exit
-        self.tasks: dict[str, Task] = {}  # engine request id -> task
+        self.tasks: dict[str, Task | EvalTask] = {}  # engine request id -> task
+        self.evaluating = 0  # evaluation prompts generating now
         self.scoring: list[_Scoring] = []  # finished generations being scored, in the order they finished
         self.episodes = EpisodeRunner(engine, env) if env is not None else None
         self.accepting = True
@@ -199,6 +205,15 @@ class RolloutAgent:
         if tasks and getattr(self.engine, "is_sleeping", False):
             self.engine.wake_up()
         for task in tasks:
+            if isinstance(task, EvalTask):  # pinned to the version this engine holds: see begin_sync
+                if self.episodes is not None:
+                    self.episodes.start(task.key, task.prompt, task.params)
+                    key = task.key
+                else:
+                    key = self.engine.add_request(task.prompt.prompt_ids, task.params, request_id=task.key)
+                self.tasks[key] = task
+                self.evaluating += 1
+                continue
             params = SamplingParams(n=self.rollout.n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                     top_k=self.rollout.top_k, max_new_tokens=self.rollout.max_new_tokens,
                                     seed=task.seed)
@@ -213,6 +228,7 @@ class RolloutAgent:
         """Start scoring a finished generation; sync rewards are done at once, async ones (judges, sandboxes)
         run on the scorer's event loop while the engine goes on generating."""
         task = self.tasks.pop(out.request_id)
+        self.evaluating -= isinstance(task, EvalTask)
         future = self.scorer.submit_group(task.prompt, out.completions)
         self.scoring.append(_Scoring(task, out.completions, future))
         self._deliver()
@@ -220,6 +236,7 @@ class RolloutAgent:
     def _submit_episodes(self, episodes: EpisodeGroup) -> None:
         """Score a prompt's ended episodes: the environment's rewards, the reward function where it gave none."""
         task = self.tasks.pop(episodes.key)
+        self.evaluating -= isinstance(task, EvalTask)
         unscored = [c for c, r in zip(episodes.completions, episodes.env_rewards) if r is None]
         future = self.scorer.submit_group(task.prompt, unscored) if unscored else None
         self.scoring.append(_Scoring(task, episodes.completions, future, episodes.env_rewards, episodes.env_stats))
@@ -231,6 +248,9 @@ class RolloutAgent:
             entry = self.scoring.pop(0)
             task = entry.task
             rewards, texts, reward_info = entry.rewards(self.scorer)  # a strict scorer's RewardError ends the loop
+            if isinstance(task, EvalTask):
+                self.roster.submit_eval(self.name, task, entry.completions, rewards)
+                continue
             group = Group(prompt_id=task.prompt_id, prompt_ids=list(task.prompt.prompt_ids),
                           completions=entry.completions, rewards=rewards, data_source=task.prompt.data_source,
                           admitted_version=task.admitted_version,
@@ -243,7 +263,10 @@ class RolloutAgent:
     def begin_sync(self, partial: bool) -> None:
         """Start freezing (partial) or draining (not partial) now, so that every agent of a publication drains
         at once; `pause_for_sync` then waits for it. With episodes the engine is paused only once they have
-        ended: their later turns must still run."""
+        ended: their later turns must still run. While an evaluation of the version this agent holds is open,
+        nothing happens here: `pause_for_sync` first lets it end (evaluations are pinned to a version)."""
+        if self.evaluating or self.roster.evaluating(self.name):
+            return
         if partial:
             self.engine.pause("keep")
             return
@@ -253,25 +276,25 @@ class RolloutAgent:
             self.engine.pause("wait")
 
     def pause_for_sync(self, partial: bool, timeout: float) -> None:
-        """Reach a state where weights can be swapped: frozen (partial) or drained (not partial)."""
+        """Reach a state where weights can be swapped: frozen (partial) or drained (not partial). An open
+        evaluation of the version this agent holds ends first: the loop goes on generating (its evaluation
+        prompts and training prompts, all under these weights) until no prompt of it is left to generate. The
+        publication does not wait for this agent meanwhile (`SyncRunner`)."""
+        deadline = time.monotonic() + timeout
+        while self.evaluating or self.roster.evaluating(self.name):
+            self._check_drain(deadline, timeout, "evaluation prompts")
+            time.sleep(0.05)
         if partial:
             self.engine.pause("keep")
             return
         with self._admission:
             self.accepting = False
-        deadline = time.monotonic() + timeout
         while self.episodes is not None and self.episodes.busy:  # whole episodes, so one version samples each
-            if self.error is not None:
-                raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"agent {self.name}: running episodes did not end within {timeout} s")
+            self._check_drain(deadline, timeout, "episodes")
             time.sleep(0.002)
         self.engine.pause("wait")
         while not self.engine.is_paused:
-            if self.error is not None:
-                raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"agent {self.name}: in-flight generations did not finish within {timeout} s")
+            self._check_drain(deadline, timeout, "generations")
             time.sleep(0.002)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int | None) -> None:
@@ -282,6 +305,12 @@ class RolloutAgent:
         self.engine.update_weights(named_tensors, version, kv=self.rollout.kv_on_update)
         if version is not None:
             self.versions_seen.append(version)
+
+    def _check_drain(self, deadline: float, timeout: float, what: str) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"agent {self.name} failed while draining: {self.error!r}") from self.error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"agent {self.name}: running {what} did not finish within {timeout} s")
 
     def resume(self) -> None:
         self.accepting = True

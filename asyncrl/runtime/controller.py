@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple, Protocol
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
 from asyncrl.planning import Layout
+from asyncrl.runtime.evaluation import EvalBoard
 from asyncrl.runtime.plan_view import runtime_plan
 from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.runtime.queue import QueueTimeout, SampleQueue
@@ -125,7 +126,8 @@ class Controller:
                  agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
                  window_steps: int = 0, wall_clock: Callable[[], float] | None = None, history_limit: int = 1000,
-                 layout: Layout | None = None, plan_every: int = 10):
+                 layout: Layout | None = None, plan_every: int = 10, evals: EvalBoard | None = None,
+                 resumed_evals: dict | None = None):
         config.validate()
         self.queue, self.roster, self.state, self.publisher, self.trainers = queue, roster, state, publisher, trainers
         self.config = config
@@ -144,6 +146,15 @@ class Controller:
         self.started_at_step = state.step
         self.layout, self.plan_every = layout, plan_every  # the run's devices, for the planner's view (None: none)
         self._advised_at: int | None = None  # the version of the last advice logged
+        self.evals = evals  # held-out evaluations, pinned to versions (None: --eval.* off)
+        self._postponed: str | None = None  # an evaluation fell due while another ran: the reason it was due
+        if evals is not None and resumed_evals is not None:
+            for version in evals.load_state_dict(resumed_evals):
+                if version == state.version:  # the checkpoint's weights: run it again
+                    self._evaluate(version, "resumed")
+                else:
+                    log.warning("the evaluation of version %d was running at the checkpoint; its weights are gone, "
+                                "so it is not run again", version)
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -236,6 +247,9 @@ class Controller:
                 steps.append(metrics)
         sync_start = time.monotonic()
         sync = self.publish(self.state.version + 1)
+        evaluated = self._evaluations()
+        if self.evals is not None and (self.evals.due(self.state.version) or self._postponed is not None):
+            self._evaluate(self.state.version, "every" if self.evals.due(self.state.version) else self._postponed)
         metrics = _merge(steps)
         total = time.monotonic() - start
         tokens = sum(m["perf/total_num_tokens"] for m in steps)
@@ -245,7 +259,63 @@ class Controller:
                         "trainer/idle_ratio": sum(m["timing_s/gen"] for m in steps) / total,
                         "timing_s/param_sync_total": time.monotonic() - sync_start, "time/wall_s": self.wall_clock()})
         metrics.update(self._plan(metrics))
+        metrics.update(evaluated)
         return metrics
+
+    # ---------------------------------------------------------------------------------- evaluation
+    def _evaluate(self, version: int, reason: str) -> None:
+        """Open an evaluation of `version`. One due while another runs, or before any live agent holds the
+        version (they were finishing that one: an agent keeps its weights while an evaluation of its version
+        runs), waits for the first publication after which neither holds."""
+        if self.evals is None:
+            return
+        if self.evals.busy() or version not in self.roster.live_versions():
+            if self._postponed is None:
+                log.info("an evaluation fell due at version %d (%s) while the agents finish the last one: it "
+                         "starts at the first version they all can take", version, reason)
+            self._postponed = reason
+            return
+        self._postponed = None
+        if self.evals.schedule(version, reason):
+            log.info("evaluating version %d on %d held-out prompts (%s)", version, len(self.evals.prompts), reason)
+
+    def _evaluations(self) -> dict:
+        """The evaluations that ended since the last call: a log line each; the newest one's metrics for this
+        version's row (an earlier one that ended in the same window gets a row of its own)."""
+        if self.evals is None:
+            return {}
+        outcomes = self.evals.settle(self.roster.live_versions())
+        rows = [{**outcome.metrics(), "val/wall_s": self.wall_clock()} for outcome in outcomes]
+        for outcome in outcomes:
+            log.info(outcome.line())
+        for row in rows[:-1]:
+            self.log_metrics(row, self.state.version)
+        return rows[-1] if rows else {}
+
+    def _bring_agents_to(self, version: int, timeout_s: float) -> None:
+        """Publish `version` again until a live agent holds it (agents that were finishing an evaluation took an
+        older one in the background)."""
+        deadline = time.monotonic() + timeout_s
+        while version not in self.roster.live_versions() and self.roster.live() and time.monotonic() < deadline:
+            self._check()
+            self.publisher.publish(self.state, version)
+            time.sleep(0.05)
+
+    def _finish_evaluations(self, timeout_s: float) -> None:
+        """At the end of training: wait for the open evaluations (the agents still run; no training prompt is
+        admitted any more) and log each as a row of its own."""
+        deadline = time.monotonic() + timeout_s
+        while self.evals is not None and self.evals.busy():
+            self._check()
+            if self.stop.is_set() or time.monotonic() > deadline:
+                log.warning("the run ends with an evaluation unfinished (%s)", self.stop.reason if self.stop.is_set()
+                            else f"not done within {timeout_s:.0f} s")
+                break
+            time.sleep(0.05)
+            metrics = self._evaluations()
+            if metrics:
+                self.log_metrics(metrics, self.state.version)
+                self.history.append({"version": self.state.version, **metrics})
 
     def _plan(self, metrics: dict) -> dict:
         """The planner's view of this version from its own busy times: `plan/*` metrics, and (at most every
@@ -280,6 +350,8 @@ class Controller:
         more."""
         start, budget = time.monotonic(), self.config.time_budget_s
         interrupted = checkpoint = None
+        if self.evals is not None and self.evals.config.at_start and self.state.version == 0:
+            self._evaluate(0, "start")
         while self.state.version < self.config.total_versions:
             if self.stop.is_set():
                 interrupted = self.stop.reason
@@ -299,6 +371,12 @@ class Controller:
                     self.queue.close()  # the last checkpoint is the end of admissions: it carries what is left
                 checkpoint = self.checkpoint()
         self.queue.close()
+        if interrupted is None and self.evals is not None:
+            self._finish_evaluations(self.config.sync_timeout_s)  # the one running
+            if self.evals.config.at_end:
+                self._bring_agents_to(self.state.version, self.config.sync_timeout_s)
+                self._evaluate(self.state.version, "end")
+                self._finish_evaluations(self.config.sync_timeout_s)
         if interrupted is not None:
             log.warning("stopping: %s; finishing at version %d (step %d)", interrupted, self.state.version,
                         self.state.step)
@@ -312,6 +390,8 @@ class Controller:
     def checkpoint(self) -> pathlib.Path:
         queue = self.queue.state_dict()
         extra = {"queue": queue, "run": {"window_steps": self.window_steps, "wall_s": self.wall_clock()}}
+        if self.evals is not None:
+            extra["evals"] = self.evals.state_dict()
         path = self.trainers.checkpoint(str(self.run_dir), self.state, extra, self.keep)
         self.final_books = queue
         log.info("checkpoint %s written (version %d, step %d, %d queued, %d in flight)", pathlib.Path(path).name,

@@ -181,6 +181,12 @@ class EvalBoard:
                                 seed=derive_seed(self.seed, EVAL_STREAM, unit))
         return EvalTask(ev.eval_id, ev.version, unit, self.prompts[unit], params)
 
+    def open_for(self, version: int | None) -> bool:
+        """An evaluation of `version` still has prompts to generate (pending or leased): an agent holding that
+        version keeps it until then."""
+        with self._lock:
+            return any(ev.version == version and (ev.pending or ev.leased) for ev in self._open.values())
+
     def holds(self, agent: str) -> int:
         """Evaluation prompts `agent` holds now."""
         with self._lock:
@@ -216,11 +222,11 @@ class EvalBoard:
     # ---------------------------------------------------------------------------------------- results
     def settle(self, live_versions: set[int]) -> list[EvalOutcome]:
         """Close every evaluation that is done (all prompts evaluated), and every one that cannot go on (prompts
-        left, none leased, and no live agent holds its version: incomplete); return them, oldest first."""
+        left, none leased, and every live agent holds a later version: incomplete); return them, oldest first."""
         with self._lock:
             for eval_id, ev in list(self._open.items()):
                 complete = len(ev.results) == len(self.prompts)
-                stuck = not ev.leased and ev.version not in live_versions
+                stuck = not ev.leased and bool(live_versions) and min(live_versions) > ev.version
                 if complete or stuck:
                     del self._open[eval_id]
                     self._done.append(self._outcome(ev, complete))

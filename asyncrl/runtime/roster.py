@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable, Literal
 
+from asyncrl.runtime.evaluation import EvalBoard, EvalTask
 from asyncrl.runtime.lifecycle import RunFailed
 from asyncrl.runtime.queue import SampleQueue, Task
 from asyncrl.envs.metrics import EnvTally
@@ -64,8 +65,9 @@ class Member:
 class Roster:
     def __init__(self, queue: SampleQueue, *, agent_timeout_s: float, allow_empty: bool = False,
                  on_removed: Callable[[str, str, str], None] | None = None, check_every_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, evals: EvalBoard | None = None, eval_slots: int = 0):
         self.queue, self.agent_timeout_s, self.allow_empty = queue, agent_timeout_s, allow_empty
+        self.evals, self.eval_slots = evals, eval_slots  # held-out evaluations; prompts an agent may hold of them
         self.on_removed = on_removed
         self.check_every_s = check_every_s if check_every_s is not None else min(1.0, agent_timeout_s / 10)
         self.clock = clock
@@ -140,6 +142,21 @@ class Roster:
             member = self.members.get(name)
             return self.clock() - member.last_heard if member is not None else float("inf")
 
+    def live_versions(self) -> set[int]:
+        """The weight versions the live agents hold."""
+        with self.lock:
+            return {m.last_version for m in self.members.values() if m.status == "live" and m.last_version is not None}
+
+    def evaluating(self, name: str) -> bool:
+        """An evaluation of the version `name` holds still has prompts to generate: the agent keeps its weights
+        (and takes evaluation prompts) until it ends."""
+        if self.evals is None:
+            return False
+        with self.lock:
+            member = self.members.get(name)
+            version = member.last_version if member is not None and member.status == "live" else None
+        return version is not None and self.evals.open_for(version)
+
     def name_of(self, pid: int) -> str | None:
         """The agent whose process is `pid` (the newest one, pids can be reused)."""
         with self.lock:
@@ -172,6 +189,8 @@ class Roster:
             empty = not any(m.status in ("live", "joining") for m in self.members.values())
             self.changed.notify_all()
         ids = self.queue.agent_failed(name) if readmit else []
+        if self.evals is not None:
+            self.evals.agent_failed(name)  # its evaluation prompts go to agents holding the same version
         if status == "dead":
             log.error("rollout agent %s is dead (%s); re-admitting its %d in-flight prompts to the others",
                       name, why, len(ids))
@@ -193,14 +212,25 @@ class Roster:
                 raise Fenced(f"agent {agent} is {state}; its {what} are refused")
             member.last_heard = self.clock()
 
-    def request(self, agent: str, n: int) -> list[Task]:
+    def request(self, agent: str, n: int) -> list[Task | EvalTask]:
+        """Up to n prompts: evaluation prompts of the version the agent holds first (while it holds fewer than
+        `eval_slots` of them), then training prompts within the staleness budget."""
         self._heard(agent, "requests")
         if not self.is_live(agent):
             return []  # joining: no prompts before the first weights
+        out: list[Task | EvalTask] = []
+        if self.evals is not None:
+            room = min(n, self.eval_slots - self.evals.holds(agent))
+            if room > 0:
+                with self.lock:
+                    version = self.members[agent].last_version
+                out += self.evals.lease(agent, version, room)
+        if n - len(out) <= 0:
+            return out
         live = len(self.live())
         # fair share of a version's admissions among the live agents (first come would let one take it all)
         share = -(-self.queue.budget.max_required_samples // live) if live > 1 else None
-        return self.queue.request(agent, n, share=share)
+        return out + self.queue.request(agent, n - len(out), share=share)
 
     def submit(self, agent: str, group: Group) -> None:
         self._heard(agent, "submissions")
@@ -209,6 +239,13 @@ class Roster:
         self.envs.add(group.info.env)
         with self.lock:
             self.members[agent].submitted += 1
+
+    def submit_eval(self, agent: str, task: EvalTask, completions: list, rewards: list[float]) -> None:
+        """An evaluation prompt's samples and rewards (refused, and counted, when they carry another version)."""
+        self._heard(agent, "submissions")
+        if self.evals is None or not self.evals.submit(agent, task, completions, rewards):
+            with self.lock:
+                self.counts["eval_refused"] += 1
 
     def heartbeat(self, agent: str) -> None:
         self._heard(agent, "heartbeats")

@@ -61,7 +61,8 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
               max_new_tokens: int = 8, kv_on_update: str = "keep", mini_batch_size: int = 2, n: int = 4,
               max_slots: int = 16, concurrent_prompts: int | None = None, lr: float = 3e-3, seed: int = 0,
               run_dir: str | None = None, checkpoint_every: int = 0, state=None,
-              resume_extra: dict | None = None, reward=even_fraction, env_setup=None) -> LocalRun:
+              resume_extra: dict | None = None, reward=even_fraction, env_setup=None, evals=None,
+              eval_slots: int = 0) -> LocalRun:
     """A LocalRun of the toy task: `engines` engines on CPU, each agent keeping `concurrent_prompts` prompts
     in flight (default max_slots // n); `env_setup` makes every prompt's samples multi-turn episodes."""
     state = state if state is not None else build_state(mini_batch_size, lr)
@@ -73,7 +74,8 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
     rollout = RolloutConfig(n=n, max_new_tokens=max_new_tokens, max_slots=max_slots, max_prompt_length=8,
                             max_concurrent_prompts=concurrent_prompts, kv_on_update=kv_on_update)
     return LocalRun(state, engine_list, source(), scorer(reward), rollout, config, seed=seed, run_dir=run_dir,
-                    checkpoint_every=checkpoint_every, resume_extra=resume_extra, env_setup=env_setup)
+                    checkpoint_every=checkpoint_every, resume_extra=resume_extra, env_setup=env_setup, evals=evals,
+                    eval_slots=eval_slots)
 
 
 class TrainRecorder:

@@ -139,3 +139,39 @@ def test_bad_eval_flags_are_refused_naming_the_flag():
         EvalConfig(data=("held.jsonl",)).validate()
     assert EvalConfig(n=8, temperature=1.0).k_values() == [1, 2, 4, 8]
     assert EvalConfig(n=6, temperature=1.0).k_values() == [1, 2, 4, 6]
+
+
+def test_the_roster_hands_out_evaluation_prompts_within_the_share_and_takes_a_dead_agents_back():
+    """Through the roster: an agent gets evaluation prompts of the version it holds first, at most `eval_slots`
+    at a time, then training prompts; declared dead, its evaluation prompts go to another agent at that version,
+    and its late result is fenced."""
+    from asyncrl.data.sources import GeneratedSource
+    from asyncrl.runtime.queue import SampleQueue, Task
+    from asyncrl.runtime.roster import Fenced, Roster
+
+    queue = SampleQueue(GeneratedSource(lambda i: Prompt([3, i % 50], data_source="sums", index=i)),
+                        max_required_samples=64)
+    b = board(k=4)
+    roster = Roster(queue, agent_timeout_s=60, evals=b, eval_slots=2)
+    for name in ("a", "b"):
+        roster.add(name, live=True)
+        roster.synced(name, 2)
+    assert not roster.evaluating("a")
+    b.schedule(2)
+    assert roster.evaluating("a") and roster.live_versions() == {2}
+    got = roster.request("a", 5)
+    evals = [t for t in got if not isinstance(t, Task)]
+    assert [t.unit for t in evals] == [0, 1] and len(got) == 5  # two evaluation prompts, three training ones
+    assert [t for t in roster.request("a", 2) if not isinstance(t, Task)] == []  # its share is full
+    roster.declare_dead("a", "test")
+    with pytest.raises(Fenced):
+        roster.submit_eval("a", evals[0], samples(2), [1.0, 1.0])
+    again = [t for t in roster.request("b", 8) if not isinstance(t, Task)]
+    assert sorted(t.unit for t in again) == [0, 1]
+    for task in again:
+        roster.submit_eval("b", task, samples(2), [1.0, 0.0])
+    rest = [t for t in roster.request("b", 8) if not isinstance(t, Task)]
+    for task in rest:
+        roster.submit_eval("b", task, samples(2), [1.0, 0.0])
+    [outcome] = b.settle(roster.live_versions())
+    assert outcome.complete and not roster.evaluating("b")

@@ -1,0 +1,89 @@
+"""Evaluation during training (`--eval.*`) in real runs: every evaluated token carries the evaluation's version
+though publications fall in the middle of evaluations, the trainer keeps training while an evaluation runs, the
+metrics carry verl's names, and a resumed run neither repeats nor skips an evaluation."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from asyncrl.config import AsyncConfig, EvalConfig
+from asyncrl.runtime.evaluation import EvalBoard
+from tests.rpc.helpers import local_run, make_prompt
+from tests.run_helpers import cli
+from tests.timing import limit
+
+VERSIONS = 6
+
+
+def test_evaluations_are_pinned_to_their_version_while_training_goes_on(caplog):
+    """Two agents (one slow), stale + partial rollout, an evaluation of 16 prompts × 2 samples every 2 versions,
+    at the start and at the end: every accepted result's tokens carry its evaluation's version, publications
+    happened while evaluations ran (the agents finished their evaluation prompts first, the trainer did not
+    wait), learner steps ran while an evaluation was open, and every evaluation completed."""
+    board = EvalBoard([make_prompt(1000 + i) for i in range(16)],
+                      EvalConfig(every_versions=2, at_start=True, at_end=True, n=2, temperature=1.0), seed=3,
+                      max_new_tokens=8)
+    accepted: list[tuple[int, set[int]]] = []
+    submit = board.submit
+
+    def recording_submit(agent, task, completions, rewards):
+        ok = submit(agent, task, completions, rewards)
+        if ok:
+            accepted.append((task.version, {v for c in completions for v in c.versions}))
+        return ok
+
+    board.submit = recording_submit
+    config = AsyncConfig(total_versions=VERSIONS, staleness_threshold=0.5, trigger_parameter_sync_step=1,
+                         partial_rollout=True, take_timeout_s=limit(60), sync_timeout_s=limit(60))
+    run = local_run(config, engines=2, step_delays=[0.0, 0.01], evals=board, eval_slots=2)
+    busy_at_step: list[bool] = []
+    inner = run.controller.trainers.step
+
+    def step(state, groups):
+        busy_at_step.append(board.busy())
+        return inner(state, groups)
+
+    run.controller.trainers.step = step
+    with caplog.at_level(logging.INFO, logger="asyncrl"):
+        summary = run.run()
+    assert summary.versions == VERSIONS
+    rows = [m for m in summary.history if "val/version" in m]
+    versions = [int(m["val/version"]) for m in rows]
+    # an evaluation due while one runs waits for it (on a busy machine the start's may run up to the end)
+    assert versions[0] == 0 and versions[-1] == VERSIONS and len(set(versions)) == len(versions)
+    for m in rows:
+        assert m["val/complete"] == 1.0 and m["val/prompts"] == 16 and m["val/refused_results"] == 0
+        assert 0.0 <= m["val-core/toy/reward/mean@2"] <= 1.0
+        assert {"val-aux/toy/reward/pass@1", "val-aux/toy/reward/pass@2", "val-aux/toy/response_length/mean",
+                "val/wall_s"} <= m.keys()
+    assert len(accepted) == 16 * len(rows)
+    assert all(tokens == {version} for version, tokens in accepted), accepted
+    assert "finishes its evaluation prompts before it takes version" in caplog.text  # a publication mid-evaluation
+    assert any(busy_at_step), "no learner step ran while an evaluation was open"
+
+
+@pytest.mark.slow
+def test_a_launched_run_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_path):
+    """`asyncrl train` (trainer and two agents in processes): metrics.jsonl holds the evaluations under verl's
+    names; a run stopped at a checkpoint and resumed evaluates no version twice, and the resumed part evaluates
+    too."""
+    run_dir = tmp_path / "run"
+    base = ["train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
+            "--run-dir", str(run_dir), "--placement.agent-devices", "cpu", "cpu", "--checkpoint-every", "2",
+            "--eval.every-versions", "2", "--eval.at-start", "--eval.at-end", "--eval.max-prompts", "8",
+            "--eval.n", "2", "--eval.temperature", "1.0"]
+    first = cli(*base, "--async-training.total-versions", "4", timeout=limit(300))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "eval v0: toy" in first.stdout + first.stderr
+    second = cli(*base, "--async-training.total-versions", "8", "--resume", timeout=limit(300))
+    assert second.returncode == 0, second.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [int(r["val/version"]) for r in rows if "val/version" in r]
+    assert len(evaluated) == len(set(evaluated)), evaluated  # none twice, across the resume
+    assert evaluated[0] == 0 and 8 in evaluated and any(4 < v < 8 for v in evaluated), evaluated
+    for r in rows:
+        if "val/version" in r:
+            assert r["val/complete"] == 1.0 and "val-core/toy/reward/mean@2" in r and "val-aux/toy/reward/pass@2" in r
