@@ -3,7 +3,8 @@
     paths = write_report("runs/cpu-demo")            # PNGs in runs/cpu-demo/report/, runs/cpu-demo/report.md
 
 Figures (each skipped when the run logged none of its metrics):
-  reward.png       critic/score/mean (and reward/accuracy) vs version and vs wall-clock seconds
+  reward.png       critic/score/mean (and reward/accuracy) vs version and vs wall-clock seconds, with the
+                   held-out evaluations (`val-core/<data_source>/reward/mean@N`, `--eval.*`) at their versions
   throughput.png   perf/throughput (trained tokens/s per version window) vs version
   version_lag.png  histogram of trained groups' version lag (training/version_lag/hist/<lag>, summed)
   idle.png         trainer/idle_ratio and rollouter/idle_ratio vs version
@@ -27,6 +28,7 @@ from asyncrl.tracking import read_metrics
 __all__ = ["write_report", "summarize", "report_main"]
 
 REWARD_KEYS = ("critic/score/mean", "reward/accuracy")
+HELD_OUT_PREFIX = "val-core/"
 LAG_PREFIX = "training/version_lag/hist/"
 
 
@@ -65,11 +67,17 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def held_out_keys(rows: list[dict]) -> list[str]:
+    """The held-out evaluation metrics the run logged (`val-core/...`), sorted."""
+    return sorted({k for row in rows for k in row if k.startswith(HELD_OUT_PREFIX)})
+
+
 def summarize(rows: list[dict], run_dir: str | pathlib.Path | None = None) -> dict:
-    """The report's numbers: per reward key first / last / best (value and version), wall time, means."""
-    out: dict = {"versions": len(rows)}
-    for key in REWARD_KEYS:
-        xs, ys = _series(rows, key)
+    """The report's numbers: per reward key (and held-out metric, by evaluated version) first / last / best
+    (value and version), wall time, means."""
+    out: dict = {"versions": len({row.get("step", i) for i, row in enumerate(rows)})}
+    for key in (*REWARD_KEYS, *held_out_keys(rows)):
+        xs, ys = _series(rows, key, x="val/version" if key.startswith(HELD_OUT_PREFIX) else "step")
         if ys:
             best = max(range(len(ys)), key=ys.__getitem__)
             out[key] = {"first": ys[0], "last": ys[-1], "best": ys[best], "best_version": int(xs[best])}
@@ -110,7 +118,8 @@ def _save(fig, path: pathlib.Path) -> pathlib.Path:
 
 def _plot_reward(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
     keys = [k for k in REWARD_KEYS if _series(rows, k)[1]]
-    if not keys:
+    held_out = held_out_keys(rows)
+    if not keys and not held_out:
         return None
     plt = _pyplot()
     fig, (by_version, by_time) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -119,6 +128,11 @@ def _plot_reward(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
         xs, ys = _series(rows, key, x="wall_s")
         if ys:
             by_time.plot(xs, ys, style, marker="o", markersize=3, label=key)
+    for key in held_out:  # each evaluation at the version it evaluated, and when it ended
+        by_version.plot(*_series(rows, key, x="val/version"), ":", marker="s", markersize=4, label=f"held-out {key}")
+        xs, ys = _series(rows, key, x="wall_s")
+        if ys:
+            by_time.plot(xs, ys, ":", marker="s", markersize=4, label=f"held-out {key}")
     by_version.set(xlabel="version", ylabel="reward", title=f"{title}: reward vs version")
     by_time.set(xlabel="wall-clock (s)", title="reward vs wall-clock")
     for ax in (by_version, by_time):
@@ -187,7 +201,7 @@ def _fmt(value, digits: int = 4) -> str:
 def _markdown(run_dir: pathlib.Path, figures: list[tuple[str, pathlib.Path]], summary: dict) -> str:
     lines = [f"# Run report: `{run_dir.name}`", "", f"{summary['versions']} versions logged in "
              f"`{run_dir / 'metrics.jsonl'}`.", "", "## Summary", "", "| metric | value |", "|---|---|"]
-    for key in REWARD_KEYS:
+    for key in (*REWARD_KEYS, *(k for k in summary if k.startswith(HELD_OUT_PREFIX))):
         if key in summary:
             s = summary[key]
             lines += [f"| {key} first | {_fmt(s['first'])} |", f"| {key} last | {_fmt(s['last'])} |",

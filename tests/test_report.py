@@ -131,3 +131,21 @@ def test_cli_help_run_and_bad_dir(run_dir, tmp_path):
     out = cli("report", str(tmp_path / "missing-run"))
     assert out.returncode != 0
     assert f"{tmp_path / 'missing-run' / 'metrics.jsonl'}" in out.stderr
+
+
+def test_held_out_evaluations_are_summarized_by_their_version_and_plotted(tmp_path):
+    """Evaluation rows (`--eval.*`): their own rows at the step they ended in, x = the version they evaluated;
+    the summary tabulates first / last / best held-out accuracy and counts versions, not rows."""
+    rows = synthetic_rows()
+    rows.insert(1, {"step": 1, "wall_s": 12.0, "val/version": 0, "val-core/sums/reward/mean@1": 0.25})
+    rows.append({"step": 4, "wall_s": 44.0, "val/version": 4, "val-core/sums/reward/mean@1": 0.75})
+    rows[3].update({"val/version": 2, "val-core/sums/reward/mean@1": 0.5})
+    s = summarize(rows)
+    assert s["versions"] == 4
+    assert s["val-core/sums/reward/mean@1"] == {"first": 0.25, "last": 0.75, "best": 0.75, "best_version": 4}
+    assert s["critic/score/mean"]["best_version"] == 4
+    paths = write_report(write_rows(tmp_path / "run", rows))
+    assert "reward.png" in {p.name for p in paths}
+    assert "| val-core/sums/reward/mean@1 best | 0.75 (version 4) |" in paths[-1].read_text()
+    reward_only = [{"step": 1, "wall_s": 3.0, "val/version": 0, "val-core/sums/reward/mean@1": 0.1}]
+    assert [p.name for p in write_report(write_rows(tmp_path / "eval-only", reward_only))] == ["reward.png", "report.md"]
