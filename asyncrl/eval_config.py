@@ -13,9 +13,9 @@ __all__ = ["EvalConfig"]
 @dataclasses.dataclass
 class EvalConfig:
     """Held-out evaluation while training: every evaluation is pinned to one weight version (its prompts are
-    generated with that version's weights alone: an agent finishes its evaluation prompts before it takes new
-    weights) and runs on the rollout agents beside the training prompts, within `max_share` of each agent's
-    prompts, so the trainer keeps training. Metrics use verl's names (`val-core/<data_source>/reward/mean@N`)."""
+    generated with that version's weights alone: an agent keeps its weights until the evaluation of its version
+    ends) and runs on the rollout agents beside the training prompts, within `max_share` of each agent's
+    sequence slots, so the trainer keeps training. Metrics use verl's names (`val-core/<data_source>/reward/mean@N`)."""
 
     data: tuple[str, ...] = ()
     """Held-out prompt files (.jsonl / .parquet, --data.path's format). Empty: the training task's prompts drawn
@@ -37,8 +37,8 @@ class EvalConfig:
     max_prompts: int | None = None
     """Evaluate the first M prompts of the held-out data (None: all of them)."""
     max_share: float = 0.25
-    """At most this share of an agent's concurrent prompts (--rollout.concurrent-prompts) are evaluation
-    prompts; the rest keep generating training samples."""
+    """At most this share of an agent's sequence slots (--rollout.max-slots) hold evaluation samples; the rest
+    keep generating training samples."""
     success_threshold: float = 1.0
     """A sample counts as correct for pass@k when its reward reaches this."""
 
@@ -67,7 +67,7 @@ class EvalConfig:
         if self.max_prompts is not None and self.max_prompts < 1:
             _fail(owner, "max_prompts", self.max_prompts, "must be >= 1, or unset for every held-out prompt")
         if not 0 < self.max_share <= 1:
-            _fail(owner, "max_share", self.max_share, "must lie in (0, 1]: the share of an agent's prompts")
+            _fail(owner, "max_share", self.max_share, "must lie in (0, 1]: the share of an agent's sequence slots")
         if self.data and not self.enabled:
             _fail(owner, "data", " ".join(self.data), f"nothing schedules an evaluation of it: add "
                   f"{flag(owner, 'every_versions')} K, {flag(owner, 'at_start')} or {flag(owner, 'at_end')}")

@@ -394,7 +394,7 @@ class _Checks:
             return
         every = f"every {cfg.eval.every_versions} versions" if cfg.eval.every_versions else "once"
         self.report.facts.append(f"evaluation: {len(prompts)} held-out prompts ({', '.join(sources)}), {every}, "
-                                 f"mean@{cfg.eval.n}, at most {cfg.eval.max_share:g} of an agent's prompts")
+                                 f"mean@{cfg.eval.n}, at most {cfg.eval.max_share:g} of an agent's sequence slots")
 
     def _env(self, tokenizer) -> tuple[bool, list[dict] | None]:
         """(loads, its tools' schemas): --env.fn imports, and observations render with this chat template."""

@@ -75,12 +75,13 @@ def build_queue(spec: RunSpec, version: int = 0) -> SampleQueue:
 
 
 def build_evals(spec: RunSpec) -> tuple[EvalBoard | None, int]:
-    """The evaluation board of `--eval.*` with its held-out prompts (None when off), and how many of an agent's
-    concurrent prompts may be evaluation prompts (`--eval.max-share`, at least one)."""
+    """The evaluation board of `--eval.*` with its held-out prompts (None when off), and how many evaluation
+    prompts an agent may hold at once: `--eval.max-share` of its sequence slots, in prompts of `--eval.n`
+    samples (at least one)."""
     if spec.eval_prompts is None:
         return None, 0
     board = EvalBoard(spec.eval_prompts(), spec.eval, seed=spec.seed, max_new_tokens=spec.rollout.max_new_tokens)
-    return board, max(1, int(spec.eval.max_share * spec.rollout.concurrent_prompts))
+    return board, max(1, int(spec.eval.max_share * spec.rollout.max_slots) // spec.eval.n)
 
 
 def build_engine(spec: RunSpec, agent: AgentSpec, slot: int, name: str) -> RolloutEngine:
