@@ -246,6 +246,12 @@ class _HangingHandle:
     def agent_failed(self, agent, why):
         self.roster.agent_failed(agent, why)
 
+    def evaluating(self, agent):
+        return self.roster.evaluating(agent)
+
+    def submit_eval(self, agent, task, completions, rewards):
+        self.roster.submit_eval(agent, task, completions, rewards)
+
     def submit(self, agent, group):
         self.submitted += 1
         if self.submitted == self.after:

@@ -19,6 +19,11 @@ class FakeRoster:
     def silent_for(self, name: str) -> float:
         return self.silent[name]
 
+    def evaluating(self, name: str) -> bool:
+        return name in self.evaluating_now
+
+    evaluating_now: set[str] = frozenset()
+
 
 def test_a_silent_agent_is_left_behind_and_its_sync_settles_later():
     release = threading.Event()
@@ -51,3 +56,24 @@ def test_a_sync_of_an_agent_that_heartbeats_is_waited_for():
         {"agent0": lambda: float(slow.wait(limit(5)))}, version=1)
     assert late == 0 and results[0].seconds == 1.0 and results[0].error is None
     assert late_after(120.0) == 5.0 and late_after(3.0) == 3.0
+
+
+def test_an_agent_finishing_an_evaluation_syncs_after_it_without_holding_the_publication():
+    """An evaluation of the version an agent holds is open: the publication does not wait for that agent, whose
+    sync starts only once the evaluation has ended (its evaluated tokens all carry the old version)."""
+    roster = FakeRoster({"agent0": 0.0, "agent1": 0.0})
+    roster.evaluating_now = {"agent1"}
+    runner = SyncRunner(roster, late_after_s=late_after(10.0), poll_s=0.001)
+    started = threading.Event()
+
+    def sync() -> float:
+        started.set()
+        return 1.0
+
+    results, late = runner.run({"agent0": lambda: 0.5, "agent1": sync}, version=4)
+    assert late == 0 and [r.name for r in results] == ["agent0"] and runner.busy() == {"agent1"}
+    assert not started.wait(0.05)  # held back while the evaluation runs
+    roster.evaluating_now = set()
+    assert started.wait(limit(5)) and runner.unfinished["agent1"].done.wait(limit(5))
+    results, _ = runner.run({}, version=5)
+    assert [(r.name, r.version, r.seconds) for r in results] == [("agent1", 4, 1.0)]
