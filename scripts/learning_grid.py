@@ -17,12 +17,23 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
     lag-rejected    lag-corrected, and tokens whose π_prox/μ lies outside [1/2, 2] get no loss (token rejection)
     lag-m2po        the same lag, decoupled PPO with M2PO's second-moment trust region instead of weights: the
                     fewest tokens of largest (log π_prox − log μ)² get no loss, keeping the step's mean below 0.04
+    lag-dec-m2      lag-corrected with M = 2 updates per learner step: the step's groups split into 2 mini-batches
+                    of half the size, one optimizer step each, π_prox recomputed once before the first, so from the
+                    second update on π_θ ≠ π_prox and the decoupled clip acts (verl's ppo_mini_batch_size)
+    lag-dec-m4      the same with M = 4 (mini-batches of a quarter)
+    lag-m2po-m4     lag-m2po with M = 4
+
+Every cell trains `--mini-batch-size` groups per learner step; a cell of M updates per step does so as M
+mini-batches of `--mini-batch-size` / M groups (`--async-training.require-batches M`), so versions, samples
+and the rollout's admission per version (hence the lag in versions) are those of the one-update cells.
 
 A run ends with a checkpoint, which is evaluated on prompts of another task seed (`--eval-seed`) at the
 training temperature. Per cell: the final evaluation accuracy and the training reward over the last quarter
-of the steps, mean ± std over seeds, and the version lag that was actually trained on. Writes one directory
-per run (its metrics.jsonl and result.json), then results.json, learning_grid.md and learning_grid.png to
---out. A run whose result.json exists is not run again: an interrupted grid resumes where it stopped.
+of the steps, mean ± std over seeds, the version lag that was actually trained on, and the run's means of the
+PPO clip fraction and of the behaviour/proximal mismatch KL (only the cells that recompute π_prox record it).
+Writes one directory per run (its metrics.jsonl and result.json), then results.json, learning_grid.md and
+learning_grid.png to --out. A run whose result.json exists is not run again: an interrupted grid resumes where
+it stopped.
 """
 
 from __future__ import annotations
@@ -44,14 +55,18 @@ from asyncrl.config import (
 __all__ = ["GridArgs", "CELLS", "CORRECTIONS", "cell_config", "run_one", "aggregate", "table", "run_grid"]
 
 CELLS: dict[str, dict] = {
-    "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="none"),
-    "stale-partial": dict(staleness=0.5, trigger=4, partial=True, colocated=False, correction="none"),
-    "lag-naive": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none"),
-    "lag-corrected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis"),
-    "lag-rejected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis+rs"),
-    "lag-m2po": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po"),
+    "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="none", updates=1),
+    "stale-partial": dict(staleness=0.5, trigger=4, partial=True, colocated=False, correction="none", updates=1),
+    "lag-naive": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none", updates=1),
+    "lag-corrected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=1),
+    "lag-rejected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis+rs", updates=1),
+    "lag-m2po": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po", updates=1),
+    "lag-dec-m2": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=2),
+    "lag-dec-m4": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=4),
+    "lag-m2po-m4": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po", updates=4),
 }
-"""Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS."""
+"""Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS; updates = optimizer steps
+per learner step (mini-batches of --mini-batch-size / updates groups)."""
 
 CORRECTIONS: dict[str, OffPolicyConfig] = {
     "none": OffPolicyConfig(),
@@ -79,7 +94,7 @@ class GridArgs:
     system_prompt: str = "Reply with the result only."
     n: int = 8
     mini_batch_size: int = 16
-    """Prompts per learner step."""
+    """Prompts per learner step (a cell of M updates per step trains them as M mini-batches)."""
     steps: int = 96
     """Learner steps of every run (a multiple of every cell's trigger)."""
     lag: float = 6.0
@@ -117,6 +132,10 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
     if args.steps % k["trigger"]:
         raise ValueError(f"--steps {args.steps}: must be a multiple of {cell}'s trigger ({k['trigger']}) so that "
                          "every cell trains the same number of samples")
+    updates = k["updates"]
+    if args.mini_batch_size % updates:
+        raise ValueError(f"--mini-batch-size {args.mini_batch_size}: must be a multiple of {cell}'s updates per "
+                         f"step ({updates}) so that its mini-batches add up to the same prompts per learner step")
     trainer, rollout = args.devices
     off_policy = dataclasses.replace(CORRECTIONS[k["correction"]])
     staleness = args.lag if k["staleness"] is None else k["staleness"]
@@ -127,12 +146,12 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               max_prompt_length=args.max_prompt_length, max_slots=args.slots),
-        trainer=TrainerConfig(mini_batch_size=args.mini_batch_size, temperature=args.temperature,
+        trainer=TrainerConfig(mini_batch_size=args.mini_batch_size // updates, temperature=args.temperature,
                               max_response_length=args.max_new_tokens, off_policy=off_policy,
                               max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                               optim=OptimConfig(lr=args.lr)),
         async_training=AsyncConfig(staleness_threshold=staleness, trigger_parameter_sync_step=k["trigger"],
-                                   partial_rollout=k["partial"], colocated=k["colocated"],
+                                   partial_rollout=k["partial"], colocated=k["colocated"], require_batches=updates,
                                    total_versions=args.steps // k["trigger"], sync_timeout_s=args.sync_timeout_s),
         placement=PlacementConfig(launcher="rpc", trainer_devices=(trainer,),
                                   agent_devices=(trainer if k["colocated"] else rollout,),
@@ -173,11 +192,12 @@ def run_one(args: GridArgs, cell: str, seed: int) -> dict:
         raise RuntimeError(f"{cell} seed {seed}: the run stopped early ({summary.interrupted}) at step "
                            f"{summary.steps}; see {cfg.run_dir}")
     train_s = time.time() - start
-    curve = _curve(pathlib.Path(cfg.run_dir), args.mini_batch_size * args.n)
+    samples_per_step = cfg.trainer.mini_batch_size * cfg.async_training.require_batches * cfg.rollout.n
+    curve = _curve(pathlib.Path(cfg.run_dir), samples_per_step)
     tail = [c for c in curve if c["step"] > 0.75 * args.steps and c["reward"] is not None]
     lags = [c["lag_mean"] for c in curve if c["lag_mean"] is not None]
     result = {"cell": cell, "seed": seed, "steps": summary.steps, "train_s": train_s,
-              "samples": summary.steps * args.mini_batch_size * args.n,
+              "samples": summary.steps * samples_per_step,
               "train_reward_last_quarter": statistics.fmean(c["reward"] for c in tail),
               "lag_mean": statistics.fmean(lags) if lags else 0.0,
               "lag_max": max((c["lag_max"] or 0 for c in curve), default=0),
@@ -193,8 +213,20 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _run_mean(run: dict, key: str) -> float | None:
+    """The mean of one curve column over a run's steps (None: the run did not record it)."""
+    values = [c[key] for c in run["curve"] if c.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _cell_mean(runs: list[dict], key: str) -> float | None:
+    values = [v for v in (_run_mean(r, key) for r in runs) if v is not None]
+    return statistics.fmean(values) if values else None
+
+
 def aggregate(results: list[dict]) -> list[dict]:
-    """Per cell (in CELLS order): seeds, eval accuracy and last-quarter training reward as (mean, std), lag."""
+    """Per cell (in CELLS order): seeds, eval accuracy and last-quarter training reward as (mean, std), lag,
+    and the mean over steps and seeds of the clip fraction and the mismatch KL (None where not recorded)."""
     rows = []
     for cell in CELLS:
         mine = [r for r in results if r["cell"] == cell]
@@ -207,20 +239,26 @@ def aggregate(results: list[dict]) -> list[dict]:
                      "lag_mean": statistics.fmean(r["lag_mean"] for r in mine),
                      "lag_max": max(r["lag_max"] for r in mine),
                      "train_s": statistics.fmean(r["train_s"] for r in mine),
+                     "clipfrac": _cell_mean(mine, "clipfrac"), "mismatch_kl": _cell_mean(mine, "mismatch_kl"),
                      "per_seed": [round(r["eval"]["accuracy"], 3) for r in sorted(mine, key=lambda r: r["seed"])]})
     return rows
 
 
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
 def table(rows: list[dict], initial: dict | None) -> str:
     lines = ["| cell | seeds | trained samples | eval accuracy (mean ± std) | per seed | train reward, last quarter "
-             "| version lag mean / max | train s |", "|" + "---|" * 8]
+             "| version lag mean / max | train s | pg_clipfrac | mismatch KL |", "|" + "---|" * 10]
     if initial is not None:
-        lines.append(f"| initial model | – | 0 | {initial['accuracy']:.3f} | – | – | – | – |")
+        lines.append(f"| initial model | – | 0 | {initial['accuracy']:.3f} | – | – | – | – | – | – |")
     for r in rows:
         (acc, acc_sd), (rew, rew_sd) = r["eval_accuracy"], r["train_reward"]
         lines.append(f"| {r['cell']} | {len(r['seeds'])} | {r['samples']:,} | {acc:.3f} ± {acc_sd:.3f} | "
                      f"{' / '.join(f'{a:.3f}' for a in r['per_seed'])} | {rew:.3f} ± {rew_sd:.3f} | "
-                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {r['train_s']:.0f} |")
+                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {r['train_s']:.0f} | {_num(r.get('clipfrac'))} | "
+                     f"{_num(r.get('mismatch_kl'))} |")
     return "\n".join(lines)
 
 

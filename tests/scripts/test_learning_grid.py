@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from asyncrl.algos.staleness import verl_max_required_samples
 from scripts.learning_grid import CELLS, GridArgs, aggregate, cell_config, table
 from tests.run_helpers import ROOT
 from tests.timing import limit
@@ -33,15 +34,42 @@ def test_cells_train_equal_samples_with_their_mode_lag_and_correction():
     assert naive.use_rollout_log_probs and naive.is_level == "none" and naive.rs_stat == "none"
     assert not corrected.use_rollout_log_probs and corrected.is_level == "token" and corrected.rs_stat == "none"
     assert not rejected.use_rollout_log_probs and rejected.rs_stat == "k1" and rejected.rs_upper == 2.0
+    m2po = configs["lag-m2po"].trainer.off_policy
+    assert not m2po.use_rollout_log_probs and m2po.m2_threshold == 0.04
+
+
+def test_cells_of_several_updates_split_the_same_prompts_per_step_into_mini_batches():
+    # 16 prompts per learner step either way: M mini-batches of 16 / M groups, one optimizer step each, so the
+    # versions (96), samples (96 × 16 × 8 = 12,288) and the rollout's admission per version are the same
+    args = GridArgs(steps=96, lag=6.0, mini_batch_size=16, n=8)
+    one = cell_config(args, "lag-corrected", seed=0)
+    for cell, updates, correction in (("lag-dec-m2", 2, "tis"), ("lag-dec-m4", 4, "tis"), ("lag-m2po-m4", 4, "m2po")):
+        cfg = cell_config(args, cell, seed=0)
+        cfg.validate()
+        a, t = cfg.async_training, cfg.trainer
+        assert (a.require_batches, t.mini_batch_size) == (updates, 16 // updates), cell
+        assert (a.staleness_threshold, a.trigger_parameter_sync_step, a.partial_rollout, a.total_versions) == \
+            (6.0, 1, False, 96), cell
+        # admitted per version: int(mini × require_batches × (1 + 6) × 1) = 112 prompts, as with one update
+        assert verl_max_required_samples(t.mini_batch_size, a.require_batches, 6.0, 1) == \
+            verl_max_required_samples(16, 1, 6.0, 1) == 112
+        assert not t.off_policy.use_rollout_log_probs, cell  # decoupled: π_prox recomputed before the updates
+        if correction == "tis":
+            assert t.off_policy == one.trainer.off_policy, cell
+        else:
+            assert t.off_policy.m2_threshold == 0.04 and t.off_policy.is_level == "none", cell
+    assert cell_config(args, "lag-corrected", 0).async_training.require_batches == 1
+    with pytest.raises(ValueError, match="--mini-batch-size 6: must be a multiple of lag-dec-m4's updates"):
+        cell_config(GridArgs(mini_batch_size=6), "lag-dec-m4", 0)
     with pytest.raises(ValueError, match="--steps 10"):
         cell_config(GridArgs(steps=10), "stale-partial", 0)
     with pytest.raises(ValueError, match="--cells async"):
         cell_config(args, "async", 0)
 
 
-def _result(cell: str, seed: int, accuracy: float, reward: float, lag: float) -> dict:
+def _result(cell: str, seed: int, accuracy: float, reward: float, lag: float, curve=()) -> dict:
     return {"cell": cell, "seed": seed, "samples": 128, "train_s": 10.0, "train_reward_last_quarter": reward,
-            "lag_mean": lag, "lag_max": int(lag) + 1, "eval": {"accuracy": accuracy}, "curve": []}
+            "lag_mean": lag, "lag_max": int(lag) + 1, "eval": {"accuracy": accuracy}, "curve": list(curve)}
 
 
 def test_summary_is_mean_and_std_over_seeds_in_cell_order():
@@ -53,25 +81,37 @@ def test_summary_is_mean_and_std_over_seeds_in_cell_order():
     assert sync["eval_accuracy"] == pytest.approx((0.8, 0.1414213), rel=1e-5)
     assert naive["train_reward"] == pytest.approx((0.3, 0.1414213), rel=1e-5)
     assert naive["per_seed"] == [0.3, 0.5] and naive["lag_mean"] == pytest.approx(5.75) and naive["lag_max"] == 7
+    assert sync["clipfrac"] is None and sync["mismatch_kl"] is None  # no curve recorded them
     text = table(rows, {"accuracy": 0.05})
     assert "| initial model | – | 0 | 0.050 |" in text and "| sync | 2 | 128 | 0.800 ± 0.141 | 0.700 / 0.900 |" in text
+    assert text.splitlines()[3].endswith("| 10 | – | – |")
+
+
+def test_clip_fraction_and_mismatch_kl_are_means_over_steps_then_seeds():
+    # seed 0 steps clip 0.01, 0.03 -> 0.02; seed 1 -> 0.04: cell 0.03. KL is recorded by seed 0's second step
+    # only (a step without it is skipped, not counted as 0): 0.2
+    curves = [[{"clipfrac": 0.01, "mismatch_kl": None}, {"clipfrac": 0.03, "mismatch_kl": 0.2}],
+              [{"clipfrac": 0.04}, {"clipfrac": 0.04}]]
+    rows = aggregate([_result("lag-dec-m4", s, 0.5, 0.5, 5.8, curve) for s, curve in enumerate(curves)])
+    assert rows[0]["clipfrac"] == pytest.approx(0.03) and rows[0]["mismatch_kl"] == pytest.approx(0.2)
+    assert table(rows, None).splitlines()[2].endswith("| 0.0300 | 0.2000 |")
 
 
 @pytest.mark.slow
 def test_a_tiny_grid_runs_end_to_end(tmp_path):
     out = tmp_path / "grid"
     cmd = [sys.executable, "-m", "scripts.learning_grid", "--model", "random:tiny-smollm2", "--tokenizer", "smollm2",
-           "--cells", "lag-corrected", "--seeds", "0", "--steps", "2", "--lag", "1", "--n", "2",
+           "--cells", "lag-dec-m2", "--seeds", "0", "--steps", "2", "--lag", "1", "--n", "2",
            "--mini-batch-size", "2", "--max-new-tokens", "4", "--slots", "8", "--eval-prompts", "2", "--eval-n", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit(300),
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "lag-corrected" / "seed0" / "result.json").read_text())
+    result = json.loads((out / "lag-dec-m2" / "seed0" / "result.json").read_text())
     assert result["steps"] == 2 and result["samples"] == 8 and result["eval"]["samples"] == 4
     assert [c["step"] for c in result["curve"]] == [1, 2] and result["curve"][-1]["mismatch_kl"] is not None
-    assert not (out / "lag-corrected" / "seed0" / "checkpoints").exists()  # evaluated, then removed
-    assert "| lag-corrected | 1 | 8 |" in (out / "learning_grid.md").read_text()
+    assert not (out / "lag-dec-m2" / "seed0" / "checkpoints").exists()  # evaluated, then removed
+    assert "| lag-dec-m2 | 1 | 8 |" in (out / "learning_grid.md").read_text()
     assert (out / "initial.json").is_file() and (out / "learning_grid.png").stat().st_size > 10_000
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit(120),
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
