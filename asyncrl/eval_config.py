@@ -19,7 +19,8 @@ class EvalConfig:
 
     data: tuple[str, ...] = ()
     """Held-out prompt files (.jsonl / .parquet, --data.path's format). Empty: the training task's prompts drawn
-    with --eval.task-seed (a prompt-file run needs --eval.data)."""
+    with --eval.task-seed; a run on a prompt file (--data.path) then evaluates nothing, and the checks before
+    launch say so."""
     task_seed: int = 1_000_003
     """Seed of the built-in task's evaluation prompts (without --eval.data): another stream than --data.seed's."""
     every_versions: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from asyncrl.config import (
-    GRPO, AsyncConfig, DataConfig, EnvConfig, LoraConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig,
+    GRPO, AsyncConfig, DataConfig, EnvConfig, EvalConfig, LoraConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig,
     RolloutConfig, RunConfig, TrainerConfig,
 )
 
@@ -23,8 +23,11 @@ CPU_DEMO = RunConfig(
     placement=PlacementConfig(launcher="rpc", trainer_devices=("cpu",), agent_devices=("cpu",)),
     run_dir="runs/cpu-demo",
     checkpoint_every=20,  # the last version: `asyncrl eval --model runs/cpu-demo/checkpoints/step_00000020`
+    eval=EvalConfig(every_versions=5, at_start=True, at_end=True, max_prompts=32, max_share=0.5),
 )
-"""SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async."""
+"""SmolLM2-135M-Instruct learns single-digit sums on a 2-core CPU: 1 trainer + 1 rollout process, fully async.
+It evaluates 32 held-out sums (greedy, another task seed than training's) at versions 0, 5, 10, 15 and 20 on the
+agent beside training; `--eval.every-versions 0 --eval.no-at-start --eval.no-at-end` turns that off."""
 
 CPU_DEMO_LORA = dataclasses.replace(
     CPU_DEMO,

@@ -12,6 +12,10 @@ from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+NO_EVAL = ("--eval.every-versions", "0", "--eval.no-at-start", "--eval.no-at-end")
+"""cpu-demo evaluates held-out prompts by default; runs that test something else turn it off (their metrics rows
+are then training rows only)."""
+
 
 def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> subprocess.CompletedProcess:
     """`asyncrl ARGS...` in a subprocess (through `python -m asyncrl.cli`, so PATH does not matter), with one
@@ -45,7 +49,7 @@ def tiny_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.getbasetemp() / "shared-tiny-run"
     if not (run_dir / "summary.json").is_file():
         out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
-                  "--async-training.total-versions", "3", "--checkpoint-every", "3", "--wandb", "off",
+                  "--async-training.total-versions", "3", "--checkpoint-every", "3", "--wandb", "off", *NO_EVAL,
                   "--run-dir", str(run_dir), timeout=limit(240))
         assert out.returncode == 0, out.stderr[-3000:]
     return run_dir

@@ -23,11 +23,12 @@ from asyncrl.learner import train_step
 from asyncrl.policies.lora import LORA_TARGETS, is_adapter_name
 from asyncrl.preflight import preflight
 from asyncrl.resume_check import check_resume, run_record
+from tests.run_helpers import NO_EVAL
 from tests.test_lora_learner import MODEL, groups_for, learner, params
 from tests.tolerances import forward_tol
 
 IDS = torch.tensor([[5, 9, 13, 2, 7, 11, 40, 41], [3, 3, 8, 1, 0, 4, 6, 200]])
-TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
+TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL]
 
 
 def _run_dir(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -22,8 +22,9 @@ from asyncrl.presets import PRESETS
 from asyncrl.resume_check import check_resume, data_fingerprint, run_record
 from asyncrl.types import Prompt
 from tests.dist_helpers import build, trainer_config
+from tests.run_helpers import NO_EVAL
 
-TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
+TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL]
 
 
 # ------------------------------------------------------------------- the optimizer takes this run's settings

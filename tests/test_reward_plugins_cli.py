@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 
+from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
         "--rollout.n", "2", "--rollout.max-new-tokens", "4", "--trainer.mini-batch-size", "6",
-        "--async-training.total-versions", "2"]
+        "--async-training.total-versions", "2", *NO_EVAL]
 SOURCES = ("verl", "ours", "judge", "raises", "nan", "slow")
 
 PLUGINS = {

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import time
 
-from tests.run_helpers import ROOT
+from tests.run_helpers import NO_EVAL, ROOT
 from tests.timing import limit
 
 # the toy task on a tiny random model: a version takes a fraction of a second, so runs are about time, not work
-TOY = ("--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off")
+TOY = ("--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL)
 
 
 def alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ import socket
 
 import pytest
 
+from asyncrl.eval_config import EvalConfig
 from asyncrl.rpc.exposure import RunToken, bind_address, is_loopback, listening_socket, new_token, read_token
 from asyncrl.rpc.launch import free_port
 from tests.rpc.jobs import TOY, Job
@@ -217,7 +218,7 @@ def _toy_config(tmp_path, **placement):
     base = PRESETS["cpu-demo"][1]
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, path="random:tiny-qwen2"),
-        data=dataclasses.replace(base.data, task="toy"), run_dir=str(tmp_path / "run"),
+        data=dataclasses.replace(base.data, task="toy"), run_dir=str(tmp_path / "run"), eval=EvalConfig(),
         placement=dataclasses.replace(base.placement, **placement))
 
 

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import AsyncConfig
 from asyncrl.planning import Layout
 from tests.rpc.helpers import TrainRecorder, local_run
-from tests.run_helpers import cli, tiny_run
+from tests.run_helpers import NO_EVAL, cli, tiny_run
 from tests.timing import limit
 
 PLAN_KEYS = {"plan/trainer_idle_predicted", "plan/rollout_idle_predicted", "plan/trained_tok_s_predicted",
@@ -67,7 +67,7 @@ def _plan_rows(run_dir) -> list[dict]:
 
 def test_the_launchers_give_the_controller_the_runs_layout(tmp_path, tmp_path_factory):
     out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--placement.launcher",
-              "local", "--async-training.total-versions", "2", "--wandb", "off", "--run-dir", str(tmp_path / "local"),
+              "local", "--async-training.total-versions", "2", "--wandb", "off", *NO_EVAL, "--run-dir", str(tmp_path / "local"),
               timeout=limit(240))
     assert out.returncode == 0, out.stderr[-3000:]
     for run_dir in (tmp_path / "local", tiny_run(tmp_path_factory)):  # the in-process and multi-process launchers

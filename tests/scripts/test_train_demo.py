@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-from tests.run_helpers import torchrun_port
+from tests.run_helpers import NO_EVAL, torchrun_port
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def test_help_lists_presets_and_fields():
 def test_tiny_fully_async_run_writes_metrics(tmp_path):
     run_dir = tmp_path / "run"
     out = _run("-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
-               "--async-training.total-versions", "3", "--wandb", "off", "--run-dir", str(run_dir))
+               "--async-training.total-versions", "3", "--wandb", "off", *NO_EVAL, "--run-dir", str(run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -53,7 +53,7 @@ def test_torchrun_launch_runs_the_same_roles(tmp_path):
     run_dir = tmp_path / "torchrun"
     out = _run("-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(torchrun_port()),
                "-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
-               "--async-training.total-versions", "2", "--wandb", "off", "--run-dir", str(run_dir),
+               "--async-training.total-versions", "2", "--wandb", "off", *NO_EVAL, "--run-dir", str(run_dir),
                "--placement.launcher", "torchrun", "--placement.agent-devices", "cpu", "cpu")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
