@@ -331,15 +331,30 @@ def run_model(checkpoint: str | pathlib.Path) -> dict | None:
     return None
 
 
+def run_hub(checkpoint: str | pathlib.Path, field: str) -> str | None:
+    """The commit a run recorded for a Hub name of `field` ("model.path"), None without one."""
+    checkpoint = pathlib.Path(checkpoint)
+    for file in (checkpoint / RUN_CONFIG, checkpoint.resolve().parent.parent / "config.json"):
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))["_hub"][field]["commit"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
 def _base_source(checkpoint: str | pathlib.Path, base: str | None) -> tuple[str, int]:
+    """(the local path of a LoRA checkpoint's base, its seed): --base, else the run's --model.path (a Hub name
+    resolved at the commit the run recorded)."""
+    from asyncrl.hub import local_model_path
     if base is not None:
-        return base, 0
+        return local_model_path(base, "--base"), 0
     model = run_model(checkpoint)
     if model is None:
         raise ValueError(f"{checkpoint} holds LoRA adapters, and its base model is not recorded (no "
                          "run_config.json in it, no config.json in its run directory); pass --base PATH, the "
                          "--model.path it trained from")
-    return model["path"], int(model.get("seed") or 0)
+    return (local_model_path(model["path"], "the run's --model.path", run_hub(checkpoint, "model.path")),
+            int(model.get("seed") or 0))
 
 
 def lora_base_weights(checkpoint: str | pathlib.Path, config, base: str | None = None) -> dict[str, Tensor]:

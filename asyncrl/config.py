@@ -243,9 +243,18 @@ class DataConfig:
     """Where prompts come from: a prompt file (`path`) or a built-in procedural task (`task`)."""
 
     path: str | None = None
-    """A .jsonl or .parquet prompt file (verl's row format, see `asyncrl data inspect`). When set, `task`,
-    `digits` and `operators` are ignored. GSM8K: `asyncrl data convert-gsm8k --src train.jsonl --out
-    data/gsm8k/train.parquet`."""
+    """A .jsonl or .parquet prompt file (verl's row format, see `asyncrl data inspect`), or a Hugging Face Hub
+    dataset split, hf:ORG/NAME[@REVISION][:[CONFIG/]SPLIT] (e.g. hf:openai/gsm8k:main/train). When set, `task`,
+    `digits` and `operators` are ignored. GSM8K: `asyncrl data convert-gsm8k --src hf:openai/gsm8k:main/train
+    --out data/gsm8k/train.parquet`, or the raw split with --data.prompt-key question --data.answer-key answer
+    --data.data-source openai/gsm8k."""
+    prompt_key: str = "prompt"
+    """The rows' field holding the prompt: a message list or a plain string (verl `data.prompt_key`)."""
+    answer_key: str | None = None
+    """The rows' field holding the reference answer, dotted for a nested one (None: verl's
+    reward_model.ground_truth, or ground_truth beside a plain-string prompt)."""
+    data_source: str | None = None
+    """The data_source of every row (it picks the reward function), in place of the rows' own field."""
     on_long: Literal["filter", "truncate"] = "filter"
     """Prompt files: drop prompts longer than --rollout.max-prompt-length tokens, or keep their last tokens."""
     on_empty: Literal["refuse", "drop"] = "refuse"
@@ -272,7 +281,13 @@ class DataConfig:
                   "prompt file; for GSM8K make one with `asyncrl data convert-gsm8k --src gsm8k/train.jsonl "
                   "--out data/gsm8k/train.parquet`")
         if not self.path.endswith((".jsonl", ".parquet")):
-            _fail("data", "path", self.path, "must be a .jsonl or .parquet file")
+            _fail("data", "path", self.path, "must be a .jsonl or .parquet file, or a Hub dataset "
+                  "hf:ORG/NAME[@REVISION][:[CONFIG/]SPLIT]")
+        for field in ("prompt_key", "answer_key", "data_source"):
+            value = getattr(self, field)
+            if value is not None and not value.strip():
+                _fail("data", field, repr(value), "must be a non-empty field name" if field != "data_source"
+                      else "must be a non-empty name, or unset to read each row's")
 
 
 @dataclasses.dataclass
@@ -428,6 +443,13 @@ class RunConfig:
     """Check the configuration, the data, the model, the devices and the rewards, print the resolved
     configuration and exit without starting any process."""
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates held-out prompts: --eval.* schedules evaluations and has prompts for them
+        (--eval.data, or the built-in task's; a prompt-file run without --eval.data has none, and the checks
+        before launch say so)."""
+        return self.eval.enabled and (bool(self.eval.data) or self.data.path is None)
+
     def validate(self) -> None:
         self.model.validate()
         self.data.validate()
@@ -471,9 +493,6 @@ class RunConfig:
         if (self.eval.max_new_tokens or 0) > self.rollout.max_new_tokens:
             _fail("eval", "max_new_tokens", self.eval.max_new_tokens, f"the engines' K/V slots hold "
                   f"--rollout.max-new-tokens {self.rollout.max_new_tokens} new tokens; give at most that")
-        if self.eval.enabled and not self.eval.data and self.data.path is not None:
-            _fail("eval", "data", self.eval.data, f"the run trains on the prompt file --data.path {self.data.path}: "
-                  "give held-out prompt files with --eval.data PATH [PATH ...]")
         if self.checkpoint_every < 0:
             _fail("run", "checkpoint_every", self.checkpoint_every, "must be >= 0")
         if (self.model.path.startswith("random:") and self.model.tokenizer is None

@@ -33,8 +33,9 @@ from typing import Literal, Sequence
 import torch
 from tqdm import tqdm
 
-from asyncrl.checkpoint import export_hf
+from asyncrl.checkpoint import export_hf, run_hub, run_model
 from asyncrl.config import DataConfig
+from asyncrl.hub import dataset_name, local_model_path, resolve_dataset
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
 from asyncrl.preflight import check_devices, check_model_path
 from asyncrl.run_spec import ScorerFactory, SourceFactory
@@ -69,12 +70,14 @@ def _tokenizer_source(model: str, tokenizer: str | None, data: DataConfig) -> st
     if data.task == "toy":
         return "random:"  # token-level prompts and rewards: the scorer must see ids, not decoded text
     if tokenizer is not None:
-        source = tokenizer
+        source = local_model_path(tokenizer, "--tokenizer")
     elif is_checkpoint(model):
         source = _run_model_path(pathlib.Path(model))
         if source is None:
             raise ValueError(f"--model {model}: the checkpoint has no run config.json next to its checkpoints/ "
                              "directory to take the tokenizer from; pass --tokenizer PATH")
+        field = "model.tokenizer" if (run_model(model) or {}).get("tokenizer") else "model.path"
+        source = local_model_path(source, "the run's --" + field, run_hub(model, field))
     else:
         source = model
     if source.startswith("random:") or (pathlib.Path(source).is_dir() and not any(
@@ -138,6 +141,9 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
         if not ok:
             shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
             raise ValueError(f"--{name.replace('_', '-')} {shown} is invalid: must be {want}")
+    model = local_model_path(model, "--model")  # a Hub name: its snapshot in the local cache
+    if dataset_name(data.path) is not None:
+        data = dataclasses.replace(data, path=resolve_dataset(data.path, "--data.path").path)
     _check_model(model)
     for problem in check_devices({"--device": (device,)}):
         raise ValueError(problem)

@@ -28,8 +28,9 @@ import torch
 import tyro
 from safetensors.torch import save_file
 
-from asyncrl.checkpoint import _load_learner_file, describe_checkpoint, export_hf, run_model
+from asyncrl.checkpoint import _load_learner_file, describe_checkpoint, export_hf, run_hub, run_model
 from asyncrl.evaluate import is_checkpoint
+from asyncrl.hub import local_model_path
 from asyncrl.run_spec import run_tokenizer
 
 __all__ = ["ExportArgs", "export_main", "export_adapters"]
@@ -84,8 +85,10 @@ class ExportArgs:
 def _tokenizer(args: ExportArgs):
     """The tokenizer to write beside the weights, None when there is none to write."""
     model = run_model(args.checkpoint) or {}
+    field = "model.tokenizer" if model.get("tokenizer") else "model.path"
     source = args.tokenizer or model.get("tokenizer") or args.base or model.get("path")
-    return run_tokenizer(source) if source else None
+    commit = run_hub(args.checkpoint, field) if source == model.get(field.split(".")[1]) else None
+    return run_tokenizer(local_model_path(source, "the tokenizer", commit)) if source else None
 
 
 def export(args: ExportArgs) -> tuple[pathlib.Path, str]:

@@ -27,6 +27,8 @@ from asyncrl.data.files import load_prompt_file
 from asyncrl.device_checks import known_model_config, check_devices, check_tensor_parallel
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
 from asyncrl.flags import flag
+from asyncrl.hub import Resolved, model_name
+from asyncrl.hub_run import resolve_run_names
 from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
 from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
 from asyncrl.policies.vllm_engine import vllm_missing
@@ -36,7 +38,7 @@ from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.run_dir import overwrite_note, owns_run_dir, run_dir_problem
-from asyncrl.run_spec import build_spec, run_tokenizer, task_of, tokenizer_path, with_system
+from asyncrl.run_spec import build_spec, row_keys, run_tokenizer, task_of, tokenizer_path, with_system
 
 __all__ = ["CheckedRun", "preflight", "check_devices", "check_model_path", "check_run_dir", "check_tensor_parallel",
            "check_lora"]
@@ -54,6 +56,8 @@ class CheckedRun:
     """What was checked and found fine ("data: 7473 rows, 7473 kept")."""
     spec: RunSpec | None = None
     """The run `config` describes (`asyncrl.run_spec.build_spec`), built once; None when it did not validate."""
+    named: dict[str, Resolved] = dataclasses.field(default_factory=dict)
+    """The Hub names `config` was given, by field, and what they resolved to (`config` holds the local paths)."""
 
     @property
     def ok(self) -> bool:
@@ -144,6 +148,8 @@ class _Checks:
         self.cfg, self.say, self.report = cfg, say, CheckedRun(cfg)
 
     def run(self) -> CheckedRun:
+        if not self._hub_names():
+            return self.report
         cfg = self.cfg
         try:
             cfg.validate()
@@ -177,6 +183,23 @@ class _Checks:
         if not self.report.problems and (cfg.resume or cfg.resume_or_start):
             self._resume()
         return self.report
+
+    def _hub_names(self) -> bool:
+        """Hub names (`asyncrl.hub`) resolve to local files before any other check reads them; False (with the
+        problem) when one does not."""
+        if any(model_name(p) for p in (self.cfg.model.path, self.cfg.model.tokenizer)) or any(
+                p and p.startswith("hf:") for p in (self.cfg.data.path, *self.cfg.eval.data)):
+            self.say("resolving Hugging Face Hub names through the local cache")
+        try:
+            self.cfg, self.report.named = resolve_run_names(self.cfg)
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return False
+        self.report.config = self.cfg
+        for field, resolved in self.report.named.items():
+            self.report.facts.append(f"{field.split('[')[0]}: {resolved.given} resolved to commit {resolved.commit[:12]} "
+                                     f"of {resolved.name.repo_id} ({resolved.path})")
+        return True
 
     def _devices(self) -> None:
         placement = self.cfg.placement
@@ -300,6 +323,11 @@ class _Checks:
     def _eval(self, table) -> None:
         """--eval.*: the held-out prompts load and render, and every data source of them has a reward."""
         cfg, spec = self.cfg, self.report.spec
+        if cfg.eval.enabled and not cfg.evaluates:
+            self.report.notes.append(
+                f"evaluation: none: the run trains on the prompt file --data.path {cfg.data.path} and no "
+                "--eval.data names held-out prompts; pass --eval.data PATH [PATH ...] to evaluate (or turn the "
+                "schedule off: --eval.every-versions 0 --eval.no-at-start --eval.no-at-end)")
         if spec is None or spec.eval_prompts is None:
             return
         for path in cfg.eval.data:
@@ -368,9 +396,10 @@ class _Checks:
             prompts, stats = load_prompt_file(cfg.data.path, with_system(tokenizer, None, tools),
                                               max_prompt_length=cfg.rollout.max_prompt_length,
                                               on_long=cfg.data.on_long, on_empty=cfg.data.on_empty,
-                                              system_prompt=cfg.data.system_prompt)
+                                              system_prompt=cfg.data.system_prompt, keys=row_keys(cfg.data))
         except ValueError as err:
-            self.report.problems.append(str(err))
+            named = self.report.named.get("data.path")
+            self.report.problems.append(f"--data.path {named.given}: {err}" if named else str(err))
             return None
         if not stats["rows"]:
             self.report.problems.append(f"--data.path {cfg.data.path}: holds no rows")
@@ -435,7 +464,7 @@ class _Checks:
             return
         if found is None:
             return
-        check = check_resume(self.cfg, found)
+        check = check_resume(self.cfg, found, named=self.report.named)
         self.report.problems += check.problems
         self.report.notes += check.notes + ([check.line] if check.line and not check.problems else [])
         newest = list_checkpoints(self.cfg.run_dir)[-1:]

@@ -43,6 +43,7 @@ from asyncrl import algorithm_config
 from asyncrl.checkpoint import RUN_CONFIG
 from asyncrl.config import DataConfig, RunConfig
 from asyncrl.flags import algorithm_command, flag, shown
+from asyncrl.hub_run import named_record
 
 __all__ = ["FIXED", "DATA", "HARMLESS", "ResumeCheck", "config_record", "data_fingerprint", "run_record",
            "check_resume"]
@@ -266,9 +267,10 @@ def _read_json(file: pathlib.Path) -> dict | None:
         return None
 
 
-def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path) -> ResumeCheck:
+def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path, *, named: dict | None = None) -> ResumeCheck:
     """Compare `cfg` (and its data) with what the checkpoint directory recorded: its meta.json's algorithm and
-    its copy of the run's config.json (see the module docstring for what is refused, applied or harmless)."""
+    its copy of the run's config.json (see the module docstring for what is refused, applied or harmless).
+    `named`: the Hub names `cfg` was resolved from (`asyncrl.hub_run`), compared as names."""
     checkpoint = pathlib.Path(checkpoint)
     check = ResumeCheck(checkpoint.name.removesuffix(".old"))
     saved = _read_json(checkpoint / RUN_CONFIG)
@@ -285,7 +287,7 @@ def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path) -> ResumeCheck:
         check.notes.append(f"{check.name} holds no copy of its run's config (written by an older asyncrl, or not "
                            "by `asyncrl train`): this run's config and data are not compared with it")
         return check
-    now = run_record(cfg)
+    now = named_record(run_record(cfg), named or {})
     old, new = _leaves(saved), _leaves(now)
     old.setdefault("lora.rank", 0)  # a run from before LoRA trained full weights
     if not old["lora.rank"] and not new["lora.rank"]:  # no LoRA on either side: its other knobs are unused

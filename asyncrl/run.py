@@ -15,6 +15,7 @@ import time
 import torch
 
 from asyncrl.config import RunConfig
+from asyncrl.hub_run import named_record
 from asyncrl.console import Console, phase
 from asyncrl.preflight import CheckedRun, preflight
 from asyncrl.resume_check import config_record, run_record
@@ -38,11 +39,12 @@ REWARDS = BUILTIN_REWARDS
 --reward.fn (`asyncrl.rewards.plugin`)."""
 
 
-def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> tuple[pathlib.Path, RunSpec]:
+def _prepare_run_dir(cfg: RunConfig, spec: RunSpec, named: dict) -> tuple[pathlib.Path, RunSpec]:
     """Before anything starts (rank 0 of a torchrun job only): refuse a new run into a used run directory
     (`asyncrl.run_dir`), delete the old run with --overwrite, settle the checkpoint a resume reads (and refuse
-    a resume without one: the spec comes back with it chosen), and write config.json: the config and its data
-    fingerprint (`asyncrl.resume_check`), which each checkpoint copies."""
+    a resume without one: the spec comes back with it chosen), and write config.json: the config (with the Hub
+    names it was given, and their commits: `asyncrl.hub_run`) and its data fingerprint (`asyncrl.resume_check`),
+    which each checkpoint copies."""
     run_dir = pathlib.Path(cfg.run_dir)
     if not owns_run_dir(cfg):
         return run_dir, spec
@@ -53,7 +55,7 @@ def _prepare_run_dir(cfg: RunConfig, spec: RunSpec) -> tuple[pathlib.Path, RunSp
         phase(f"--overwrite: deleted {', '.join(removed)} from {run_dir}")
     spec = resolve_resume(spec)  # a resume without a checkpoint is refused before anything starts
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(run_record(cfg), indent=2))
+    (run_dir / "config.json").write_text(json.dumps(named_record(run_record(cfg), named), indent=2))
     return run_dir, spec
 
 
@@ -71,10 +73,11 @@ def train(run: RunConfig | CheckedRun) -> RunSummary | None:
         for note in checked.notes:
             log.info("note: %s", note)
     cfg = checked.config
-    run_dir, spec = _prepare_run_dir(cfg, checked.spec)
+    run_dir, spec = _prepare_run_dir(cfg, checked.spec, checked.named)
     console = Console(total=cfg.async_training.total_versions, time_budget_s=cfg.async_training.time_budget_s,
                       warn_share=cfg.reward.error_warn_share)
-    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb), run_config=config_record(cfg),
+    tracker = Tracker(TrackingConfig(run_dir=cfg.run_dir, wandb=cfg.wandb),
+                      run_config=named_record(config_record(cfg), checked.named),
                       console=console)
     _announce(spec, cfg.placement.launcher)
     spec = dataclasses.replace(spec, log_fn=tracker)

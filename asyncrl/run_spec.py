@@ -17,7 +17,7 @@ from typing import Callable
 import logging
 
 from asyncrl.config import DataConfig, EnvConfig, EvalConfig, RunConfig
-from asyncrl.data.files import load_prompt_file
+from asyncrl.data.files import RowKeys, load_prompt_file
 from asyncrl.data.scoring import Scorer, Workers, decode_ids
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
@@ -30,7 +30,7 @@ from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engin
 from asyncrl.types import Prompt
 
 __all__ = ["SourceFactory", "ScorerFactory", "EnvSetup", "build_spec", "tokenizer_path", "run_tokenizer", "task_of",
-           "with_system", "env_tools"]
+           "row_keys", "with_system", "env_tools"]
 
 log = logging.getLogger("asyncrl.run")  # the data line is part of a run's start-up log, as before the move
 
@@ -125,7 +125,7 @@ class SourceFactory:
         tokenizer = with_system(tokenizer, None, env_tools(self.env_fn))
         prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
                                           on_long=self.data.on_long, on_empty=self.data.on_empty,
-                                          system_prompt=self.data.system_prompt)
+                                          system_prompt=self.data.system_prompt, keys=row_keys(self.data))
         log.info("data: %s: %d rows, %d kept, %d filtered (longer than %d tokens), %d truncated, %d empty dropped",
                  self.data.path, stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length,
                  stats["truncated"], stats["empty"])
@@ -136,6 +136,11 @@ class SourceFactory:
                              f"than --rollout.max-prompt-length {self.max_prompt_length} tokens; raise it or pass "
                              "--data.on-long truncate")
         return prompts
+
+
+def row_keys(data: DataConfig) -> RowKeys:
+    """Where --data.path's rows keep their prompt and answer (--data.prompt-key / answer-key / data-source)."""
+    return RowKeys(prompt=data.prompt_key, answer=data.answer_key, data_source=data.data_source)
 
 
 @dataclasses.dataclass
@@ -240,5 +245,5 @@ def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSp
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement, eval=cfg.eval,
                    eval_prompts=EvalPrompts(cfg.eval, cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn)
-                   if cfg.eval.enabled else None,
+                   if cfg.evaluates else None,
                    colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")

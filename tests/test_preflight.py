@@ -15,11 +15,12 @@ from asyncrl.config import RunConfig
 from asyncrl.flags import as_flags
 from asyncrl.preflight import check_devices, check_model_path, check_run_dir, preflight
 from asyncrl.presets import PRESETS
+from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off"]
-TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off"]
+TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL]
+TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off", *NO_EVAL]
 
 
 def asyncrl(*args, cwd=ROOT, timeout=limit(300)):
@@ -162,6 +163,25 @@ def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(
     parsed = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1], args=args)
     assert parsed.rollout.temperature == 0.7 and parsed.trainer.temperature is None
     assert parsed.data.path == str(data) and as_flags(parsed) == as_flags(parsed)
+
+
+def test_cpu_demos_evaluation_needs_held_out_files_on_a_prompt_file_run(tmp_path, smollm2_tokenizer):
+    """cpu-demo evaluates held-out sums of its task; trained on a prompt file instead, it has no held-out prompts
+    unless --eval.data names some: the run goes ahead without evaluating and the checks say so, naming the flag."""
+    import tyro
+    data = rows_file(tmp_path / "d.jsonl", [row(source="mine")] * 8)
+    base = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
+            "--reward.fn", "mine=asyncrl.rewards.arithmetic:arithmetic_reward", "--run-dir", str(tmp_path / "run")]
+    report = preflight(tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1], args=[*base, "--data.path", str(data)]))
+    assert report.ok and report.spec.eval_prompts is None, report.problems
+    [note] = [n for n in report.notes if n.startswith("evaluation: none")]
+    assert f"--data.path {data}" in note and "pass --eval.data PATH" in note
+    held = rows_file(tmp_path / "held.jsonl", [row(source="mine")] * 3)
+    report = preflight(tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1],
+                                args=[*base, "--data.path", str(data), "--eval.data", str(held)]))
+    assert report.ok and len(report.spec.eval_prompts()) == 3, report.problems
+    assert not [n for n in report.notes if n.startswith("evaluation")]
+    assert any(f.startswith("evaluation: 3 held-out prompts (mine), every 5 versions") for f in report.facts)
 
 
 def test_the_trainer_takes_the_rollout_temperature():

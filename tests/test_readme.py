@@ -104,16 +104,20 @@ def test_the_readme_says_exactly_which_of_its_commands_run():
 @pytest.fixture
 def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
     """A fresh directory with what the README's commands expect around them: GSM8K's raw files (here its
-    test split under both names) and the examples."""
+    test split under both names), the examples, and a Hugging Face cache (hf-home, read offline) holding the
+    Hub model and dataset the README names (tests/hub_helpers.py)."""
+    from tests.hub_helpers import readme_hub
     (tmp_path / "gsm8k").mkdir()
     for name in ("train.jsonl", "test.jsonl"):
         shutil.copy(gsm8k_test_file, tmp_path / "gsm8k" / name)
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    rows = [json.loads(line) for line in gsm8k_test_file.read_text().splitlines()]
+    readme_hub(tmp_path / "hf-home", smollm2_tokenizer, rows)
     return tmp_path
 
 
 def _run(args: list[str], cwd: pathlib.Path, timeout: float = limit(600)):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
 

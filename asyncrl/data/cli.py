@@ -13,6 +13,7 @@ from typing import Annotated
 import tyro
 
 from asyncrl.data.files import GSM8K_INSTRUCTION, convert_gsm8k, load_prompt_file
+from asyncrl.hub import dataset_name, model_name, resolve_dataset, resolve_model
 from asyncrl.policies.loading import load_tokenizer
 from asyncrl.preflight import check_model_path
 
@@ -27,21 +28,29 @@ def convert_gsm8k_command(
     instruction: Annotated[str, tyro.conf.arg(metavar="TEXT", help_behavior_hint="(default: verl's: "
                                               f"{GSM8K_INSTRUCTION})")] = GSM8K_INSTRUCTION,
 ) -> None:
-    """Convert a GSM8K JSONL file to verl's row format (user prompt, data_source "openai/gsm8k", ground truth).
+    """Convert GSM8K to verl's row format (user prompt, data_source "openai/gsm8k", ground truth).
 
     Args:
-        src: The GSM8K file (one {"question", "answer"} object per line, the answer ending in "#### N").
+        src: The GSM8K split: a .jsonl or .parquet file of {"question", "answer"} rows (the answer ending in
+            "#### N"), or its Hub name, hf:openai/gsm8k:main/train (through the local Hugging Face cache).
         out: Where to write the rows: a .parquet or .jsonl path (parent directories are created).
         instruction: Appended to every question after a space.
     """
-    count = convert_gsm8k(src, out, instruction=instruction)
+    count = convert_gsm8k(_local_data(src, "--src"), out, instruction=instruction)
     print(f"wrote {count} rows to {out}")
+
+
+def _local_data(path: str, flag: str) -> str:
+    """A prompt file's local path: the file itself, or a Hub dataset split's file (`asyncrl.hub`)."""
+    return resolve_dataset(path, flag).path if dataset_name(path) else path
 
 
 def _tokenizer(model: str):
     if model.startswith("random:"):
         raise ValueError(f"--model {model}: random models have no tokenizer; give 'smollm2', an HF model directory "
                          "or a .gguf file")
+    if model_name(model) is not None:
+        model = resolve_model(model, "--model").path
     problem, _ = check_model_path(model, "--model")
     if problem is not None:
         raise ValueError(problem)
@@ -62,14 +71,16 @@ def inspect_command(path: Annotated[str, tyro.conf.Positional, tyro.conf.arg(met
     Every row is validated and rendered through the model's chat template, as `asyncrl train --data.path` does.
 
     Args:
-        path: A .jsonl or .parquet prompt file.
-        model: Tokenizer and chat template: 'smollm2' (packaged), an HF model directory or a .gguf file.
+        path: A .jsonl or .parquet prompt file, or a Hub dataset split (hf:ORG/NAME[@REVISION][:[CONFIG/]SPLIT]).
+        model: Tokenizer and chat template: 'smollm2' (packaged), an HF model directory, a Hub name
+            (ORG/NAME[@REVISION]) or a .gguf file.
         max_prompt_length: Count the prompts longer than this (rollout.max_prompt_length filters them).
         system_prompt: System message for rows without one (data.system_prompt).
         examples: How many rendered prompts to print.
     """
     tokenizer = _tokenizer(model)
-    prompts, stats = load_prompt_file(path, tokenizer, max_prompt_length=sys.maxsize, system_prompt=system_prompt)
+    prompts, stats = load_prompt_file(_local_data(path, "PATH"), tokenizer, max_prompt_length=sys.maxsize,
+                                      system_prompt=system_prompt)
     print(f"{path}: {stats['rows']} rows")
     if not prompts:
         return

@@ -22,12 +22,17 @@ last words and the template's generation prompt (`<|im_start|>assistant\\n`) —
 `truncation="left"`. A left-truncated prompt loses its system message and the start of the question, so
 filtering is the default; truncation is for data sets with a few overlong rows you'd rather keep.
 
+Rows of other shapes (a Hub dataset's `question` / `answer` columns) are read through `RowKeys` (the
+`--data.prompt-key / answer-key / data-source` flags): which field holds the prompt and the reference answer,
+and the data_source to give every row.
+
 `convert_gsm8k` writes the GSM8K files (`question`, `answer` ending in "#### N") in verl's format, the
 same rows as verl's `examples/data_preprocess/gsm8k.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -42,7 +47,7 @@ from asyncrl.types import Prompt
 
 __all__ = [
     "read_jsonl", "read_parquet", "write_rows", "rows_to_prompts", "load_prompt_file", "convert_gsm8k",
-    "GSM8K_INSTRUCTION", "SUFFIXES",
+    "GSM8K_INSTRUCTION", "SUFFIXES", "RowKeys",
 ]
 
 OnLong = Literal["filter", "truncate"]
@@ -123,6 +128,44 @@ def write_rows(rows: Sequence[Mapping[str, Any]], out_path: str | os.PathLike) -
     return len(rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowKeys:
+    """Where a row keeps its prompt and reference answer, and the data_source every row gets (None: its own)."""
+
+    prompt: str = "prompt"
+    answer: str | None = None
+    """A field name, dotted for a nested one ("reward_model.ground_truth"); None: the row format's."""
+    data_source: str | None = None
+
+    def apply(self, row, where: str):
+        """The row in the format `_parse_row` reads (the row itself when every key is the default)."""
+        if self == RowKeys() or not isinstance(row, Mapping):
+            return row
+        out = dict(row)
+        if self.prompt != "prompt":
+            if self.prompt not in row:
+                raise ValueError(f"{where}: missing field {self.prompt!r} (--data.prompt-key); the row's fields: "
+                                 f"{_field_names(row)}")
+            out["prompt"] = row[self.prompt]
+        if self.answer is not None:
+            value = row
+            for part in self.answer.split("."):
+                if not isinstance(value, Mapping) or part not in value:
+                    raise ValueError(f"{where}: missing field {self.answer!r} (--data.answer-key); the row's fields: "
+                                     f"{_field_names(row)}")
+                value = value[part]
+            reward_model = row.get("reward_model") if isinstance(row.get("reward_model"), Mapping) else {}
+            out["ground_truth"], out["reward_model"] = value, {**reward_model, "ground_truth": value}
+        if self.data_source is not None:
+            out["data_source"] = self.data_source
+        return out
+
+
+def _field_names(row: Mapping) -> str:
+    names = ", ".join(map(str, row))
+    return names if len(names) <= 200 else names[:200] + "..."
+
+
 def _ground_truth(value, where: str, field: str) -> str:
     if value is None:
         raise ValueError(f"{where}: missing field '{field}'; {_FORMATS}")
@@ -138,7 +181,9 @@ def _parse_row(row, where: str) -> tuple[str | list[dict], str, str]:
         raise ValueError(f"{where}: expected a row object, got {type(row).__name__}; {_FORMATS}")
     prompt = row.get("prompt")
     if prompt is None:
-        raise ValueError(f"{where}: missing field 'prompt'; {_FORMATS}")
+        raise ValueError(f"{where}: missing field 'prompt'; {_FORMATS}; or name the row's fields with "
+                         f"--data.prompt-key / --data.answer-key / --data.data-source (the row's fields: "
+                         f"{_field_names(row)})")
     if isinstance(prompt, str):
         ground_truth = _ground_truth(row.get("ground_truth"), where, "ground_truth")
     elif isinstance(prompt, (list, tuple)):
@@ -193,7 +238,7 @@ def _row_extras(row: Mapping, where: str) -> tuple[dict, dict]:
 
 def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prompt_length: int,
                     on_long: OnLong = "filter", on_empty: OnEmpty = "refuse", system_prompt: str | None = None,
-                    line_numbers: Sequence[int] | None = None) -> tuple[list[Prompt], dict]:
+                    line_numbers: Sequence[int] | None = None, keys: RowKeys = RowKeys()) -> tuple[list[Prompt], dict]:
     """Render rows (either format, see the module docstring) into `Prompt`s through the chat template.
 
     Args:
@@ -202,6 +247,7 @@ def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prom
       on_empty: a row whose prompt (its last message) is empty or blank raises ("refuse") or is left out ("drop").
       system_prompt: system message for rows without one of their own.
       line_numbers: the JSONL line of each row, for error messages (default: `row I`, counted from 0).
+      keys: where the rows keep their prompt and answer, and the data_source to give them (`RowKeys`).
 
     Returns:
       (prompts, stats) with stats {"rows", "kept", "filtered_too_long", "truncated", "empty", "longest" (tokens
@@ -228,6 +274,7 @@ def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prom
     prompts = []
     for index, row in enumerate(rows):
         where = f"{source}:{line_numbers[index]}" if line_numbers is not None else f"{source}: row {index}"
+        row = keys.apply(row, where)
         prompt, data_source, ground_truth = _parse_row(row, where)
         extra_info, fields = _row_extras(row, where)
         text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
@@ -253,7 +300,8 @@ def rows_to_prompts(rows: Sequence[Mapping], tokenizer, *, source: str, max_prom
 
 
 def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: int, on_long: OnLong = "filter",
-                     on_empty: OnEmpty = "refuse", system_prompt: str | None = None) -> tuple[list[Prompt], dict]:
+                     on_empty: OnEmpty = "refuse", system_prompt: str | None = None,
+                     keys: RowKeys = RowKeys()) -> tuple[list[Prompt], dict]:
     """Read a `.jsonl` or `.parquet` prompt file and render it (`rows_to_prompts`): (prompts, stats)."""
     path = pathlib.Path(path)
     if path.suffix == ".jsonl":
@@ -264,12 +312,13 @@ def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: i
     else:
         raise ValueError(f"{path}: unknown prompt file type {path.suffix!r}; give a .jsonl or .parquet file")
     return rows_to_prompts(rows, tokenizer, source=str(path), max_prompt_length=max_prompt_length, on_long=on_long,
-                           on_empty=on_empty, system_prompt=system_prompt, line_numbers=lines)
+                           on_empty=on_empty, system_prompt=system_prompt, line_numbers=lines, keys=keys)
 
 
 def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,
                   instruction: str = GSM8K_INSTRUCTION) -> int:
-    """Convert a GSM8K JSONL file (`question`, `answer` ending in "#### N") to verl rows; returns the row count.
+    """Convert a GSM8K .jsonl or .parquet file (`question`, `answer` ending in "#### N") to verl rows; returns
+    the row count.
 
     Each row: prompt [{"role": "user", "content": question + " " + instruction}], data_source "openai/gsm8k",
     reward_model {"style": "rule", "ground_truth": N (commas removed)}, extra_info {"index", "question",
@@ -278,9 +327,13 @@ def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,
     out = pathlib.Path(out_path)
     if out.suffix not in SUFFIXES:
         raise ValueError(f"{out}: the output must end in .jsonl or .parquet")
+    src = pathlib.Path(src_jsonl)
+    if src.suffix == ".parquet":
+        numbered = [(f"{src}: row {i}", row) for i, row in enumerate(read_parquet(src))]
+    else:
+        numbered = [(f"{src}:{number}", row) for number, row in _read_jsonl_numbered(src)]
     rows = []
-    for index, (number, row) in enumerate(_read_jsonl_numbered(src_jsonl)):
-        where = f"{src_jsonl}:{number}"
+    for index, (where, row) in enumerate(numbered):
         for field in ("question", "answer"):
             if not isinstance(row.get(field), str):
                 raise ValueError(f"{where}: field '{field}' must be a string; is this a GSM8K file "

@@ -1,6 +1,7 @@
 """GSM8K rule reward (data_source "openai/gsm8k").
 
-Ground truth is the text after "#### " in the dataset's answer, commas removed. Two extractors:
+Ground truth is the text after "#### " in the dataset's answer, commas removed (a whole solution given as the
+ground truth, as the raw split read with --data.answer-key answer gives it, is cut there too). Two extractors:
 * strict: the last "#### <number>" in the response (verl's default), with "," removed ("#### $18" does
   not count, as in verl);
 * flexible: the last number anywhere in the response, with "," "$" and a trailing "." removed.
@@ -57,4 +58,5 @@ def gsm8k_reward(response: str, ground_truth: str, *, method: Literal["strict", 
     answer = extract_gsm8k_answer(response, method)
     if answer is None:
         return 0.0
-    return score if answer == ground_truth.replace(",", "").strip() else format_score
+    truth = gsm8k_ground_truth(ground_truth) if "####" in ground_truth else ground_truth.replace(",", "").strip()
+    return score if answer == truth else format_score
