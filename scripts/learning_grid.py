@@ -22,6 +22,8 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
                     second update on π_θ ≠ π_prox and the decoupled clip acts (verl's ppo_mini_batch_size)
     lag-dec-m4      the same with M = 4 (mini-batches of a quarter)
     lag-m2po-m4     lag-m2po with M = 4
+    sync-dec-m2     sync with lag-dec-m2's updates and correction: what M updates per step cost without a lag
+    sync-dec-m4     the same with M = 4
 
 Every cell trains `--mini-batch-size` groups per learner step; a cell of M updates per step does so as M
 mini-batches of `--mini-batch-size` / M groups (`--async-training.require-batches M`), so versions, samples
@@ -64,6 +66,8 @@ CELLS: dict[str, dict] = {
     "lag-dec-m2": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=2),
     "lag-dec-m4": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=4),
     "lag-m2po-m4": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po", updates=4),
+    "sync-dec-m2": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=2),
+    "sync-dec-m4": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=4),
 }
 """Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS; updates = optimizer steps
 per learner step (mini-batches of --mini-batch-size / updates groups)."""

@@ -43,16 +43,20 @@ def test_cells_of_several_updates_split_the_same_prompts_per_step_into_mini_batc
     # versions (96), samples (96 × 16 × 8 = 12,288) and the rollout's admission per version are the same
     args = GridArgs(steps=96, lag=6.0, mini_batch_size=16, n=8)
     one = cell_config(args, "lag-corrected", seed=0)
-    for cell, updates, correction in (("lag-dec-m2", 2, "tis"), ("lag-dec-m4", 4, "tis"), ("lag-m2po-m4", 4, "m2po")):
+    cells = (("lag-dec-m2", 2, "tis", 6.0), ("lag-dec-m4", 4, "tis", 6.0), ("lag-m2po-m4", 4, "m2po", 6.0),
+             ("sync-dec-m2", 2, "tis", 0.0), ("sync-dec-m4", 4, "tis", 0.0))
+    for cell, updates, correction, staleness in cells:
         cfg = cell_config(args, cell, seed=0)
         cfg.validate()
         a, t = cfg.async_training, cfg.trainer
         assert (a.require_batches, t.mini_batch_size) == (updates, 16 // updates), cell
         assert (a.staleness_threshold, a.trigger_parameter_sync_step, a.partial_rollout, a.total_versions) == \
-            (6.0, 1, False, 96), cell
-        # admitted per version: int(mini × require_batches × (1 + 6) × 1) = 112 prompts, as with one update
-        assert verl_max_required_samples(t.mini_batch_size, a.require_batches, 6.0, 1) == \
-            verl_max_required_samples(16, 1, 6.0, 1) == 112
+            (staleness, 1, False, 96), cell
+        assert a.colocated == (staleness == 0.0), cell
+        # admitted per version: int(mini × require_batches × (1 + 6) × 1) = 112 prompts (16 at staleness 0), as
+        # with one update
+        assert verl_max_required_samples(t.mini_batch_size, a.require_batches, staleness, 1) == \
+            verl_max_required_samples(16, 1, staleness, 1) == (112 if staleness else 16)
         assert not t.off_policy.use_rollout_log_probs, cell  # decoupled: π_prox recomputed before the updates
         if correction == "tis":
             assert t.off_policy == one.trainer.off_policy, cell
