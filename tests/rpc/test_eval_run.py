@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 
 import pytest
 
 from asyncrl.config import AsyncConfig, EvalConfig
 from asyncrl.runtime.evaluation import EvalBoard
 from tests.rpc.helpers import local_run, make_prompt
+from tests.rpc.jobs import Job, wait_until
 from tests.run_helpers import cli
-from tests.timing import limit
+from tests.timing import agent_timeout, limit
 
 VERSIONS = 6
 
@@ -87,3 +90,29 @@ def test_a_launched_run_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_p
     for r in rows:
         if "val/version" in r:
             assert r["val/complete"] == 1.0 and "val-core/toy/reward/mean@2" in r and "val-aux/toy/reward/pass@2" in r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(limit(400))
+def test_an_agent_killed_mid_evaluation_hands_its_prompts_to_one_holding_the_same_version(tmp_path, jobs):
+    """Two agents evaluate version 0 one prompt at a time each; agent1 is killed (SIGKILL) while it runs: once it
+    is named dead, the prompt it held goes to agent0, which still holds version 0, and the evaluation completes
+    with every prompt under that version; the run trains on with one agent."""
+    job = Job(tmp_path, "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
+              "--placement.agent-devices", "cpu", "cpu", "--async-training.total-versions", "3",
+              "--async-training.agent-timeout-s", str(agent_timeout()), "--eval.every-versions", "0",
+              "--eval.at-start", "--eval.no-at-end", "--eval.max-prompts", "128", "--eval.max-share", "0.03")
+    jobs.append(job)
+    job.wait_for(r"evaluating version 0 on 128 held-out prompts")
+    agents = wait_until(lambda: {"agent0", "agent1"} <= job.processes().keys() and job.processes(), limit(60),
+                        "both agents in processes.json")
+    os.kill(agents["agent1"], signal.SIGKILL)
+    job.wait_for(r"eval v0: toy", timeout=limit(180))
+    assert job.finish() == 0, job.tail()
+    log = job.text()
+    assert log.index("rollout agent agent1 is dead") < log.index("eval v0: toy"), job.tail()  # killed mid-way
+    [held_out] = [m for m in job.metrics() if "val/version" in m]
+    assert held_out["val/version"] == 0 and held_out["val/prompts"] == 128
+    assert held_out["val/complete"] == 1.0 and held_out["val/refused_results"] == 0
+    summary = job.summary()
+    assert summary["versions"] == 3 and summary["agents"]["agent1"]["status"] == "dead"
