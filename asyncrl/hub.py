@@ -114,6 +114,7 @@ def _snapshot(name: HubName, flag: str, given: str, patterns: list[str], commit:
     from huggingface_hub import errors, snapshot_download
     revision = commit or name.revision
     where = f"{flag} {given}" + (f" (pinned to commit {commit[:12]} by the run's config.json)" if commit else "")
+    local = "" if given.startswith("hf:") else f" ({given} is no local path either)"
     try:
         return pathlib.Path(snapshot_download(name.repo_id, repo_type=name.kind, revision=revision,
                                               allow_patterns=patterns, cache_dir=_cache_dir(),
@@ -130,9 +131,10 @@ def _snapshot(name: HubName, flag: str, given: str, patterns: list[str], commit:
         if offline():
             raise ValueError(f"{where}: not in the Hugging Face cache ({_cache_dir()}){revision_text}, and "
                              "HF_HUB_OFFLINE=1 forbids downloading it; run once with network access (unset "
-                             "HF_HUB_OFFLINE), or give a local path") from None
+                             f"HF_HUB_OFFLINE), or give a local path{local}") from None
         raise ValueError(f"{where}: the Hugging Face Hub could not be reached and {name.repo_id}{revision_text} "
-                         f"is not in the cache ({_cache_dir()}); check the network, or give a local path") from None
+                         f"is not in the cache ({_cache_dir()}); check the network, or give a local "
+                         f"path{local}") from None
     except errors.IncompleteSnapshotError as err:
         raise ValueError(f"{where}: the cached snapshot is incomplete ({err}); run once with network access") from None
     except errors.HFValidationError as err:

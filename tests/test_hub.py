@@ -167,3 +167,7 @@ def test_the_gsm8k_converter_and_the_data_commands_read_a_hub_split(hub_home, tm
     assert [r["reward_model"]["ground_truth"] for r in rows] == [s["answer"].split("#### ")[1] for s in SUMS[:4]]
     out = cli("data", "inspect", "hf:acme/sums:plain/train", "--model", "acme/tiny", env=env)
     assert out.returncode == 0 and "16 rows" in out.stdout and "data sources: sums (16)" in out.stdout, out.stderr
+    out = cli("eval", "--model", "acme/tiny@v2", "--data.path", "hf:acme/sums:plain/train", "--data.data-source",
+              "arithmetic", "--num-prompts", "2", "--n", "1", "--temperature", "0", "--max-new-tokens", "2", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 2

@@ -220,24 +220,29 @@ def resolve_model_dir(path: str | os.PathLike) -> pathlib.Path:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer of an HF directory, of a GGUF file (through its converted cache) or of `smollm2`."""
+    """The tokenizer of an HF directory, of a GGUF file (through its converted cache), of `smollm2`, or of a Hub
+    name (`asyncrl.hub`: ORG/NAME[@REVISION], through the local Hugging Face cache)."""
     import transformers
-    path = smollm2_gguf_path() if str(path) == "smollm2" else path
+
+    from asyncrl.hub import local_model_path
+    path = smollm2_gguf_path() if str(path) == "smollm2" else local_model_path(str(path), "tokenizer")
     return transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                seed: int = 0) -> CausalLM:
-    """One entry point: an HF directory, a `.gguf` file, `smollm2` (the packaged GGUF), or
-    `random:<preset or config.json>` for random weights."""
+    """One entry point: an HF directory, a `.gguf` file, `smollm2` (the packaged GGUF), a Hub name
+    (ORG/NAME[@REVISION], through the local Hugging Face cache: `asyncrl.hub`), or `random:<preset or
+    config.json>` for random weights."""
+    from asyncrl.hub import local_model_path
     if path.startswith("random:"):
         return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device)
     if path == "smollm2":
         return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype=dtype, device=device)
-    p = pathlib.Path(path)
+    p = pathlib.Path(local_model_path(path, "model path"))
     if not (p / "config.json").is_file():
-        raise ValueError(f"model path {path!r}: expected an HF directory with config.json, a .gguf file, "
-                         f"'smollm2', or 'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
+        raise ValueError(f"model path {path!r}: expected an HF directory with config.json, a Hub name ORG/NAME, a "
+                         f".gguf file, 'smollm2', or 'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
     return load_pretrained(p, dtype=dtype, device=device)

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from asyncrl.data.files import (
-    GSM8K_INSTRUCTION, convert_gsm8k, load_prompt_file, read_jsonl, read_parquet, rows_to_prompts, write_rows,
+    GSM8K_INSTRUCTION, RowKeys, convert_gsm8k, load_prompt_file, read_jsonl, read_parquet, rows_to_prompts,
+    write_rows,
 )
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.tasks import ArithmeticTask, render_chat
@@ -206,6 +207,23 @@ def test_length_filter_counts(word_tokenizer):
     assert [len(p.prompt_ids) for p in prompts] == [3, 8, 9, 7]
     assert [p.ground_truth for p in prompts] == ["0", "2", "3", "5"]  # numbers become strings
     assert [p.data_source for p in prompts] == ["openai/gsm8k", "openai/gsm8k", "plain", "plain"]
+
+
+def test_row_keys_read_rows_of_another_shape(word_tokenizer):
+    """--data.prompt-key / answer-key (dotted) / data-source: a Hub dataset's own columns, no conversion."""
+    rows = [{"query": [{"role": "user", "content": "two words"}], "meta": {"solution": 7}, "data_source": "x"},
+            {"query": "three more words", "meta": {"solution": "8"}}]
+    keys = RowKeys(prompt="query", answer="meta.solution", data_source="sums")
+    prompts, _ = rows_to_prompts(rows, word_tokenizer, source="s", max_prompt_length=99, keys=keys)
+    assert [(p.text, p.ground_truth, p.data_source) for p in prompts] == [
+        ("two words", "7", "sums"), ("three more words", "8", "sums")]
+    assert prompts[0].fields == {"query": rows[0]["query"], "meta": {"solution": 7}}  # the row's own fields ride along
+    with pytest.raises(ValueError, match=r"s: row 0: missing field 'meta.answer' \(--data.answer-key\); the row's "
+                                         r"fields: query, meta, data_source"):
+        rows_to_prompts(rows, word_tokenizer, source="s", max_prompt_length=99,
+                        keys=RowKeys(prompt="query", answer="meta.answer"))
+    with pytest.raises(ValueError, match="missing field 'prompt'.*--data.prompt-key"):
+        rows_to_prompts([{"question": "q?", "answer": "1"}], word_tokenizer, source="s", max_prompt_length=99)
 
 
 def test_truncation_keeps_the_end_of_the_prompt(word_tokenizer):

@@ -164,3 +164,11 @@ def test_real_data_flexible_agrees_with_strict(gsm8k_rows):
     derivation_agree = sum(extract_gsm8k_answer(row["answer"].split("####")[0], "flexible")
                            == gsm8k_ground_truth(row["answer"]) for row in gsm8k_rows)
     assert derivation_agree == 1248
+
+
+def test_a_raw_solution_as_ground_truth_is_cut_at_its_hashes():
+    """The raw split read with --data.answer-key answer gives the whole solution as the ground truth."""
+    solution = "Natalia sold 48/2 = 24 clips in May.\nAltogether she sold 48+24 = 72 clips.\n#### 1,072"
+    assert gsm8k_reward("so #### 1072", solution) == 1.0
+    assert gsm8k_reward("so #### 72", solution) == 0.0
+    assert gsm8k_reward("so #### 1072", "1,072") == 1.0  # a converted ground truth as before

@@ -46,24 +46,10 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
     # the last version was checkpointed: unfinished prompts are carried to it, not dropped
     assert summary_a.ledger.get("carried_to_checkpoint") is True
     assert len(list_checkpoints(tmp_path)) == 2
-    path = latest_checkpoint(tmp_path)
-    assert json.loads((path / "meta.json").read_text())["version"] == 4
+    state, extra, trained_a, carried = _reload_checkpoint(tmp_path, summary_a, rec_a)
+    saved = extra["queue"]
 
     # ---- run B: fresh objects from the checkpoint, up to version 8
-    state = build_state(MINI)
-    extra = load_checkpoint(path, state)
-    assert state.version == 4 and state.step == summary_a.steps
-    saved = extra["queue"]
-    ledger_at_ckpt = {int(pid): state for pid, state in saved["ledger"]["state"].items()}
-    trained_a = {pid for pid, s in ledger_at_ckpt.items() if s == "trained"}
-    carried = {pid for pid, s in ledger_at_ckpt.items() if s in ("in_flight", "pending", "queued")}
-    # A trained nothing after its last checkpoint (it was the end of the run)
-    assert trained_a == set(rec_a.trained_ids) and len(rec_a.trained_ids) == len(trained_a)
-    assert {t["prompt_id"] for t in saved["unfinished"]} | {g["prompt_id"] for g in saved["queue"]} == carried
-    # the summary's carried prompts are exactly the checkpoint's
-    assert summary_a.ledger["carried"] == len(carried)
-    assert summary_a.ledger["admitted"] == summary_a.ledger["trained"] + summary_a.ledger["dropped"] + len(carried)
-
     config_b = AsyncConfig(total_versions=8, take_timeout_s=limit(60), **knobs)
     run_b = local_run(config_b, state=state, resume_extra=extra, **run_kw)
     assert run_b.queue.version == 4 and run_b.queue.next_id == saved["next_id"]
@@ -102,14 +88,7 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
     states_b = run_b.queue.ledger.state
     assert all(states_b[pid] in ("trained", "dropped") for pid in carried)
     assert set(range(saved["next_id"])) <= set(states_b)
-    # the unfinished prompts came back first, with their ids and seeds (re-admitted, not re-drawn)
-    unfinished = {t["prompt_id"]: t for t in saved["unfinished"]}
-    assert {t.prompt_id for t in handed_out[:len(unfinished)]} == set(unfinished)
-    for task in handed_out[:len(unfinished)]:
-        saved_task = unfinished[task.prompt_id]
-        assert task.seed == saved_task["seed"] and task.prompt.prompt_ids == saved_task["prompt"]["prompt_ids"]
-        assert task.admitted_version >= 4
-    assert all(t.prompt_id >= saved["next_id"] for t in handed_out[len(unfinished):])
+    _check_unfinished_came_back_first(handed_out, saved)
     # staleness bounds after the resume
     max_required = verl_max_required_samples(MINI, 1, config_b.staleness_threshold,
                                              config_b.trigger_parameter_sync_step)
@@ -118,6 +97,38 @@ def test_local_run_resumes_without_losing_or_repeating_a_prompt(tmp_path, knobs,
     bound = allowed_lag(config_b)
     if bound is not None:
         assert max(rec_b.lags) <= bound, rec_b.lags
+
+
+def _reload_checkpoint(run_dir, summary_a, rec_a):
+    """Run A's last checkpoint loaded into fresh objects, checked against A: (state, extra, the ids A trained,
+    the ids it carried to the checkpoint)."""
+    path = latest_checkpoint(run_dir)
+    assert json.loads((path / "meta.json").read_text())["version"] == 4
+    state = build_state(MINI)
+    extra = load_checkpoint(path, state)
+    assert state.version == 4 and state.step == summary_a.steps
+    saved = extra["queue"]
+    ledger_at_ckpt = {int(pid): state for pid, state in saved["ledger"]["state"].items()}
+    trained_a = {pid for pid, s in ledger_at_ckpt.items() if s == "trained"}
+    carried = {pid for pid, s in ledger_at_ckpt.items() if s in ("in_flight", "pending", "queued")}
+    # A trained nothing after its last checkpoint (it was the end of the run)
+    assert trained_a == set(rec_a.trained_ids) and len(rec_a.trained_ids) == len(trained_a)
+    assert {t["prompt_id"] for t in saved["unfinished"]} | {g["prompt_id"] for g in saved["queue"]} == carried
+    # the summary's carried prompts are exactly the checkpoint's
+    assert summary_a.ledger["carried"] == len(carried)
+    assert summary_a.ledger["admitted"] == summary_a.ledger["trained"] + summary_a.ledger["dropped"] + len(carried)
+    return state, extra, trained_a, carried
+
+
+def _check_unfinished_came_back_first(handed_out, saved) -> None:
+    """The unfinished prompts came back first, with their ids and seeds (re-admitted, not re-drawn)."""
+    unfinished = {t["prompt_id"]: t for t in saved["unfinished"]}
+    assert {t.prompt_id for t in handed_out[:len(unfinished)]} == set(unfinished)
+    for task in handed_out[:len(unfinished)]:
+        saved_task = unfinished[task.prompt_id]
+        assert task.seed == saved_task["seed"] and task.prompt.prompt_ids == saved_task["prompt"]["prompt_ids"]
+        assert task.admitted_version >= 4
+    assert all(t.prompt_id >= saved["next_id"] for t in handed_out[len(unfinished):])
 
 
 def test_launched_run_resumes_from_its_checkpoint(tmp_path):
