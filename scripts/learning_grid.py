@@ -291,6 +291,7 @@ def _plot(results: list[dict], rows: list[dict], initial: dict | None, path: pat
         right.axhline(initial["accuracy"], color="gray", ls="--", label="initial model")
         right.legend(fontsize=8)
     right.set(ylabel="held-out accuracy (mean ± std over seeds)", title="after equal trained samples")
+    plt.setp(right.get_xticklabels(), rotation=30, ha="right")  # cell names stay apart with many cells
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
