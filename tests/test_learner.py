@@ -275,6 +275,38 @@ def test_minibatches_and_epochs_each_take_one_optimizer_step():
     assert metrics["training/num_groups"] == 7
 
 
+@pytest.mark.parametrize("mini_batches", [1, 3])
+def test_several_updates_per_batch_equal_a_loop_of_single_steps_against_the_batchs_proximal_policy(mini_batches):
+    """Decoupled PPO with M mini-batches per learner step (verl's ppo_mini_batch_size < train_batch_size;
+    here --trainer.mini-batch-size 6/M with a batch of 6 groups, as --async-training.require-batches M gives):
+    π_prox is computed once, before the first update, so the result equals a hand-written loop of M one-update
+    steps on the same mini-batches whose π_old is that same π_prox (the behaviour log-probs replaced by it).
+    Recomputing π_prox at every update (M separate learner steps) is another algorithm: from the second update
+    on the proximal clip acts only in the first."""
+    policy = tiny_policy(0).double()
+    groups = on_policy(policy, synthetic_groups(6, 3, seed=5, response_lens=(2, 6)), shift=0.3)  # μ ≠ π_θ
+    decoupled = OffPolicyConfig(use_rollout_log_probs=False)
+    size, lr = 6 // mini_batches, 0.05
+    one = build_learner(copy.deepcopy(policy), trainer_config(mini_batch_size=size, off_policy=decoupled, lr=lr),
+                        GRPO())
+    one, metrics = train_step(one, groups)
+    assert one.optimizer_steps == mini_batches
+    # the loop: one learner step per mini-batch, π_old = the batch's π_prox, frozen before the first update
+    loop = build_learner(copy.deepcopy(policy), trainer_config(mini_batch_size=size, lr=lr), GRPO())
+    proximal = on_policy(policy, groups)
+    for k in range(mini_batches):
+        loop, _ = train_step(loop, proximal[k * size:(k + 1) * size])
+    assert max_rel_diff(weights(one.policy), weights(loop.policy)) <= GRAD_TOL
+    if mini_batches > 1:  # the later updates were clipped around the frozen π_prox ...
+        assert metrics["actor/pg_clipfrac"] > 0
+        again = build_learner(copy.deepcopy(policy), trainer_config(mini_batch_size=size, off_policy=decoupled,
+                                                                    lr=lr), GRPO())
+        for k in range(mini_batches):  # ... which a π_prox recomputed before each update never is
+            again, step_metrics = train_step(again, groups[k * size:(k + 1) * size])
+            assert step_metrics["actor/pg_clipfrac"] == 0
+        assert max_rel_diff(weights(one.policy), weights(again.policy)) > 1e-6
+
+
 @settings(max_examples=100)
 @given(st.data())
 def test_micro_batches_respect_the_token_budget_and_cover_every_row_once(data):
