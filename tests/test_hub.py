@@ -134,6 +134,7 @@ def test_a_resume_resolves_a_name_to_the_commit_its_run_recorded(offline_hub, tm
     assert named["model.path"].name.revision == "v2"
 
 
+@pytest.mark.slow
 def test_a_run_trains_from_a_named_model_and_dataset_and_records_the_commits(hub_home, tmp_path):
     """`asyncrl train` with a Hub model and a Hub dataset, offline: the run trains, every process read the same
     snapshot, config.json holds the names and their commits, and a resume passes the checks."""

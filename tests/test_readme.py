@@ -122,6 +122,7 @@ def _run(args: list[str], cwd: pathlib.Path, timeout: float = limit(600)):
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_every_readme_command_runs(workdir):
     ran = []
     for command in readme_commands():
