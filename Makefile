@@ -50,9 +50,8 @@ $(VLLM_STAMP): $(STAMP)
 	fi
 	touch $@
 
-# two worker processes, each taking whole test files (module fixtures stay shared), slow files first
 test: setup vllm
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 train: setup
 	$(PY) -m asyncrl.cli train cpu-demo --run-dir $(RUN_DIR) $(TRAIN_ARGS)

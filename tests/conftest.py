@@ -25,9 +25,9 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(config, items):
     """pyproject's hang guard for every test (`timeout = 900`) scaled like every other deadline of the suite
     (tests/timing.py); tests with their own `timeout` marker keep it (they derive it from timing.py too).
-    Files holding a `slow` test run first (a stable sort, so each file's own order stands): `make test`'s
-    workers (pytest-xdist, whole files each) then end on short files instead of one of them waiting on a long
-    one."""
+    Files holding a `slow` test run first (a stable sort, so each file's own order stands): the workers of a
+    parallel run (`-n 2 --dist loadfile`, whole files each) then end on short files instead of one of them
+    waiting on a long one."""
     from tests.timing import limit
     ini = float(config.getini("timeout") or 0)
     for item in items:

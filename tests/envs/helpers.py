@@ -114,10 +114,12 @@ class Recording:
 def run_episodes(runner: EpisodeRunner, engine, prompts: list[Prompt], params: SamplingParams,
                  between_turns=None) -> dict:
     """Start every prompt, drive engine and runner until all groups are back; `between_turns(engine)` runs
-    once, after the first turn finished and before its environment step is applied."""
+    once, after the first turn finished and before its environment step is applied. The hang guard allows for
+    an isolated environment's worker processes starting (each imports torch: ~3 s alone on 2 idle cores, a
+    minute for several of them once the cores are shared with another test's processes)."""
     for p in prompts:
         runner.start(f"p{p.index}", p, params)
-    groups, deadline, hooked = {}, time.monotonic() + limit(60), between_turns is None
+    groups, deadline, hooked = {}, time.monotonic() + limit(180), between_turns is None
     while len(groups) < len(prompts):
         assert time.monotonic() < deadline, "episodes did not end"
         for out in engine.step():
