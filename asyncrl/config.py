@@ -83,6 +83,9 @@ class RolloutConfig:
     """Prompts an agent keeps in flight (default: max_slots // n, at least 1)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (GPU)."""
+    decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    """The embedded engine's decode attention: a Triton split-K kernel that reads each row's own cached positions
+    (CUDA), or SDPA under a length mask (any device); auto: Triton on CUDA when it installs and passes a probe."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
     backend: Literal["asyncrl", "vllm"] = "asyncrl"

@@ -234,6 +234,7 @@ class _Checks:
 
     def _backend(self) -> None:
         if self.cfg.rollout.backend != "vllm":
+            self._decode_attention()
             return
         missing = vllm_missing()
         if missing:
@@ -251,6 +252,13 @@ class _Checks:
         self.report.problems += problems
         if tp > 1 and not problems:
             self.report.facts.append(f"vLLM: {tp} tensor-parallel shards per agent")
+
+    def _decode_attention(self) -> None:
+        off_cuda = [d for d in self.cfg.placement.agent_devices if not d.startswith("cuda")]
+        if self.cfg.rollout.decode_attention == "triton" and off_cuda:
+            self.report.problems.append(
+                f"--rollout.decode-attention triton: the Triton decode kernel runs on CUDA, but agents run on "
+                f"{' '.join(off_cuda)}; use --rollout.decode-attention auto (SDPA there) or sdpa")
 
     def _model(self) -> bool:
         ok = True

@@ -70,7 +70,7 @@ HARMLESS = ("wandb", "checkpoint_every", "strict_rewards", "placement.", "async_
             "async_training.time_budget_s", "async_training.take_timeout_s", "async_training.agent_timeout_s",
             "async_training.sync_timeout_s", "async_training.colocated_sleep", "model.engine_dtype",
             "rollout.backend", "rollout.vllm.", "rollout.max_slots", "rollout.max_concurrent_prompts",
-            "rollout.cuda_graphs", "trainer.use_dynamic_bsz", "trainer.max_tokens_per_micro_batch",
+            "rollout.cuda_graphs", "rollout.decode_attention", "trainer.use_dynamic_bsz", "trainer.max_tokens_per_micro_batch",
             "trainer.micro_batch_size", "trainer.logits_chunk_tokens", "trainer.pack_sequences",
             "trainer.gradient_checkpointing", "trainer.checkpoint_scope", "trainer.compile_layers",
             "trainer.fused_optimizer", "trainer.fused_kernels", "trainer.autocast_bf16", "reward.timeout_s",

@@ -1,4 +1,4 @@
-"""`asyncrl bench engine|learner|async [...]`: picks the benchmark and parses its flags (`asyncrl/cli.py` imports
+"""`asyncrl bench engine|learner|async|attention [...]`: picks the benchmark and parses its flags (`asyncrl/cli.py` imports
 this module only when the `bench` command runs).
 
     asyncrl bench --help                  # the benchmarks
@@ -8,6 +8,7 @@ this module only when the `bench` command runs).
 from __future__ import annotations
 
 from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async
+from asyncrl_bench.attention import AttentionBenchArgs, bench_attention
 from asyncrl_bench.engine import EngineBenchArgs, bench_engine
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
 
@@ -17,6 +18,7 @@ BENCHMARKS = {
     "engine": (EngineBenchArgs, bench_engine, "rollout engine vs transformers generate (output tok/s)"),
     "learner": (LearnerBenchArgs, bench_learner, "learner train_step vs a transformers training step (tok/s, MFU)"),
     "async": (AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"),
+    "attention": (AttentionBenchArgs, bench_attention, "decode attention kernels on a KV cache vs the HBM roofline"),
 }
 
 

@@ -12,8 +12,9 @@ gets the same prompts and sampling (temperature 1) and is timed after a warm-up 
 kernels loaded). Random prompts generate exactly `new_tokens` tokens per sequence (EOS ignored); a prompt
 file (`--data`, `--n` samples per prompt) generates until EOS, so lengths vary and continuous batching
 matters. Printed per batch size: each backend's output tok/s and mean sample length, our ratios to the
-others, our mean decode-step time, the fraction of the memory-bandwidth ceiling that step reaches (weights
-+ KV read once per step), and the log-prob mismatch between each engine and a training forward of the
+others, our mean decode-step time, the roofline (bytes a decode step must read at the mean context, the
+device's bandwidth, and the tok/s they allow), each backend's fraction of it, the fraction our decode step alone
+reaches, and the log-prob mismatch between each engine and a training forward of the
 same tokens (mean |Δlogp|, and KL(engine‖train) estimated on the sampled tokens).
 
 `scripts/bench_engine.py` is a thin wrapper over this module.
@@ -70,6 +71,8 @@ class EngineBenchArgs:
     seeded: bool = False
     """Give every sample its own seed, as training does (vLLM then samples with a per-request generator)."""
     cuda_graphs: bool = True
+    decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    """Our engine's decode attention (`--rollout.decode-attention`)."""
     seed: int = 0
     out: str | None = None
     """Write the results as JSON here."""
@@ -220,7 +223,7 @@ def _load(args: EngineBenchArgs):
 def _engine_config(args: EngineBenchArgs, work: Workload):
     from asyncrl.policies import EngineConfig
     return EngineConfig(max_slots=work.sequences, max_len=max(map(len, work.prompts)) + args.new_tokens,
-                        cuda_graphs=args.cuda_graphs)
+                        cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention)
 
 
 @torch.inference_mode()
@@ -246,6 +249,23 @@ def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
 _RATIOS = {"ratio": "hf_tok_s", "ratio_vs_vllm": "vllm_tok_s", "ratio_vs_vllm_llm": "vllm_llm_tok_s"}
 
 
+def _roofline(args: EngineBenchArgs, model, work: Workload, bandwidth: float | None) -> dict:
+    """The limit every backend's tok/s is measured against: a decode step of all sequences at the mean context
+    (prompt + half the new tokens) must read `step_bytes`; at the device's nominal bandwidth that bounds output
+    tok/s. Null where unknown: on CPU or an unknown GPU, and with --data (lengths vary)."""
+    if not bandwidth or args.data is not None:
+        return {"peak_bandwidth": bandwidth, "step_bytes": None, "roofline_tok_s": None}
+    nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2))
+    return {"peak_bandwidth": bandwidth, "step_bytes": nbytes, "roofline_tok_s": work.sequences * bandwidth / nbytes}
+
+
+def _roofline_fractions(row: dict) -> None:
+    """Each backend's tok/s over the roofline (prefill and host work included: an end-to-end fraction)."""
+    for name in ("ours", "vllm", "vllm_llm", "hf"):
+        if row.get("roofline_tok_s") and f"{name}_tok_s" in row:
+            row[f"{name}_roofline_fraction"] = row[f"{name}_tok_s"] / row["roofline_tok_s"]
+
+
 def _ratios(row: dict) -> None:
     """Our tok/s over each other backend's that was timed."""
     for name, other in _RATIOS.items():
@@ -262,17 +282,18 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
     for batch, work in zip(args.batch_sizes, _workloads(args, model)):
         row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
                "n": args.n, "workload": args.data or f"random {args.prompt_len}-token prompts",
-               "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens}
+               "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens,
+               **_roofline(args, model, work, bandwidth)}
         if "asyncrl" in args.backends:
             engine = Engine(model, _engine_config(args, work))
             outs, row["ours_tok_s"], step_s = _time_engine(engine, work, args.device)
             if engine.fused:
                 print("compiled pieces:", engine.fused, flush=True)
             row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
+                       decode_attention=engine.decode_kernel,
                        **logprob_mismatch(model, outs))
-            if bandwidth and args.device.startswith("cuda") and args.data is None:
-                mean_attend = args.prompt_len + args.new_tokens / 2
-                row["bandwidth_fraction"] = step_bytes(model, work.sequences, int(mean_attend)) / bandwidth / step_s
+            if row["step_bytes"]:  # the decode step alone (no prefill, no host work between steps)
+                row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s
             del engine, outs
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -288,6 +309,7 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
         if "vllm-llm" in args.backends:
             row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = _in_own_process(_vllm_llm_worker, args, work)
         _ratios(row)
+        _roofline_fractions(row)
         results.append(row)
         print(json.dumps(row), flush=True)
     write_json(args.out, results)

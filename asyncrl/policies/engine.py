@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from asyncrl.policies.decode_attention import DecodeKernel, decode_attention, sdpa_decode
 from asyncrl.policies.decode_graphs import DecodeGraphs
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
@@ -73,6 +74,8 @@ class EngineConfig:
     running sequence (capped at max_len)."""
     cuda_graphs: bool = True
     """Capture the decode step (forward, fp32 logits, sampler) in CUDA graphs (ignored off CUDA)."""
+    decode_attention: DecodeKernel = "auto"
+    """Decode attention over the cache: "triton" (CUDA), "sdpa", or "auto" (Triton where it runs and agrees with SDPA)."""
     fused_kernels: bool = True
     """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
     seed: int = 0
@@ -86,6 +89,8 @@ class EngineConfig:
         for name in ("max_slots", "max_len", "max_prefill_tokens", "attend_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_attention not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}: choose auto, sdpa or triton")
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,8 +135,10 @@ class Engine(EngineControl[_Request]):
         self.model = model.eval().requires_grad_(False)
         self.config = config
         cfg = model.config
+        attention = decode_attention(config.decode_attention, model.device, model.dtype, cfg.head_dim)
+        self.decode_kernel = "triton" if attention is not sdpa_decode else "sdpa"
         self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
-                             model.dtype, model.device)
+                             model.dtype, model.device, attention=attention)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Sample] = []  # index = KV slot
         self._rng = torch.Generator().manual_seed(config.seed)

@@ -6,8 +6,8 @@ when one finishes), so a decode step reads the contiguous view `[:n]` — no gat
 
 Why per-slot rather than paged: RL rollouts have a known budget (prompt + max_new_tokens) per sequence,
 so reserving it up front wastes little, and fixed shapes make the decode step capturable in a CUDA graph
-with plain PyTorch ops (index_put for the write, SDPA with a length mask for the read) on any device —
-no flash-attn, no custom kernel, the same code on CPU for tests. The n samples of one prompt share one
+with plain PyTorch ops (index_put for the write, SDPA with a length mask for the read) on any device, or,
+on CUDA, a Triton split-K kernel that reads each row's own positions only (`decode_attention`). The n samples of one prompt share one
 prefill: the prompt's K/V are copied into the sibling slots. A paged cache would save memory on very
 long, very uneven budgets; decode reads only up to `attend_len` (a bucket above the longest running
 sequence) so short batches do not pay for the full budget.
@@ -18,16 +18,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from asyncrl.policies.decode_attention import DecodeAttention, sdpa_decode
+
 __all__ = ["KVCache"]
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, *, attention: DecodeAttention = sdpa_decode):
         self.shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots, self.max_len = num_slots, max_len
         self.attend_len = max_len  # decode attends over positions [0, attend_len)
+        self.attention = attention  # the decode step's attention over a layer's slots
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.allocate()
@@ -70,15 +73,15 @@ class KVCache:
         self.v[layer][rows, :, at] = v.transpose(1, 2)
         return self.k[layer].index_select(0, slots)[:, :, :span], self.v[layer].index_select(0, slots)[:, :, :span]
 
-    def append_decode(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`); return the keys and values
-        [B, Hkv, L, D] of slots 0..B-1 over the first L = `attend_len` positions."""
+    def attend_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+        """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`), then attend: q [B, H, 1, D]
+        over each slot's positions 0..positions[b] (`self.attention`, reading at most `attend_len`) -> [B, H, 1, D]."""
         b = k.shape[0]
         rows = torch.arange(b, device=k.device)
         cache_k, cache_v = self.k[layer], self.v[layer]
         cache_k[rows, :, positions] = k[:, :, 0]
         cache_v[rows, :, positions] = v[:, :, 0]
-        return cache_k[:b, :, :self.attend_len], cache_v[:b, :, :self.attend_len]
+        return self.attention(q[:, :, 0], cache_k, cache_v, positions, self.attend_len)[:, :, None]
 
     @torch.inference_mode()
     def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:

@@ -271,13 +271,7 @@ class Attention(_UsesKernels, nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
         q, k = self.kernels.apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         if decode:
-            # One query per row: view the H query heads as G = H / Hkv queries of each KV head, so SDPA
-            # reads every cached K/V once (no repeat of K/V for grouped-query attention).
-            keys, values = cache.append_decode(self.layer_idx, k, v, positions[:, 0])
-            group = self.num_heads // self.num_kv_heads
-            out = F.scaled_dot_product_attention(q.view(b, self.num_kv_heads, group, self.head_dim), keys, values,
-                                                 attn_mask=attn_mask)
-            out = out.reshape(b, self.num_heads, 1, self.head_dim)
+            out = cache.attend_decode(self.layer_idx, q, k, v, positions[:, 0])  # one query per row
         elif documents is not None:
             out = documents.attend(q, k, v)
         elif extension is not None:  # rows continue their slots: attend over the cached positions and their own
@@ -382,9 +376,6 @@ class CausalLM(nn.Module):
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        if decode:  # row b attends to its slot's positions 0..positions[b]; built once for all layers
-            attend = torch.arange(cache.attend_len, device=input_ids.device)
-            attn_mask = (attend[None, :] <= positions[:, :1])[:, None, None, :]
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         whole_layer = checkpointing and self.checkpoint_scope == "layer"
         for layer in self.model.layers:

@@ -130,4 +130,5 @@ class RunSpec:
     def engine_config(self, agent: AgentSpec, slot: int) -> EngineConfig:
         max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
         return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
+                            decode_attention=self.rollout.decode_attention,
                             seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha)

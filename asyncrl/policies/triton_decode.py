@@ -1,0 +1,132 @@
+"""Decode attention over the per-slot KV cache as a Triton kernel (split-K "flash decoding").
+
+    out = triton_decode_attention(q, k_cache, v_cache, lengths)   # [B, H, D] <- [B, H, D], [S, Hkv, L, D] x 2, [B]
+
+Row b attends to the first `lengths[b]` positions of slot b. One program per (row, KV head, split) loads the
+G = H / Hkv query heads that share its KV head, reads each of its K/V positions once (grouped-query attention
+without repeating K/V) and keeps an online softmax in fp32; splits of one row are merged by a second small
+kernel through their log-sum-exps. Compared with SDPA over the cache under a length mask, a row reads only
+its own positions, not the longest row's bucket, and a decode-shaped query (G rows) keeps every SM busy.
+
+The grid depends only on (B, Hkv, splits): the kernel is captured in CUDA graphs like the rest of the step,
+the lengths are read from device memory at replay. Importing this module needs Triton; on CPU it runs under
+`TRITON_INTERPRET=1` (how the tests check it against SDPA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["triton_decode_attention", "choose_splits"]
+
+
+@triton.jit
+def _partial(Q, K, V, Lengths, O, Lse, Out,
+             stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
+             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+             scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+             DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(Lengths + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    g_ok, d_ok = g < GROUP, d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    k_row = K + b * stride_ks + kv_head * stride_kh
+    v_row = V + b * stride_vs + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_row + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [G, N], log2 units
+        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)[:, None]  # an empty split (start >= length) stays 0, weight 0 below
+    if SPLITS == 1:
+        tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                 mask=g_ok[:, None] & d_ok[None, :])
+        lse = tl.where(total > 0, m + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge(O, Lse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_ok, d_ok = s < SPLITS, d < HEAD_DIM
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    parts = tl.load(O + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(Out + b * stride_outb + h * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def choose_splits(batch: int, kv_heads: int, attend_len: int, *, programs: int = 264, block_n: int = 64) -> int:
+    """Splits per (row, KV head): enough programs to fill the GPU (`programs`, two per SM of an H100) when the
+    batch is small, never a split shorter than 4 blocks of keys."""
+    wanted = math.ceil(programs / max(1, batch * kv_heads))
+    return max(1, min(wanted, attend_len // (4 * block_n), 16))
+
+
+def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
+                            attend_len: int, block_n: int = 64, splits: int | None = None) -> Tensor:
+    """Attention of one query per row over its slot's first `lengths[b]` cached positions.
+
+    Args:
+      q: [B, H, D] queries (after RoPE), the cache's dtype.
+      k_cache, v_cache: [slots, Hkv, max_len, D], slot b holding row b (slots >= B; last dim contiguous).
+      lengths: [B] integer, 1 <= lengths[b] <= attend_len.
+      attend_len: an upper bound of the lengths, on the host (chooses the split count; one per graph shape).
+      splits: splits per (row, KV head) instead of `choose_splits`'.
+    Returns [B, H, D] in q's dtype, scaled by 1/sqrt(D).
+    """
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"triton_decode_attention: {heads} query heads over {kv_heads} KV heads, contiguous last dims")
+    group = heads // kv_heads
+    splits = splits or choose_splits(b, kv_heads, attend_len, block_n=block_n)
+    out = torch.empty_like(q)
+    parts = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    dim_pad = max(16, triton.next_power_of_2(dim))
+    scale_log2 = (1.0 / math.sqrt(dim)) * 1.4426950408889634  # softmax in base 2
+    _partial[(b, kv_heads, splits)](
+        q, k_cache, v_cache, lengths, parts, lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        parts.stride(0), parts.stride(1), parts.stride(2) if splits > 1 else 0,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale_log2,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
+        BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=2)
+    if splits > 1:
+        _merge[(b, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+                           lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
+                           SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+    return out
