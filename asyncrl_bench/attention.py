@@ -8,9 +8,11 @@ Per (batch, context): row b attends to `lengths[b]` cached positions — all `co
 uniform in [1, context] (`ragged`, as rows of a continuous batch are). Kernels:
 * `sdpa` — what the engine ran before: SDPA over the first `context` positions of every row under a length mask;
 * `triton` — `asyncrl.policies.triton_decode` (reads each row's own positions, split-K for small batches);
+* `triton-tf32` — the same with tf32 probabilities in the weighted sum of values (bf16 otherwise);
 * `flex` — `torch.nn.attention.flex_attention` (compiled) with a block mask of the lengths, made once per case
   (outside the timing; an engine would make it every step).
-Time per call from CUDA events over `--iters` calls after a warm-up. The roofline is the K/V bytes the rows must
+Time per call from CUDA events over `--iters` calls after a warm-up; `max_diff_vs_fp32` is each kernel's largest
+difference from SDPA in fp32 on the same cache (first 8 rows). The roofline is the K/V bytes the rows must
 read (Σ lengths × 2 × Hkv × D × element size) at the device's nominal bandwidth; `fraction` is how close a kernel gets.
 """
 
@@ -26,7 +28,7 @@ from asyncrl_bench.shared import device_name, write_json
 
 __all__ = ["AttentionBenchArgs", "bench_attention"]
 
-Kernel = Literal["sdpa", "triton", "flex"]
+Kernel = Literal["sdpa", "triton", "triton-tf32", "flex"]
 
 
 @dataclasses.dataclass
@@ -40,7 +42,7 @@ class AttentionBenchArgs:
     """Cached positions of the longest row."""
     lengths: Literal["full", "ragged"] = "ragged"
     """full: every row attends to the whole context; ragged: row lengths uniform in [1, context]."""
-    kernels: tuple[Kernel, ...] = ("sdpa", "triton", "flex")
+    kernels: tuple[Kernel, ...] = ("sdpa", "triton", "triton-tf32", "flex")
     dtype: str = "bfloat16"
     iters: int = 50
     max_cache_gb: float = 24.0
@@ -60,6 +62,7 @@ def _shape(path: str) -> tuple[int, int, int]:
 def _flex(q, k, v, lengths):
     """flex_attention with a block mask of the lengths; returns a callable of no arguments."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    torch._dynamo.reset()  # each case compiles afresh: past the recompile limit flex would fall back to eager
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def keep(b, h, q_idx, kv_idx):
@@ -76,8 +79,9 @@ def _callable(kernel: Kernel, q, k, v, lengths, context: int):
     if kernel == "sdpa":
         positions = lengths - 1
         return lambda: sdpa_decode(q, k, v, positions, context)
-    if kernel == "triton":
-        return lambda: triton_decode_attention(q, k, v, lengths, attend_len=context)
+    if kernel in ("triton", "triton-tf32"):
+        tf32 = kernel == "triton-tf32"
+        return lambda: triton_decode_attention(q, k, v, lengths, attend_len=context, pv_tf32=tf32)
     return _flex(q, k, v, lengths)
 
 
@@ -110,19 +114,20 @@ def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: 
     row = {"device": device_name("cuda"), "model": args.model, "batch": batch, "context": context,
            "lengths": args.lengths, "kv_bytes": need, "peak_bandwidth": bandwidth,
            "roofline_us": need / bandwidth * 1e6 if bandwidth else None}
-    reference = None
+    from asyncrl.policies.decode_attention import sdpa_decode
+    few = min(batch, 8)  # the reference: SDPA in fp32 on the same (rounded) K/V, for the first rows
+    reference = sdpa_decode(q[:few].float(), k[:few].float(), v[:few].float(), lengths[:few] - 1, context)
     for kernel in args.kernels:
         try:
             fn = _callable(kernel, q, k, v, lengths, context)
-            out = fn().reshape(batch, heads, dim).float()
+            out = fn().reshape(batch, heads, dim)[:few].float()
             us = _time_us(fn, args.iters)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot run this case is reported, not fatal
             row[f"{kernel}_error"] = f"{type(err).__name__}: {str(err)[:160]}"
             continue
-        reference = out if reference is None else reference
         row[f"{kernel}_us"] = us
         row[f"{kernel}_fraction"] = need / bandwidth / (us * 1e-6) if bandwidth else None
-        row[f"{kernel}_max_diff"] = float((out - reference).abs().max())
+        row[f"{kernel}_max_diff_vs_fp32"] = float((out - reference).abs().max())
     return row
 
 

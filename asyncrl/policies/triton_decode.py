@@ -30,7 +30,8 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
              stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
              scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-             DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+             DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PV_TF32: tl.constexpr,
+             PRECISION: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(Lengths + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
@@ -52,14 +53,18 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
         n_ok = n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_row + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [G, N], log2 units
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N], log2 units
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_row + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if PV_TF32:  # probabilities kept to tf32's 10 bits (rounded to the cache's dtype otherwise)
+            pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.maximum(total, 1e-30)[:, None]  # an empty split (start >= length) stays 0, weight 0 below
     if SPLITS == 1:
@@ -95,7 +100,8 @@ def choose_splits(batch: int, kv_heads: int, attend_len: int, *, programs: int =
 
 
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
-                            attend_len: int, block_n: int = 64, splits: int | None = None) -> Tensor:
+                            attend_len: int, block_n: int = 64, splits: int | None = None,
+                            pv_tf32: bool = False) -> Tensor:
     """Attention of one query per row over its slot's first `lengths[b]` cached positions.
 
     Args:
@@ -104,6 +110,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
       lengths: [B] integer, 1 <= lengths[b] <= attend_len.
       attend_len: an upper bound of the lengths, on the host (chooses the split count; one per graph shape).
       splits: splits per (row, KV head) instead of `choose_splits`'.
+      pv_tf32: weight the values with tf32 probabilities instead of probabilities rounded to the cache's dtype.
     Returns [B, H, D] in q's dtype, scaled by 1/sqrt(D).
     """
     b, heads, dim = q.shape
@@ -124,7 +131,8 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
         parts.stride(0), parts.stride(1), parts.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale_log2,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
-        BLOCK_N=block_n, SPLITS=splits, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, SPLITS=splits, PV_TF32=pv_tf32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if splits > 1:
         _merge[(b, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,

@@ -1,6 +1,7 @@
-"""Runs the Triton decode-attention kernel under Triton's interpreter (on CPU tensors) against SDPA for the cases
-given as JSON on argv; prints one JSON list of {case, max_abs_diff, atol} (`test_decode_attention.py` runs this in a
-process of its own, since TRITON_INTERPRET must be set before the kernel is defined)."""
+"""Runs the Triton decode-attention kernel against SDPA for the cases given as JSON on argv, compiled on a GPU or under
+Triton's interpreter on CPU tensors (TRITON_INTERPRET=1); prints one JSON list of {case, max_abs_diff, atol}.
+`test_decode_attention.py` runs this in a process of its own: TRITON_INTERPRET must be set before the kernel is
+defined."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import sys
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 from asyncrl.policies.decode_attention import sdpa_decode  # noqa: E402
 from asyncrl.policies.triton_decode import triton_decode_attention  # noqa: E402
@@ -17,15 +18,17 @@ from asyncrl.policies.triton_decode import triton_decode_attention  # noqa: E402
 
 def run(case: dict) -> dict:
     gen = torch.Generator().manual_seed(case["seed"])
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides, also on a GPU
     batch, kv_heads, group, dim, max_len = case["batch"], case["kv_heads"], case["group"], case["dim"], case["max_len"]
     slots = batch + 2  # slots past the batch hold other sequences: never read
     k, v = (torch.randn(slots, kv_heads, max_len, dim, generator=gen) for _ in range(2))
     q = torch.randn(batch, kv_heads * group, dim, generator=gen)
     positions = torch.tensor(case["positions"])
     attend = int(positions.max()) + 1
+    q, k, v, positions = (t.to(DEVICE) for t in (q, k, v, positions))
     got = triton_decode_attention(q, k, v, positions + 1, attend_len=attend, block_n=case["block_n"],
-                                  splits=case["splits"])
-    want = sdpa_decode(q, k, v, positions, attend)
+                                  splits=case["splits"]).cpu()
+    want = sdpa_decode(q, k, v, positions, attend).cpu()
     # softmax-weighted sums over <= attend terms of values ~N(0, 1): float32 rounding, sqrt(terms) growth
     atol = 4 * 4 * math.sqrt(max(attend, dim)) * torch.finfo(torch.float32).eps * float(v.abs().max())
     return {"case": case, "max_abs_diff": float((got - want).abs().max()), "atol": atol}
