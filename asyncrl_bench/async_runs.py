@@ -20,6 +20,13 @@ build, CUDA-graph capture, pipeline fill) and is left out of the rates. Per vari
 per learner step, samples/s, steps/s, trainer and rollouter idle ratios, version lag, weight-sync time
 (beside a bare NCCL broadcast of the same bytes), queue utilisation, peak memory per role, GPU utilisation
 (nvidia-smi) and reward against wall-clock. Writes results.json, bench_async.md and PNG plots to --out.
+
+Each row also prints the rooflines it is measured against (`run_roofline`), in trained tokens/s: the
+learner's FLOP bound (its devices at peak bf16 FLOP/s over `train_flops` per trained token, at the run's
+mean prompt and response lengths) and the engine's bandwidth bound (each rollout device decoding `slots`
+sequences a step, every bf16 weight and each sequence's K/V up to its mean context read once per step, at
+the device's HBM bandwidth), and the bound of the mode: colocated, each device does both in turn
+(1 / (1/learner + 1/engine)); split, the slower side. Null, with a note, on CPU or an unknown GPU.
 """
 
 from __future__ import annotations
@@ -221,6 +228,8 @@ def summarize(run_dir: str | pathlib.Path, *, n: int, warmup_versions: int = 1) 
         "trainer_max_memory_gib": max((r.get("perf/max_memory_allocated_gb", 0) for r in rows), default=0),
         "rollouter_max_memory_gib": max((r.get("rollouter/max_memory_allocated_gb", 0) for r in rows), default=0),
         "response_length_mean": _mean(measured, "response_length/mean"),
+        "tokens_measured": tokens, "rows_measured": groups * n,
+        "response_tokens_measured": sum(r.get("perf/response_tokens", 0) for r in measured),
         "reward_first": rows[0].get("critic/score/mean"), "reward_last": rows[-1].get("critic/score/mean"),
         "curve": [(r["wall_s"], r.get("critic/score/mean"), r["step"]) for r in rows],
         "_window": (warm["wall_s"] if warm else 0.0, measured[-1]["wall_s"]),
@@ -284,6 +293,48 @@ def weight_bytes(model: str, dtype: str = "bfloat16") -> int:
                if not (tied and name == "lm_head.weight"))
 
 
+def _meta_model(name: str):
+    """`name`'s architecture in bf16 on the meta device (no weights read), or None when it is no preset or
+    config.json (a GGUF file, a Hub name)."""
+    import torch
+    from asyncrl.policies.loading import hf_config, load_model
+    from asyncrl.policies.model import CausalLM, TransformerConfig
+    if name.startswith("random:"):
+        return load_model(name, dtype=torch.bfloat16, device="meta")
+    try:
+        config = TransformerConfig.from_hf(hf_config(name))
+    except ValueError:
+        return None
+    with torch.device("meta"):
+        return CausalLM(config).to(torch.bfloat16)
+
+
+def run_roofline(row: dict, model, *, colocated: bool) -> dict:
+    """The trained tokens/s bounds of one variant's row (module docstring): `learner_bound_tok_s`,
+    `engine_bound_tok_s`, `roofline_tok_s` and the fraction of it the run reached; null with a note where
+    the devices' peaks are unknown or the architecture could not be read."""
+    from asyncrl_bench.engine import step_bytes
+    from asyncrl_bench.learner import body_params, train_flops
+    from asyncrl_bench.roofline import peak_bandwidth, peak_flops, unknown_peak_note
+    trainers, agents = row["trainer_devices"], row["agent_devices"]
+    flops, bandwidth = peak_flops(trainers[0]), peak_bandwidth(agents[0])
+    rows, tokens, response = row["rows_measured"], row["tokens_measured"], row["response_tokens_measured"]
+    out = {"learner_bound_tok_s": None, "engine_bound_tok_s": None, "roofline_tok_s": None, "roofline_fraction": None}
+    if model is None or flops is None or bandwidth is None or not (rows and tokens and response):
+        why = ("architecture unknown (no preset or config.json)" if model is None else
+               "no tokens measured" if not (rows and tokens and response) else
+               unknown_peak_note(trainers[0] if flops is None else agents[0], "FLOP/s or bandwidth"))
+        return {**out, "roofline_note": why}
+    prompt_len, response_len = (tokens - response) / rows, response / rows
+    per_token = train_flops(model.config, body_params(model), [(prompt_len, response_len)]) / (prompt_len + response_len)
+    learner = len(trainers) * flops / per_token
+    decode_step = step_bytes(model, row["slots"], int(prompt_len + response_len / 2))
+    engine = len(agents) * row["slots"] * bandwidth / decode_step * tokens / response
+    bound = 1 / (1 / learner + 1 / engine) if colocated else min(learner, engine)
+    return {"learner_bound_tok_s": learner, "engine_bound_tok_s": engine, "roofline_tok_s": bound,
+            "roofline_fraction": row["tokens_per_s"] / bound}
+
+
 # ------------------------------------------------------------------------------------------ the run
 def bench_async(args: AsyncBenchArgs) -> list[dict]:
     from asyncrl.run import train
@@ -300,6 +351,7 @@ def bench_async(args: AsyncBenchArgs) -> list[dict]:
               flush=True)
     sampler = GpuSampler()
     results = []
+    model = _meta_model(args.model)
     try:
         for text, cfg in configs:
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
@@ -324,6 +376,7 @@ def bench_async(args: AsyncBenchArgs) -> list[dict]:
             gpus = sorted({int(d.split(":")[1]) for d in cfg.placement.trainer_devices + cfg.placement.agent_devices
                            if d.startswith("cuda:")})
             row.update(sampler.window(start + lo, start + hi, gpus))
+            row.update(run_roofline(row, model, colocated=cfg.async_training.colocated))
             results.append(row)
             _write(out, results, reference)
             print("[bench async] " + _line(row), flush=True)
@@ -335,9 +388,12 @@ def bench_async(args: AsyncBenchArgs) -> list[dict]:
 
 
 def _line(r: dict) -> str:
+    bound = (f"roofline {r['roofline_tok_s']:,.0f} tok/s (learner {r['learner_bound_tok_s']:,.0f}, engine "
+             f"{r['engine_bound_tok_s']:,.0f}): {r['roofline_fraction']:.1%}" if r.get("roofline_tok_s")
+             else f"roofline null: {r.get('roofline_note')}")
     return (f"{r['variant']}: {r['tokens_per_s']:,.0f} tok/s, {r['time_per_step_s']:.2f} s/step, idle trainer "
             f"{r['trainer_idle_ratio'] or 0:.2f} rollout {r['rollouter_idle_ratio'] or 0:.2f}, lag "
-            f"{r['version_lag_mean'] or 0:.2f}, sync {(r['param_sync_s'] or 0) * 1e3:.0f} ms")
+            f"{r['version_lag_mean'] or 0:.2f}, sync {(r['param_sync_s'] or 0) * 1e3:.0f} ms; {bound}")
 
 
 def _fmt(x, spec: str) -> str:
@@ -347,14 +403,15 @@ def _fmt(x, spec: str) -> str:
 def _table(results: list[dict], reference: dict | None) -> str:
     ok = [r for r in results if "error" not in r]
     base = next((r["tokens_per_s"] for r in ok if r["variant"] == "sync"), None)
-    lines = ["| variant | trainer+rollout devices | tokens/s | × sync | s/step | samples/s | idle trainer | "
-             "idle rollout | lag mean/max | sync ms (transfer) | queue util | mem GiB trainer/rollout | "
-             "reward first→last |", "|" + "---|" * 13]
+    lines = ["| variant | trainer+rollout devices | tokens/s | roofline tok/s (reached) | × sync | s/step | samples/s | "
+             "idle trainer | idle rollout | lag mean/max | sync ms (transfer) | queue util | mem GiB trainer/rollout | "
+             "reward first→last |", "|" + "---|" * 14]
     for r in ok:
         ratio = f"{r['tokens_per_s'] / base:.2f}×" if base else "–"
         lines.append(
             f"| {r['variant']} | {len(r['trainer_devices'])}+{len(r['agent_devices'])}"
-            f"{' (colocated)' if r['variant'].startswith('sync') else ''} | {r['tokens_per_s']:,.0f} | {ratio} | "
+            f"{' (colocated)' if r['variant'].startswith('sync') else ''} | {r['tokens_per_s']:,.0f} | "
+            f"{_fmt(r.get('roofline_tok_s'), ',.0f')} ({_fmt(r.get('roofline_fraction'), '.1%')}) | {ratio} | "
             f"{r['time_per_step_s']:.2f} | {r['samples_per_s']:.1f} | {_fmt(r['trainer_idle_ratio'], '.2f')} | "
             f"{_fmt(r['rollouter_idle_ratio'], '.2f')} | {_fmt(r['version_lag_mean'], '.2f')}/{r['version_lag_max']} | "
             f"{_fmt((r['param_sync_s'] or 0) * 1e3, '.0f')} ({_fmt((r['param_transfer_s'] or 0) * 1e3, '.0f')}) | "

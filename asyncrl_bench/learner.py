@@ -17,8 +17,12 @@ tokens, token-budget micro-batches packed into one sequence each, or padded with
 (rows × longest row <= `max_tokens_per_micro_batch`, a longer row alone), right-pads them with an attention
 mask, labels the response tokens (-100 on prompt and padding) and runs `model(...).loss` + backward per
 micro-batch, then the step. Throughput counts real tokens only (prompt + response of every row, no padding),
-the same count for both sides. MFU = model FLOPs / time / the GPU's peak dense bf16 FLOP/s (H100, H200: 989
-TFLOP/s; A100: 312; null on CPU or an unknown GPU), with `train_flops`: 6·N_body per token (decoder layers
+the same count for both sides. `--warmup-steps` untimed steps come first (the first one compiles; its seconds
+are reported as `*_first_step_s`), then `--steps` timed ones; the row counts the frames torch.compile compiled
+in each phase (`*_compiles_warmup`, `*_compiles_timed`: a steady state compiles nothing). MFU = model FLOPs /
+time / the GPU's peak dense bf16 FLOP/s (H100, H200: 989 TFLOP/s; A100: 312; null on CPU or an unknown GPU,
+`roofline_note` says so); the row prints that roofline (`model_flops_per_step`, `peak_flops`,
+`roofline_step_s`), with `train_flops`: 6·N_body per token (decoder layers
 and final norm) + 6·V·H per response token (LM head) + 6·L·(heads·head_dim)·s² per row of s tokens (causal
 attention). Both sides are credited the same useful FLOPs (padding and recomputation do not count), so
 ours_mfu / hf_mfu = ours_tok_s / hf_tok_s = ratio. Prints one JSON row: workload, mean tokens and response
@@ -33,19 +37,17 @@ import copy
 import dataclasses
 import json
 import resource
-import sys
-import time
 from typing import Literal
 
 import torch
 
 from asyncrl.config import LoraConfig
-from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
+from asyncrl_bench.roofline import PEAK_BF16_FLOPS, flop_roofline, mfu as _mfu, peak_flops
+from asyncrl_bench.shared import device_name, hf_copy, write_json
+from asyncrl_bench.timing import StepTimes, time_steps
 
 __all__ = ["LearnerBenchArgs", "bench_learner", "groups_for", "row_lengths", "body_params", "train_flops",
-           "peak_flops"]
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s, SXM parts
+           "peak_flops", "PEAK_BF16_FLOPS"]
 
 LearnerWorkload = Literal["fixed", "ragged"]
 
@@ -94,7 +96,10 @@ class LearnerBenchArgs:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Ours: --trainer.param-dtype (bfloat16 with --offload optimizer keeps an fp32 master copy on the host)."""
     steps: int = 5
-    """Timed optimizer steps (after one warm-up step)."""
+    """Timed optimizer steps (after --warmup-steps)."""
+    warmup_steps: int = 2
+    """Untimed optimizer steps first, on their own rows (the first compiles; the next ones let the caching
+    allocator settle), so the timed steps are steady state. The first step's seconds are reported apart."""
     baseline: bool = True
     """Also time a transformers training step (with --lora.rank: transformers + peft's LoRA)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -113,6 +118,8 @@ class LearnerBenchArgs:
         for flag, value in (("--steps", self.steps), ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be >= 1")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} must be >= 0")
         if self.workload == "fixed":
             _check_lengths(("--prompt-len", self.prompt_len), ("--response-len", self.response_len))
         else:
@@ -192,36 +199,8 @@ def train_flops(config, n_body: int, rows: list[tuple[int, int]]) -> float:
                  + 6 * config.num_layers * attention_width * squares)
 
 
-def peak_flops(device: str) -> float | None:
-    """Nominal dense bf16 FLOP/s of `device` when it is a GPU we know; None on CPU or an unknown GPU."""
-    if not device.startswith("cuda"):
-        return None
-    name = device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def _mfu(flops: float, seconds: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over the device's peak (None without a peak)."""
-    return None if peak is None else flops / seconds / peak
-
-
-def _timed(device: str, step, step_groups: list[list]) -> float:
-    """Seconds of `step(groups)` over `step_groups[1:]`, after a warm-up `step(step_groups[0])`. Each step's
-    seconds go to stderr as it ends (a run stopped by a time limit still says how far it got)."""
-    begin = time.perf_counter()
-    step(step_groups[0])
-    synchronize(device)
-    start = time.perf_counter()
-    print(f"warm-up step: {start - begin:.1f} s", file=sys.stderr, flush=True)
-    for i, groups in enumerate(step_groups[1:]):
-        step(groups)
-        synchronize(device)
-        print(f"step {i + 1}: {time.perf_counter() - start:.1f} s since the warm-up", file=sys.stderr, flush=True)
-    return time.perf_counter() - start
-
-
-def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, lr: float = 1e-6) -> float:
-    """Seconds of our GRPO `train_step` over the timed steps' groups (after a warm-up step)."""
+def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, lr: float = 1e-6) -> StepTimes:
+    """Seconds of our GRPO `train_step` over each step's groups (the first --warmup-steps untimed)."""
     from asyncrl.config import GRPO, OptimConfig, TrainerConfig
     from asyncrl.learner import build_learner, train_step
     cfg = TrainerConfig(mini_batch_size=max(args.rows // args.group_size, 1),
@@ -241,7 +220,7 @@ def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, 
         group = dist.group.WORLD
         shard_model(model, DeviceMesh.from_group(group, torch.device(args.device).type), offload=True)
     state = build_learner(model, cfg, GRPO(), group=group)
-    return _timed(args.device, lambda groups: train_step(state, groups), step_groups)
+    return time_steps(args.device, lambda groups: train_step(state, groups), step_groups, args.warmup_steps)
 
 
 def _padded_batch(sequences: list[tuple[list[int], list[int]]], device: str) -> dict[str, torch.Tensor]:
@@ -271,8 +250,8 @@ def _hf_micro_batches(groups: list, budget: int, device: str) -> list[dict[str, 
                                                                                        lengths, padded)]
 
 
-def _time_hf_train(args: LearnerBenchArgs, model, step_groups: list[list]) -> float:
-    """Seconds of a plain transformers training step over the same groups (after a warm-up step): padded
+def _time_hf_train(args: LearnerBenchArgs, model, step_groups: list[list]) -> StepTimes:
+    """Seconds of a plain transformers training step over the same groups (after the warm-up steps): padded
     micro-batches, `model(...).loss` under bf16 autocast on CUDA, backward per micro-batch, gradient clipping
     at 1.0, AdamW (fused on CUDA with --fused-optimizer, as ours)."""
     hf = hf_copy(model, torch.float32, args.device)
@@ -291,7 +270,7 @@ def _time_hf_train(args: LearnerBenchArgs, model, step_groups: list[list]) -> fl
         optim.step()
         optim.zero_grad(set_to_none=True)
 
-    return _timed(args.device, step, step_groups)
+    return time_steps(args.device, step, step_groups, args.warmup_steps)
 
 
 def _learner_row(args: LearnerBenchArgs, timed_rows: list[list[tuple[int, int]]]) -> dict:
@@ -304,7 +283,39 @@ def _learner_row(args: LearnerBenchArgs, timed_rows: list[list[tuple[int, int]]]
             "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch, "pack_sequences": args.pack_sequences,
             "gradient_checkpointing": args.gradient_checkpointing, "checkpoint_scope": args.checkpoint_scope,
             "compile_layers": args.compile_layers, "fused_optimizer": args.fused_optimizer,
-            "offload": args.offload, "param_dtype": args.param_dtype}
+            "offload": args.offload, "param_dtype": args.param_dtype, "warmup_steps": args.warmup_steps,
+            "steps": args.steps}
+
+
+def _host_copy(model, device: str):
+    """A copy of `model`'s weights in host memory (the baseline's; the GPU holds one model at a time)."""
+    model.to("cpu")
+    copied = copy.deepcopy(model)
+    model.to(device)
+    return copied
+
+
+def _timed_fields(prefix: str, times: StepTimes, tokens: float, flops: float, peak: float | None) -> dict:
+    """One side's tok/s and MFU over its timed steps, its first-step and warm-up seconds, compile counts."""
+    return {f"{prefix}tok_s": tokens / times.timed_s, f"{prefix}mfu": _mfu(flops, times.timed_s, peak),
+            **times.row(prefix)}
+
+
+def _hf_fields(args: LearnerBenchArgs, reference, step_groups: list[list], tokens: float, flops: float,
+               peak: float | None) -> dict:
+    """The baseline's fields (`hf_error` instead when it runs out of GPU memory)."""
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        times = _time_hf_train(args, reference, step_groups)
+    except torch.OutOfMemoryError as err:
+        return {"hf_error": f"out of GPU memory: {str(err).splitlines()[0]}"}
+    row = _timed_fields("hf_", times, tokens, flops, peak)
+    if on_cuda:
+        row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
 
 
 def bench_learner(args: LearnerBenchArgs) -> dict:
@@ -316,8 +327,8 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     lora = args.lora.rank > 0
     dtype = torch.bfloat16 if (lora and on_cuda) or args.param_dtype == "bfloat16" else torch.float32
     model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" else args.device)
-    step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.steps + 1)]
-    timed_rows = [row_lengths(groups) for groups in step_groups[1:]]
+    step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.warmup_steps + args.steps)]
+    timed_rows = [row_lengths(groups) for groups in step_groups[args.warmup_steps:]]
     if lora:
         from asyncrl_bench.lora import bench_learner_lora
         row = bench_learner_lora(args, model, step_groups, _learner_row(args, timed_rows))
@@ -327,26 +338,20 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     n_body = body_params(model)
     flops = sum(train_flops(model.config, n_body, rows) for rows in timed_rows)
     peak = peak_flops(args.device)
-    row = _learner_row(args, timed_rows)
+    row = {**_learner_row(args, timed_rows), **flop_roofline(flops / args.steps, args.device)}
     tokens = row["tokens_per_step"] * args.steps
-    reference = copy.deepcopy(model) if args.baseline else None
+    reference = _host_copy(model, args.device) if args.baseline and args.offload != "params" else None
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    seconds = _time_train_step(args, model, step_groups)
-    row.update(ours_tok_s=tokens / seconds, ours_mfu=_mfu(flops, seconds, peak))
+    row.update(_timed_fields("ours_", _time_train_step(args, model, step_groups), tokens, flops, peak))
     if on_cuda:
         row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     row["host_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     if args.baseline:
         del model
-        if on_cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        hf_seconds = _time_hf_train(args, reference, step_groups)
-        row.update(hf_tok_s=tokens / hf_seconds, hf_mfu=_mfu(flops, hf_seconds, peak))
-        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
-        if on_cuda:
-            row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row.update(_hf_fields(args, reference, step_groups, tokens, flops, peak))
+        if "hf_tok_s" in row:
+            row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
     print(json.dumps(row), flush=True)
     write_json(args.out, row)
     return row

@@ -9,6 +9,8 @@ then ours on the base itself.
 Useful FLOPs of a LoRA step (`lora_train_flops`): a frozen weight still costs its forward and the gradient of
 its input, 4 FLOPs per multiply-add instead of 6, per token (decoder layers) and per response token (LM
 head); each adapter parameter 6 per token; attention as in full training. The same count for both sides.
+The row prints that roofline (`model_flops_per_step`, `peak_flops`, `roofline_step_s`) as the full learner
+row does, and each side's first-step seconds and compile counts (`asyncrl_bench.timing`).
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ def _base_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def _time_peft_train(args, model, step_groups: list[list]) -> float:
-    """Seconds of a transformers + peft LoRA training step over the same groups (after a warm-up step): the
+def _time_peft_train(args, model, step_groups: list[list]):
+    """`StepTimes` of a transformers + peft LoRA training step over the same groups (after the warm-up steps): the
     plain HF step of `asyncrl_bench.learner` (padded micro-batches by our budget rule, `model(...).loss`, backward,
     clipping, AdamW) on a peft model."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
-    from asyncrl_bench.learner import _hf_micro_batches, _timed
+    from asyncrl_bench.learner import _hf_micro_batches
     from asyncrl_bench.shared import hf_copy
+    from asyncrl_bench.timing import time_steps
     lora = args.lora
     hf = hf_copy(model, _base_dtype(args.device), args.device)
     if args.gradient_checkpointing:
@@ -61,11 +64,11 @@ def _time_peft_train(args, model, step_groups: list[list]) -> float:
         optim.step()
         optim.zero_grad(set_to_none=True)
 
-    return _timed(args.device, step, step_groups)
+    return time_steps(args.device, step, step_groups, args.warmup_steps)
 
 
-def _time_lora_step(args, model, step_groups: list[list]) -> float:
-    """Seconds of our GRPO `train_step` with adapters on `model` (after a warm-up step)."""
+def _time_lora_step(args, model, step_groups: list[list]):
+    """`StepTimes` of our GRPO `train_step` with adapters on `model` (after the warm-up steps)."""
     from asyncrl_bench.learner import _time_train_step
     from asyncrl.policies.lora import apply_lora
     lora = args.lora
@@ -76,7 +79,8 @@ def _time_lora_step(args, model, step_groups: list[list]) -> float:
 def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
     """Fill `row` (the learner benchmark's JSON row) with the LoRA comparison: each side's tok/s, MFU and peak
     memory, the ratio. `model`: the base, loaded in `_base_dtype` (ours trains adapters on it, in place)."""
-    from asyncrl_bench.learner import _mfu, body_params, peak_flops, row_lengths
+    from asyncrl_bench.learner import _timed_fields, body_params, row_lengths
+    from asyncrl_bench.roofline import flop_roofline, peak_flops
     from asyncrl.policies.lora import LORA_TARGETS
     on_cuda = args.device.startswith("cuda")
     lora = args.lora
@@ -85,26 +89,25 @@ def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
               if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in LORA_TARGETS}
     n_adapter = lora.rank * len(model.model.layers) * sum(i + o for leaf, (i, o) in widths.items()
                                                             if leaf in lora.target_modules)
-    timed_rows = [row_lengths(groups) for groups in step_groups[1:]]
+    timed_rows = [row_lengths(groups) for groups in step_groups[args.warmup_steps:]]
     flops = sum(lora_train_flops(model.config, n_body, n_adapter, rows) for rows in timed_rows)
     peak = peak_flops(args.device)
     tokens = row["tokens_per_step"] * args.steps
     row.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.target_modules),
-               adapter_params=n_adapter, base_dtype=str(_base_dtype(args.device)).removeprefix("torch."))
+               adapter_params=n_adapter, base_dtype=str(_base_dtype(args.device)).removeprefix("torch."),
+               **flop_roofline(flops / args.steps, args.device))
     if args.baseline:
         model.to("cpu")  # one base on the GPU at a time: each side's peak memory is its own
         if on_cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        hf_seconds = _time_peft_train(args, model, step_groups)
-        row.update(hf_tok_s=tokens / hf_seconds, hf_mfu=_mfu(flops, hf_seconds, peak))
+        row.update(_timed_fields("hf_", _time_peft_train(args, model, step_groups), tokens, flops, peak))
         if on_cuda:
             row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model.to(args.device)
-    seconds = _time_lora_step(args, model, step_groups)
-    row.update(ours_tok_s=tokens / seconds, ours_mfu=_mfu(flops, seconds, peak))
+    row.update(_timed_fields("ours_", _time_lora_step(args, model, step_groups), tokens, flops, peak))
     if on_cuda:
         row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if args.baseline:

@@ -160,12 +160,32 @@ def test_learner_bench_ragged_run_against_padded_hf(tmp_path, capsys):
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     print(printed)  # the CPU row, for `pytest -s`
     assert json.loads(printed) == row == json.loads((tmp_path / "learner.json").read_text())
-    timed = row_lengths(groups_for(args, 256, seed=1))  # step 0 is the warm-up
+    timed = row_lengths(groups_for(args, 256, seed=2))  # steps 0 and 1 are the (default) warm-up
     assert row["workload"] == "ragged" and row["rows"] == 4
     assert row["tokens_per_step"] == sum(p + r for p, r in timed)
     assert row["response_tokens_per_step"] == sum(r for _, r in timed)
     assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
     assert row["ours_mfu"] is None and row["hf_mfu"] is None
+    assert row["peak_flops"] is None and row["roofline_step_s"] is None and "cpu" in row["roofline_note"]
+    assert row["model_flops_per_step"] == train_flops(random_model("tiny-qwen2").config,
+                                                      body_params(random_model("tiny-qwen2")), timed)
+
+
+def test_learner_bench_reports_warmup_apart_with_compile_counts(tmp_path):
+    """--warmup-steps N: N untimed steps on their own rows, the first one's seconds reported apart; each side's
+    compile counts per phase (nothing compiles on CPU: eager layers)."""
+    args = LearnerBenchArgs(**dict(TINY_RAGGED, steps=2, warmup_steps=3))
+    row = bench_learner(args)
+    timed = [row_lengths(groups_for(args, 256, seed=s)) for s in (3, 4)]
+    assert row["tokens_per_step"] == sum(p + r for rows in timed for p, r in rows) / 2
+    assert row["warmup_steps"] == 3 and row["steps"] == 2 and len(row["ours_step_s"]) == len(row["hf_step_s"]) == 2
+    assert 0 < row["ours_first_step_s"] <= row["ours_warmup_s"] and row["hf_first_step_s"] <= row["hf_warmup_s"]
+    assert row["ours_tok_s"] == pytest.approx(row["tokens_per_step"] * 2 / sum(row["ours_step_s"]))
+    for side in ("ours", "hf"):
+        assert set(row[f"{side}_compiles_timed"]) == {"frames", "graphs", "graph_breaks", "recompile_limit_hits"}
+        assert row[f"{side}_compiles_timed"]["frames"] == 0
+    cold = bench_learner(LearnerBenchArgs(**dict(TINY_RAGGED, warmup_steps=0, baseline=False)))
+    assert cold["ours_warmup_s"] == 0 and cold["ours_first_step_s"] == cold["ours_step_s"][0]
 
 
 def test_groups_for_draws_ragged_lengths_inside_their_ranges():
@@ -183,6 +203,20 @@ def test_groups_for_draws_ragged_lengths_inside_their_ranges():
     assert set(row_lengths(fixed)) == {(5, 7)}
 
 
+def test_time_steps_counts_compilation_in_the_warmup_only():
+    """A function compiled on its first call: one frame in the warm-up, none in the timed steps; a new rank
+    of input recompiles it inside the timed steps, and the count shows it."""
+    from asyncrl_bench.timing import time_steps
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=True)
+    times = time_steps("cpu", lambda n: double(torch.ones(n)), [3, 4, 5, 6], warmup=2)
+    assert times.compiles_warmup["frames"] == 1 and times.compiles_timed["frames"] == 0
+    assert len(times.step_s) == 2 and times.warmup_s >= times.first_s > 0
+    again = time_steps("cpu", lambda shape: double(torch.ones(shape)), [(2,), (2, 3)], warmup=1)
+    assert again.compiles_timed["frames"] == 1
+    with pytest.raises(ValueError, match="warmup=2 must leave at least one of the 2 steps"):
+        time_steps("cpu", lambda n: None, [1, 2], warmup=2)
+
+
 @pytest.mark.parametrize("change, flag", [
     (dict(response_len_min=0), "--response-len-min 0 must be >= 1"),
     (dict(response_len_min=9, response_len_max=8), "--response-len-min 9 must be <= --response-len-max 8"),
@@ -190,6 +224,7 @@ def test_groups_for_draws_ragged_lengths_inside_their_ranges():
     (dict(prompt_len_max=0), "--prompt-len-max 0 must be >= 1"),
     (dict(rows=6, group_size=4), "--rows 6 must be a positive multiple of --group-size 4"),
     (dict(workload="fixed", response_len=0), "--response-len 0 must be >= 1"),
+    (dict(warmup_steps=-1), "--warmup-steps -1 must be >= 0"),
 ])
 def test_learner_bench_refuses_bad_shapes_before_loading(change, flag):
     args = LearnerBenchArgs(**{**TINY_RAGGED, "model": "/no/such/model", **change})  # loading would fail otherwise
@@ -256,8 +291,35 @@ def test_learner_bench_with_lora_against_peft_counts_frozen_flops(tmp_path):
     assert row["adapter_params"] == 4 * 2 * ((64 + 64) + (64 + 32))  # 2 layers, r·(in + out) per adapted layer
     assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0
     assert row["ratio"] == pytest.approx(row["ours_tok_s"] / row["hf_tok_s"])
+    assert row["peak_flops"] is None and row["model_flops_per_step"] > 0 and "ours_first_step_s" in row
     config = random_model("tiny-qwen2").config
     full = train_flops(config, 1000, [(4, 4)])
     assert lora_train_flops(config, 1000, 0, [(4, 4)]) < full  # frozen weights: no weight gradients
     with pytest.raises(ValueError, match="--lora.rank -1 is invalid"):
         LearnerBenchArgs(**TINY_RAGGED, lora=LoraConfig(rank=-1)).validate()
+
+
+def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):
+    """`asyncrl bench async` rows: the learner's FLOP bound (its devices at peak over `train_flops` per trained
+    token at the run's mean lengths), the engine's bandwidth bound (slots sequences a step, every weight and
+    the K/V up to the mean context read once, as trained tokens), and the mode's bound; null on CPU."""
+    import asyncrl_bench.roofline as roofline
+    from asyncrl_bench.async_runs import _meta_model, run_roofline
+    model = _meta_model("random:tiny-qwen2")
+    row = dict(trainer_devices=["cuda:0", "cuda:1"], agent_devices=["cuda:0", "cuda:1"], slots=2, rows_measured=4,
+               tokens_measured=40, response_tokens_measured=24, tokens_per_s=1000.0)
+    monkeypatch.setattr(roofline, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(roofline, "peak_bandwidth", lambda device: 1e12)
+    colocated = run_roofline(row, model, colocated=True)
+    # 4 rows of 4 prompt + 6 response tokens; the engine reads up to 4 + 6/2 = 7 positions of K/V per sequence
+    per_token = train_flops(model.config, body_params(model), [(4.0, 6.0)]) / 10
+    assert colocated["learner_bound_tok_s"] == pytest.approx(2 * 1e15 / per_token)
+    assert colocated["engine_bound_tok_s"] == pytest.approx(2 * 2 * 1e12 / step_bytes(model, 2, 7) * 40 / 24)
+    learner, engine = colocated["learner_bound_tok_s"], colocated["engine_bound_tok_s"]
+    assert colocated["roofline_tok_s"] == pytest.approx(1 / (1 / learner + 1 / engine))
+    split = run_roofline(row, model, colocated=False)
+    assert split["roofline_tok_s"] == min(learner, engine) and split["roofline_fraction"] == 1000.0 / min(learner, engine)
+    monkeypatch.undo()
+    on_cpu = run_roofline(dict(row, trainer_devices=["cpu"], agent_devices=["cpu"]), model, colocated=True)
+    assert on_cpu["roofline_tok_s"] is None and "no known peak" in on_cpu["roofline_note"]
+    assert _meta_model("/no/such/model") is None
