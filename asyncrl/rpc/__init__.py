@@ -5,8 +5,8 @@
 `assembly` (building it, both launchers), `launch` (process bodies, torchrun), `supervise` (the one-machine
 launcher and its supervision), `head` (rank 0), `commands` (the trainer group), `fleet` (agents' admission),
 `agent_server` (an agent process's RPC face), `param_server` (weight publication), `channels` (weight
-transport), `store` and `membership` (the run's control plane), `exposure` (loopback binding, the run token),
-`worker_pool` (processes for synchronous user code).
+transport; `ipc` its same-GPU path), `store` and `membership` (the run's control plane), `exposure` (loopback
+binding, the run token), `worker_pool` (processes for synchronous user code).
 """
 
 import importlib

@@ -1,9 +1,12 @@
 """Weight channels: how the full weights travel from rank 0 to one agent.
 
-Each agent incarnation gets its own two-member process group {rank 0 = 0, agent = 1} (NCCL when both ends are
-GPUs, gloo otherwise), made over a fresh prefix of the run's store. It is not part of any default process group,
-so agents can join and leave while the run goes on, and a dead or hung agent breaks only its own channel: a
-collective on it raises at once when the peer is gone, and after the channel's timeout when it hangs.
+Each agent incarnation gets its own two-member process group {rank 0 = 0, agent = 1} (NCCL between two GPUs,
+gloo otherwise), made over a fresh prefix of the run's store. When both ends are the same GPU of one host the
+channel is "cuda_ipc": its gloo group carries only the lockstep, the weights go through a staging buffer on
+that GPU which the agent maps (`asyncrl.rpc.ipc`); where the mapping fails, the channel falls back to gloo.
+A channel is not part of any default process group, so agents can join and leave while the run goes on, and a
+dead or hung agent breaks only its own channel: a collective on it raises at once when the peer is gone, and
+after the channel's timeout when it hangs.
 
 The weights go as flat buckets (one tensor per dtype run, at most `bucket_bytes` each); a `Layout` tells the
 receiver how to cut each bucket back into named tensors.
@@ -19,7 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["WeightChannel", "Layout", "make_buckets", "flatten", "layout_of", "unflatten", "numel", "channel_backend"]
+from asyncrl.rpc.ipc import IpcReceiver, IpcSender, open_staging
+
+__all__ = ["WeightChannel", "Layout", "make_buckets", "flatten", "layout_of", "unflatten", "numel", "channel_backend",
+           "buffers_on_gpu"]
 
 log = logging.getLogger("asyncrl.channels")
 
@@ -28,14 +34,23 @@ Layout = list[list[tuple[str, tuple, str]]]
 
 
 def channel_backend(sender_device: str, receiver_device: str, *, same_host: bool = True) -> str:
-    """NCCL between two GPUs; gloo (through host memory) when either end is a CPU, or both are the same GPU of
-    one machine (NCCL cannot join two ranks on one device)."""
+    """NCCL between two GPUs; CUDA IPC when both ends are the same GPU of one machine (NCCL cannot join two
+    ranks on one device); gloo (through host memory) when either end is a CPU."""
     both_gpus = sender_device.startswith("cuda") and receiver_device.startswith("cuda")
-    return "nccl" if both_gpus and not (same_host and sender_device == receiver_device) else "gloo"
+    if not both_gpus:
+        return "gloo"
+    return "cuda_ipc" if same_host and sender_device == receiver_device else "nccl"
+
+
+def buffers_on_gpu(backend: str) -> bool:
+    """Whether a channel of this backend sends and receives buckets held on the GPU (else in host memory)."""
+    return backend in ("nccl", "cuda_ipc")
 
 
 class WeightChannel:
-    """One end of a two-member process group for weights: rank 0 (sender) or the agent (receiver)."""
+    """One end of a two-member process group for weights: rank 0 (sender) or the agent (receiver). Both ends
+    are built at the same time (they connect); `backend` then says what the channel carries the weights over
+    ("cuda_ipc" asked for becomes "gloo" where the GPU buffer could not be mapped)."""
 
     def __init__(self, store: dist.Store, name: str, rank: int, *, backend: str, device: torch.device,
                  timeout_s: float):
@@ -50,6 +65,14 @@ class WeightChannel:
             self.group = ProcessGroupNCCL(prefix, rank, 2, options)
         else:
             self.group = dist.ProcessGroupGloo(prefix, rank, 2, timeout)  # connects: both ends call it together
+        self.staging = None
+        if backend == "cuda_ipc":
+            self.staging, why = open_staging(self.group, rank, device)
+            if self.staging is None:
+                self.backend = "gloo"
+                if rank == 0:
+                    log.warning("weight channel to %s: CUDA IPC on %s is not available (%s); its weights go over "
+                                "gloo through host memory", name, device, why)
         self.closed = False
 
     def broadcast(self, flat: Tensor) -> None:
@@ -58,6 +81,12 @@ class WeightChannel:
             raise RuntimeError(f"weight channel to {self.name} is closed")
         if flat.is_cuda:
             torch.cuda.set_device(flat.device)  # the current device is per thread
+        if isinstance(self.staging, IpcSender):
+            self.staging.send(flat)
+            return
+        if isinstance(self.staging, IpcReceiver):
+            self.staging.receive(flat)
+            return
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([flat], options).wait()
@@ -65,7 +94,8 @@ class WeightChannel:
             torch.cuda.current_stream(flat.device).synchronize()
 
     def abort(self) -> None:
-        """End the channel: later broadcasts raise (a pending gloo one still ends on its timeout)."""
+        """End the channel: later broadcasts raise (a pending gloo one still ends on its timeout). Rank 0 frees
+        its staging buffer; the agent keeps its mapping until its process ends."""
         if self.closed:
             return
         self.closed = True
@@ -73,6 +103,11 @@ class WeightChannel:
             self.group.abort()
         except Exception as err:  # noqa: BLE001 - the channel is discarded either way
             log.debug("abort of the weight channel to %s: %r", self.name, err)
+        if isinstance(self.staging, IpcSender):
+            try:
+                self.staging.close()
+            except Exception as err:  # noqa: BLE001 - at worst one buffer stays allocated
+                log.warning("weight channel to %s: could not free its staging buffer: %r", self.name, err)
 
 
 def make_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:

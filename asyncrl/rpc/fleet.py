@@ -190,8 +190,8 @@ class Admissions:
             return
         self.fleet.add(AgentHandle(name, server, channel, info["device"], info["pid"]))
         self.roster.add(name, device=info["device"], pid=info["pid"])
-        log.info("agent %s (pid %s, %s) admitted; it starts with the next weight publication", name, info["pid"],
-                 info["device"])
+        log.info("agent %s (pid %s, %s) admitted, weights over %s; it starts with the next weight publication",
+                 name, info["pid"], info["device"], channel.backend)
 
     def release(self, name: str, reason: str) -> None:
         """An agent asked to leave: stop its loop (its unfinished prompts go to the others), end its process."""

@@ -9,7 +9,7 @@ Trainer ranks `0 .. T−1` form the trainer group (a torch.distributed process g
 serves the run's store at `master_addr:join_port` and is the head (`asyncrl.rpc.head`): controller, queue,
 roster, parameter server. Rollout agents are processes of their own that join the run through the store and
 RPC (`asyncrl.rpc.fleet` describes the protocol); each builds its engine on its device. Control and samples
-travel by RPC, weights over each agent's own weight channel (NCCL on GPU, gloo on CPU).
+travel by RPC, weights over each agent's own weight channel (NCCL between GPUs, CUDA IPC on one GPU, gloo on CPU).
 
 RPC uses pickle: every listener of the run binds loopback (127.0.0.1) unless `master_addr` says otherwise, and
 an agent is admitted only with the run's token (`asyncrl.rpc.exposure`) — never expose a run to an untrusted

@@ -11,7 +11,7 @@ import torch
 from tests.timing import limit
 
 
-def channel_member(rank: int, port: int, results) -> None:
+def channel_member(rank: int, port: int, results, backend: str = "gloo", device: str = "cpu") -> None:
     """Three processes; rank 0 opens a weight channel (3 s timeout) to each of the others, as rank 0 of a run
     does to its agents. Peer 1 exits after one good broadcast, peer 2 hangs (alive, never joins another one).
     Rank 0 then broadcasts on each channel and reports what happened and how long it took."""
@@ -19,17 +19,17 @@ def channel_member(rank: int, port: int, results) -> None:
     from asyncrl.rpc.store import RunStore
     torch.set_num_threads(1)
     store = RunStore("127.0.0.1", port, serve=rank == 0, timeout_s=limit(30))
-    device = torch.device("cpu")
+    device = torch.device(device)
     if rank == 0:
-        channels = {peer: WeightChannel(store.raw, f"peer{peer}", 0, backend="gloo", device=device, timeout_s=3)
+        channels = {peer: WeightChannel(store.raw, f"peer{peer}", 0, backend=backend, device=device, timeout_s=3)
                     for peer in (1, 2)}
     else:
-        mine = WeightChannel(store.raw, f"peer{rank}", 1, backend="gloo", device=device, timeout_s=3)
+        mine = WeightChannel(store.raw, f"peer{rank}", 1, backend=backend, device=device, timeout_s=3)
     if rank == 0:
         for peer in (1, 2):  # both channels work while everyone is there
-            channels[peer].broadcast(torch.ones(8))
+            channels[peer].broadcast(torch.ones(8, device=device))
     else:
-        mine.broadcast(torch.zeros(8))
+        mine.broadcast(torch.zeros(8, device=device))
         if rank == 1:
             os._exit(0)  # gone without a word
         time.sleep(limit(120))  # alive but silent: only the channel's timeout can end the wait
@@ -39,10 +39,122 @@ def channel_member(rank: int, port: int, results) -> None:
         start = time.monotonic()
         try:
             for _ in range(50):  # a sender may need a few rounds before the broken connection shows
-                channels[peer].broadcast(torch.ones(1 << 16))
+                channels[peer].broadcast(torch.ones(1 << 16, device=device))
             results.put((case, "returned", time.monotonic() - start, ""))
         except Exception as err:  # noqa: BLE001 - reported to the test
             results.put((case, "raised", time.monotonic() - start, repr(err)[:300]))
     results.close()
     results.join_thread()  # flush the queue's feeder thread: os._exit would drop the results
     os._exit(0)
+
+
+PUBLICATIONS = [[(torch.bfloat16, 3000), (torch.bfloat16, 70_000), (torch.float32, 20_000)],
+                [(torch.bfloat16, 3000), (torch.bfloat16, 70_000), (torch.float32, 20_000)]]
+"""Two publications of three buckets (dtype, numel) each: the second bucket is the largest (140,000 bytes)."""
+
+
+def bucket_values(publication: int, bucket: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The weights of one bucket of one publication: random, different in every publication."""
+    gen = torch.Generator().manual_seed(1000 * publication + bucket)
+    return torch.randn(numel, generator=gen).to(dtype)
+
+
+def ipc_member(rank: int, port: int, device: str, results) -> None:
+    """Rank 0 and one agent on `device`, a channel asked to be "cuda_ipc" between them; rank 0 sends
+    PUBLICATIONS bucket by bucket, the agent receives each into a fresh tensor on its device (as
+    `AgentServer.receive` does) and reports whether every bucket equals the expected bytes."""
+    import logging
+
+    from asyncrl.rpc.channels import WeightChannel
+    from asyncrl.rpc.store import RunStore
+    torch.set_num_threads(1)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("asyncrl.channels").addHandler(handler)
+    store = RunStore("127.0.0.1", port, serve=rank == 0, timeout_s=limit(30))
+    channel = WeightChannel(store.raw, "agent", rank, backend="cuda_ipc", device=torch.device(device),
+                            timeout_s=limit(30))
+    equal, staged = [], []
+    for p, publication in enumerate(PUBLICATIONS):
+        for b, (dtype, numel) in enumerate(publication):
+            expected = bucket_values(p, b, dtype, numel).to(device)
+            flat = expected.clone() if rank == 0 else torch.empty(numel, dtype=dtype, device=device)
+            channel.broadcast(flat)
+            equal.append(torch.equal(flat.view(torch.uint8), expected.view(torch.uint8)))
+            if rank == 0 and channel.staging is not None:
+                staged.append(channel.staging.buffer.numel())
+    channel.group.barrier().wait()  # the agent has everything: rank 0 may end the channel (frees its buffer)
+    if rank == 0:
+        channel.abort()
+    results.put((rank, channel.backend, equal, staged, warnings))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_ipc_pair(device: str) -> dict:
+    """Run `ipc_member` in two spawned processes; {rank: (backend, equal per bucket, staging sizes, warnings)}."""
+    import multiprocessing
+    import queue
+    port = _free_port()
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=ipc_member, args=(rank, port, device, results), daemon=True) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        deadline = time.monotonic() + limit(120)
+        while len(outcomes) < 2:
+            try:
+                rank, *outcome = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise AssertionError(f"the channel's ends did not report in time; got {outcomes}") from None
+            outcomes[rank] = tuple(outcome)
+    finally:
+        for p in procs:
+            p.join(limit(10))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return outcomes
+
+
+def run_channel_drill(backend: str = "gloo", device: str = "cpu") -> dict:
+    """Run `channel_member` in three spawned processes; {case: (outcome, seconds, detail)} of rank 0's
+    broadcasts to the gone peer and to the hung one."""
+    import multiprocessing
+    import queue
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=channel_member, args=(r, port, results, backend, device), daemon=True)
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        deadline = time.monotonic() + limit(120)
+        while len(outcomes) < 2:
+            try:
+                case, outcome, seconds, detail = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise AssertionError(f"rank 0 neither raised nor returned in time (a broadcast hung); got {outcomes}") \
+                    from None
+            outcomes[case] = (outcome, seconds, detail)
+    finally:
+        for p in procs:
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return outcomes
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,11 +6,7 @@ Every test is bounded by pytest-timeout (a hang guard derived from tests/timing.
 
 from __future__ import annotations
 
-import multiprocessing
-import queue as queue_mod
 import re
-import socket
-import time
 
 import pytest
 
@@ -20,7 +16,7 @@ from asyncrl.policies.loading import random_model
 from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec
 from asyncrl.rpc.supervise import launch
 from tests.envs.helpers import even_turns_runtime
-from tests.rpc.collective import channel_member
+from tests.rpc.collective import run_channel_drill
 from tests.rpc.faults import FaultyEngines
 from tests.rpc.helpers import MODEL_CONFIG, MODEL_SEED, scorer, source
 from tests.timing import agent_timeout, detection_margin, limit
@@ -167,34 +163,8 @@ def test_hung_agent_is_reported_within_about_the_agent_timeout(capfd):
 
 
 # ---------------------------------------------------------------------------------- collectives
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_weight_channel_with_a_gone_or_hung_peer_raises_instead_of_hanging():
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=channel_member, args=(r, port, results), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    outcomes = {}
-    try:
-        deadline = time.monotonic() + limit(120)
-        while len(outcomes) < 2:
-            try:
-                case, outcome, seconds, detail = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue_mod.Empty:
-                pytest.fail(f"rank 0 neither raised nor returned in time (a broadcast hung); got {outcomes}")
-            outcomes[case] = (outcome, seconds, detail)
-    finally:
-        for p in procs:
-            p.join(2)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    outcomes = run_channel_drill()
     for case, (outcome, seconds, detail) in outcomes.items():
         assert outcome == "raised" and seconds < limit(10), (case, outcome, seconds, detail)
     # the hung peer's channel raised on its own timeout (3 s), not on a closed connection
