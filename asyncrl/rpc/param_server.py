@@ -5,7 +5,7 @@ Three transports behind one `publish(state, version) -> metrics`:
 * `LocalPublisher` — agents in this process (threads, the in-process launcher): weights are copied tensor by
   tensor into each engine (`copy_`, across devices if needed);
 * `CollectivePublisher` — agents in other processes: the weights go in flat buckets over each agent's own
-  weight channel (NCCL on GPU, gloo on CPU), the agent side driven by RPC;
+  weight channel (NCCL between GPUs, CUDA IPC on one GPU, gloo on CPU), the agent side driven by RPC;
 * `ColocatedPublisher` — every trainer rank hosts an engine: each rank gathers the full weights (FSDP2) and
   copies them into its own engine.
 
@@ -27,11 +27,12 @@ import torch
 import torch.distributed.rpc as rpc
 
 from asyncrl.learner import LearnerState, published_weights
-from asyncrl.rpc.channels import flatten, layout_of, make_buckets
+from asyncrl.rpc.channels import buffers_on_gpu, flatten, layout_of, make_buckets
 from asyncrl.rpc.fleet import Fleet
 from asyncrl.runtime.roster import Roster
 
-__all__ = ["LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner"]
+__all__ = ["LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner",
+           "source_flats"]
 
 log = logging.getLogger("asyncrl.param_server")
 
@@ -65,6 +66,7 @@ class SyncRunner:
         """Start the syncs; return the results to settle (these, and earlier late ones that ended since) and how
         many agents were left behind as late."""
         results = {name: SyncResult(name, version) for name in work}
+        ended = threading.Event()  # a sync ended: look at once rather than at the next poll
 
         def run(result: SyncResult, fn: Callable[[], float]) -> None:
             try:
@@ -75,11 +77,13 @@ class SyncRunner:
                 result.error = err
             finally:
                 result.done.set()
+                ended.set()
 
         for name, fn in work.items():
             threading.Thread(target=run, args=(results[name], fn), name=f"sync-{name}", daemon=True).start()
         pending, late = set(work), 0
         while pending:
+            ended.clear()  # before looking: a sync that ends after this wakes the wait below
             for name in list(pending):
                 status = self.roster.status(name)
                 if results[name].done.is_set() or status in ("dead", "left", None):
@@ -95,11 +99,11 @@ class SyncRunner:
                     self.unfinished[name] = results.pop(name)
                     pending.discard(name)
             if pending:
-                time.sleep(self.poll_s)
-        ended = [r for r in self.unfinished.values() if r.done.is_set()]
-        for r in ended:
+                ended.wait(self.poll_s)
+        settled = [r for r in self.unfinished.values() if r.done.is_set()]
+        for r in settled:
             del self.unfinished[r.name]
-        return [r for r in results.values() if r.done.is_set()] + ended, late
+        return [r for r in results.values() if r.done.is_set()] + settled, late
 
 
 def late_after(agent_timeout_s: float) -> float:
@@ -184,17 +188,19 @@ class CollectivePublisher:
                     "param_sync/bytes": 0}
         buckets = make_buckets(weights, self.bucket_bytes)
         layout = layout_of(buckets)
-        # NCCL channels send from the trainer's GPU; gloo channels from host memory
-        on_gpu = weights[0][1].device if weights[0][1].is_cuda else None
-        flats = {backend: [flatten(b, on_gpu if backend == "nccl" else torch.device("cpu")) for b in buckets]
-                 for backend in {h.channel.backend for h in targets}}
+        gpu = weights[0][1].device if weights[0][1].is_cuda else None
+        flats = source_flats(buckets, {h.channel.backend for h in targets}, gpu)
         del weights, buckets
         gathered = time.perf_counter()
 
+        drains: dict[str, float] = {}  # how long each agent took to reach a swappable state
+
         def sync(handle) -> Callable[[], float]:
             def run() -> float:
+                t0 = time.perf_counter()
                 handle.server.rpc_async(timeout=self.timeout).prepare(self.partial, self.timeout).wait()
-                on_cuda = handle.channel.backend == "nccl"
+                drains[handle.name] = time.perf_counter() - t0
+                on_cuda = buffers_on_gpu(handle.channel.backend)
                 received = handle.server.rpc_async(timeout=self.timeout).receive(version, layout, on_cuda)
                 for flat in flats[handle.channel.backend]:
                     handle.channel.broadcast(flat)
@@ -205,7 +211,8 @@ class CollectivePublisher:
         metrics = _settle(self.roster, results, self._start)
         done = time.perf_counter()
         return {**metrics, "fully_async/sync_late": late, "timing_s/param_sync": done - start,
-                "timing_s/param_gather": gathered - start, "param_sync/bytes": sent}
+                "timing_s/param_gather": gathered - start,
+                "timing_s/param_drain": max(list(drains.values()), default=0.0), "param_sync/bytes": sent}
 
     def _start(self, name: str) -> None:
         handle = self.fleet.get(name)
@@ -236,6 +243,25 @@ class ColocatedPublisher:
         done = time.perf_counter()
         return {"timing_s/param_sync": done - start, "timing_s/param_drain": paused - start,
                 "timing_s/param_transfer": done - paused, "fully_async/sync_failures": 0, "param_sync/bytes": sent}
+
+
+def source_flats(buckets: list, backends: set[str], gpu: torch.device | None) -> dict[str, list[torch.Tensor]]:
+    """The flat buckets each channel backend sends from: NCCL from the trainer's GPU; CUDA IPC from there too
+    (it stages them bucket by bucket), or from host memory when that GPU has no room for a copy of the weights
+    (a trainer sharing its GPU with an agent); gloo from host memory. Flat copies, not views of the weights: a
+    late agent's sync goes on while the trainer updates them."""
+    host = torch.device("cpu")
+    on_gpu = None
+    if backends & {"nccl", "cuda_ipc"} and gpu is not None:
+        try:
+            on_gpu = [flatten(b, gpu) for b in buckets]
+        except torch.cuda.OutOfMemoryError:
+            if "nccl" in backends:
+                raise
+            log.warning("publication: no room on %s for a copy of the weights; CUDA IPC channels stage them from "
+                        "host memory", gpu)
+    on_host = [flatten(b, host) for b in buckets] if "gloo" in backends or (backends and on_gpu is None) else None
+    return {backend: on_gpu if backend != "gloo" and on_gpu is not None else on_host for backend in backends}
 
 
 def _bytes(weights: list) -> int:
