@@ -101,7 +101,7 @@ def choose_splits(batch: int, kv_heads: int, attend_len: int, *, programs: int =
 
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
                             attend_len: int, block_n: int = 64, splits: int | None = None,
-                            pv_tf32: bool = False) -> Tensor:
+                            pv_tf32: bool = False, num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """Attention of one query per row over its slot's first `lengths[b]` cached positions.
 
     Args:
@@ -111,6 +111,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
       attend_len: an upper bound of the lengths, on the host (chooses the split count; one per graph shape).
       splits: splits per (row, KV head) instead of `choose_splits`'.
       pv_tf32: weight the values with tf32 probabilities instead of probabilities rounded to the cache's dtype.
+      block_n, num_warps, num_stages: the kernel's tile of keys and launch (tuned on an H100: BENCHMARKS.md).
     Returns [B, H, D] in q's dtype, scaled by 1/sqrt(D).
     """
     b, heads, dim = q.shape
@@ -132,7 +133,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale_log2,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
         BLOCK_N=block_n, SPLITS=splits, PV_TF32=pv_tf32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge[(b, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
