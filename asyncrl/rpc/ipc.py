@@ -149,7 +149,7 @@ class IpcSender:
         self.group, self.buffer, self.handle = group, buffer, handle
 
     def send(self, flat: Tensor) -> None:
-        """Stage `flat` (on this GPU) for the agent; return once the agent has copied it out."""
+        """Stage `flat` (on this GPU, or in host memory) for the agent; return once the agent has copied it out."""
         nbytes = flat.numel() * flat.element_size()
         offer = b""
         if nbytes > self.buffer.numel():  # a larger bucket: a larger buffer, shared anew (the agent frees the old)
