@@ -73,3 +73,29 @@ def test_packed_bf16_gradient_equals_the_padded_one(variant):
     num = sum(float((grads[True][k] - grads[False][k]).norm() ** 2) for k in grads[False]) ** 0.5
     den = sum(float(g.norm() ** 2) for g in grads[False].values()) ** 0.5
     assert den > 0 and num / den < 0.05, num / den
+
+
+def test_compiled_layers_serve_every_packed_length_with_one_graph():
+    """Packed micro-batches of ragged lengths on either side of inductor's fusion thresholds (at hidden 512:
+    rows < 2·512, rows < 4096, rows·512 < 5·2^20, and above them all) reuse one compiled layer graph: the
+    first call compiles, the others compile nothing (before `layer_compile_options`, three graphs)."""
+    from torch._dynamo.utils import counters
+    from asyncrl.learner.state import layer_compile_options
+    assert layer_compile_options(), f"torch {torch.__version__}: no mix-order reduction option to set"
+    shape = dict(ARCH_PRESETS["tiny-qwen2"], hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                 num_key_value_heads=4, num_hidden_layers=2, max_position_embeddings=16384)
+    policy = random_model(shape, seed=0).cuda()
+    build_learner(policy, trainer_config(compile_layers=True, gradient_checkpointing=True, checkpoint_scope="mlp"),
+                  GRPO())
+    frames = []
+    for total in (600, 3000, 6000, 12000, 700):
+        lengths = (total // 3, total - total // 3)
+        cu = torch.tensor([0, lengths[0], total], device="cuda", dtype=torch.int32)
+        positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+        tokens = torch.randint(0, 256, (1, total), device="cuda")
+        before = counters["frames"]["ok"]
+        with torch.autocast("cuda", dtype=BF16):
+            hidden = policy(tokens, positions, documents=DocumentLayout(lengths, cu))
+        hidden.float().square().mean().backward()
+        frames.append(counters["frames"]["ok"] - before)
+    assert frames[0] >= 1 and frames[1:] == [0, 0, 0, 0], frames
