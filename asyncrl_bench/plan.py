@@ -50,7 +50,7 @@ class PlanArgs:
     device: str = "cuda"
     """Where to measure what no JSON file gives."""
     measure_steps: int = 2
-    """Timed learner steps when measuring (after a warm-up step)."""
+    """Timed learner steps when measuring (after the learner bench's default --warmup-steps)."""
     prompt_len: int | None = None
     """Tokens per prompt instead of the workload's (then every prompt has this length)."""
     response_len: int | None = None
@@ -166,7 +166,7 @@ def rates_from_rows(learner: dict, engine: list[dict]) -> Rates:
 def measure_learner(a: PlanArgs, work: Workload) -> dict:
     """A brief `asyncrl bench learner` on --device (our step only) at the workload's lengths."""
     fixed = a.workload == "gsm8k" or a.prompt_len is not None or a.response_len is not None
-    print(f"[asyncrl] measuring the learner on {a.device} ({a.measure_steps} steps after a warm-up)", flush=True)
+    print(f"[asyncrl] measuring the learner on {a.device} ({a.measure_steps} steps after the warm-up steps)", flush=True)
     return bench_learner(LearnerBenchArgs(
         model=a.model, device=a.device, rows=a.n * math.ceil(64 / a.n), group_size=a.n,
         workload="fixed" if fixed else "ragged", prompt_len=round(work.prompt_len),

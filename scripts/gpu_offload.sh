@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offload runs behind BENCHMARKS.md ("Offload: full fine-tuning of an 8B shape on one GPU"), one stage per
 # call, on one GPU. The ragged RL workload of the learner benchmark (64 rows, ~86k tokens a step, budget 8,192),
-# 3 timed steps after a warm-up step, random weights:
+# 3 timed steps after two warm-up steps (asyncrl bench learner --warmup-steps), random weights:
 #
 #   bash scripts/gpu_offload.sh small OUT   # Qwen3-1.7B shape, fp32 weights: --offload none / optimizer / params
 #   bash scripts/gpu_offload.sh big   OUT   # Qwen3-8B shape: full fine-tune with --offload optimizer and bf16
