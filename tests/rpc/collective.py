@@ -96,61 +96,47 @@ def ipc_member(rank: int, port: int, device: str, results) -> None:
 
 def run_ipc_pair(device: str) -> dict:
     """Run `ipc_member` in two spawned processes; {rank: (backend, equal per bucket, staging sizes, warnings)}."""
-    import multiprocessing
-    import queue
     port = _free_port()
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=ipc_member, args=(rank, port, device, results), daemon=True) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    outcomes = {}
-    try:
-        deadline = time.monotonic() + limit(120)
-        while len(outcomes) < 2:
-            try:
-                rank, *outcome = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                raise AssertionError(f"the channel's ends did not report in time; got {outcomes}") from None
-            outcomes[rank] = tuple(outcome)
-    finally:
-        for p in procs:
-            p.join(limit(10))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return outcomes
+    reports = _run_members(ipc_member, [(rank, port, device) for rank in (0, 1)], expected=2, join_s=limit(10),
+                           silent="the channel's ends did not report in time")
+    return {rank: tuple(outcome) for rank, *outcome in reports}
 
 
 def run_channel_drill(backend: str = "gloo", device: str = "cpu") -> dict:
     """Run `channel_member` in three spawned processes; {case: (outcome, seconds, detail)} of rank 0's
     broadcasts to the gone peer and to the hung one."""
+    port = _free_port()
+    reports = _run_members(channel_member, [(r, port) for r in range(3)], expected=2, join_s=2,
+                           silent="rank 0 neither raised nor returned in time (a broadcast hung)", extra=(backend, device))
+    return {case: (outcome, seconds, detail) for case, outcome, seconds, detail in reports}
+
+
+def _run_members(target, member_args: list[tuple], *, expected: int, join_s: float, silent: str,
+                 extra: tuple = ()) -> list[tuple]:
+    """Start `target(*args, results, *extra)` per member in spawned processes; the first `expected` reports they
+    put on the results queue (AssertionError naming `silent` if they do not come in time); every process ends."""
     import multiprocessing
     import queue
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=channel_member, args=(r, port, results, backend, device), daemon=True)
-             for r in range(3)]
+    procs = [ctx.Process(target=target, args=(*args, results, *extra), daemon=True) for args in member_args]
     for p in procs:
         p.start()
-    outcomes = {}
+    reports: list[tuple] = []
     try:
         deadline = time.monotonic() + limit(120)
-        while len(outcomes) < 2:
+        while len(reports) < expected:
             try:
-                case, outcome, seconds, detail = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+                reports.append(tuple(results.get(timeout=max(deadline - time.monotonic(), 0.1))))
             except queue.Empty:
-                raise AssertionError(f"rank 0 neither raised nor returned in time (a broadcast hung); got {outcomes}") \
-                    from None
-            outcomes[case] = (outcome, seconds, detail)
+                raise AssertionError(f"{silent}; got {reports}") from None
     finally:
         for p in procs:
-            p.join(2)
+            p.join(join_s)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return outcomes
+    return reports
 
 
 def _free_port() -> int:
