@@ -133,10 +133,10 @@ def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: 
 
 def bench_attention(args: AttentionBenchArgs) -> list[dict]:
     """Run the decode-attention benchmark; print one JSON row per (batch, context) and return them."""
-    from asyncrl_bench.engine import peak_bandwidth
+    from asyncrl_bench.roofline import peak_bandwidth
     if not torch.cuda.is_available():
         raise ValueError("the attention benchmark needs a CUDA device (the Triton kernel runs there)")
-    shape, bandwidth = _shape(args.model), peak_bandwidth()
+    shape, bandwidth = _shape(args.model), peak_bandwidth("cuda")
     rows = []
     for batch in args.batch_sizes:
         for context in args.contexts:

@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from asyncrl_bench.roofline import peak_bandwidth
 from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
 
 if TYPE_CHECKING:
     from asyncrl.policies import SamplingParams
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "logprob_mismatch"]
-
-PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s, SXM parts
 
 Backend = Literal["asyncrl", "vllm", "vllm-llm", "hf"]
 
@@ -83,14 +82,6 @@ class EngineBenchArgs:
                              "most once")
         if self.n < 1 or min(self.batch_sizes, default=0) < 1:
             raise ValueError("--n and every --batch-sizes value must be >= 1")
-
-
-def peak_bandwidth() -> float | None:
-    """Nominal HBM bandwidth of the current GPU (bytes/s), when it is one we know."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
 def step_bytes(model, batch: int, attend_len: int) -> float:
@@ -278,7 +269,7 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
     from asyncrl.policies import Engine
     args.validate()
     model = _load(args)
-    results, bandwidth = [], peak_bandwidth()
+    results, bandwidth = [], peak_bandwidth(args.device)
     for batch, work in zip(args.batch_sizes, _workloads(args, model)):
         row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
                "n": args.n, "workload": args.data or f"random {args.prompt_len}-token prompts",
