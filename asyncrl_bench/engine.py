@@ -281,7 +281,7 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
             if engine.fused:
                 print("compiled pieces:", engine.fused, flush=True)
             row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
-                       decode_attention=engine.decode_kernel,
+                       decode_attention=engine.decode_kernel, sampler=engine.sampler,
                        **logprob_mismatch(model, outs))
             if row["step_bytes"]:  # the decode step alone (no prefill, no host work between steps)
                 row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s

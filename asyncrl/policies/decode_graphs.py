@@ -7,21 +7,21 @@ from torch import Tensor
 
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.model import CausalLM
-from asyncrl.policies.sampling import sample_tokens
+from asyncrl.policies.sampling import PlainSampler
 
 __all__ = ["DecodeGraphs"]
 
 
 class DecodeGraphs:
-    """CUDA graphs of the decode step — forward, fp32 logits and the unfiltered sampler — keyed by
-    (batch bucket, attend length).
+    """CUDA graphs of the decode step — forward, logits (in the model's dtype: the samplers read them in fp32)
+    and the unfiltered sampler — keyed by (batch bucket, attend length).
 
     Static input buffers are filled before each replay; rows past the real batch decode a dummy token in
     free slots at position 0, which is harmless (those slots are rewritten at their next prefill).
     """
 
-    def __init__(self, model: CausalLM, cache: KVCache, num_slots: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: KVCache, num_slots: int, sampler: PlainSampler):
+        self.model, self.cache, self.sampler = model, cache, sampler
         n = num_slots
         device = model.device
         self.tokens = torch.zeros(n, 1, dtype=torch.long, device=device)
@@ -47,8 +47,8 @@ class DecodeGraphs:
 
         def run() -> tuple[Tensor, Tensor, Tensor]:
             hidden = model(self.tokens[:batch], self.positions[:batch], cache=cache, decode=True)
-            logits = model.logits(hidden[:, 0])
-            tokens, logprobs = sample_tokens(logits, self.temperature[:batch], self.uniforms[:batch])
+            logits = model.lm_head(hidden[:, 0])
+            tokens, logprobs = self.sampler(logits, self.temperature[:batch], self.uniforms[:batch])
             return logits, tokens, logprobs
 
         stream = torch.cuda.Stream()

@@ -49,11 +49,12 @@ from asyncrl.policies.decode_attention import DecodeKernel, decode_attention, sd
 from asyncrl.policies.decode_graphs import DecodeGraphs
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
+from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
-from asyncrl.policies.sampling import SamplingParams, sample_tokens
+from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
 from asyncrl.seeding import derive_seed
 
 __all__ = ["EngineConfig", "Engine"]
@@ -133,6 +134,7 @@ class Engine(EngineControl[_Request]):
             raise ValueError(f"EngineConfig.max_len={config.max_len} exceeds the model's sliding_window={window}; "
                              "sliding-window attention is not implemented, so keep max_len <= sliding_window")
         self.model = model.eval().requires_grad_(False)
+        fuse_projections(model)  # generation's q/k/v and gate/up products, one GEMM each
         self.config = config
         cfg = model.config
         attention = decode_attention(config.decode_attention, model.device, model.dtype, cfg.head_dim)
@@ -146,8 +148,11 @@ class Engine(EngineControl[_Request]):
         self.fused: dict[str, bool] = {}
         if on_cuda and config.fused_kernels:
             self.fused = use_fused_kernels(True, model.device, model.dtype, model=model)
-            # the sampler stays eager: compiled it measured slower on an H100 (BENCHMARKS.md)
-        self._graphs = DecodeGraphs(model, self.cache, config.max_slots) if (on_cuda and config.cuda_graphs) else None
+        # torch.compile'd, the sampler measured slower on an H100 than eager; the Triton kernels read the logits twice
+        self._sample_plain = plain_sampler(config.fused_kernels, model.device)
+        self.sampler = "torch" if self._sample_plain is sample_plain else "triton"
+        self._graphs = (DecodeGraphs(model, self.cache, config.max_slots, self._sample_plain)
+                        if (on_cuda and config.cuda_graphs) else None)
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
         super().__init__(version=version, vocab_size=cfg.vocab_size, max_len=config.max_len,
                          max_slots=config.max_slots,
@@ -335,7 +340,7 @@ class Engine(EngineControl[_Request]):
             if any(p.filtered for p in params):
                 top_k = torch.tensor([p.top_k for p in params]).to(device)
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
-            sampled = sample_tokens(logits, temperature, uniforms, top_k=top_k, top_p=top_p)
+            sampled = sample_tokens(logits, temperature, uniforms, top_k=top_k, top_p=top_p, plain=self._sample_plain)
         tokens, logprobs = sampled
         done: list[_Sample] = []
         for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):

@@ -258,14 +258,19 @@ class Attention(_UsesKernels, nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv = None  # one product for q/k/v in forwards with a cache (`asyncrl.policies.fused_projections`)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
                 cache_slots: Tensor | None, positions: Tensor, decode: bool,
                 documents: DocumentLayout | None = None, extension: CacheExtension | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if cache is not None and self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
@@ -295,9 +300,14 @@ class MLP(_UsesKernels, nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = None  # one product for gate/up when `fused` (`asyncrl.policies.fused_projections`)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: Tensor, fused: bool = False) -> Tensor:
+        if fused and self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.kernels.silu_mul(gate, up))
 
 
 class DecoderLayer(_UsesKernels, nn.Module):
@@ -318,7 +328,7 @@ class DecoderLayer(_UsesKernels, nn.Module):
         x, h = self.kernels.add_rms_norm(x, attn, norm.weight, norm.eps)
         if recompute_mlp:  # selective checkpointing: keep the attention block's activations, recompute the MLP
             return x + torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=False)
-        return x + self.mlp(h)
+        return x + self.mlp(h, fused=cache is not None)
 
 
 class Backbone(nn.Module):

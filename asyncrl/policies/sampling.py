@@ -13,12 +13,18 @@ absorb the difference). Greedy rows (`temperature=0`) report the log-prob under 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import warnings
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "sample_tokens", "use_compiled_sampler"]
+__all__ = ["SamplingParams", "PlainSampler", "sample_tokens", "sample_plain", "plain_sampler", "use_compiled_sampler"]
+
+PlainSampler = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""(logits [B, V], temperature [B], uniforms [B]) -> (tokens [B] int64, behaviour log-probs [B] fp32)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +74,7 @@ class SamplingParams:
 
 
 def sample_tokens(logits: Tensor, temperature: Tensor, uniforms: Tensor, *, top_k: Tensor | None = None,
-                  top_p: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  top_p: Tensor | None = None, plain: PlainSampler | None = None) -> tuple[Tensor, Tensor]:
     """Sample one token per row by inverse CDF.
 
     Args:
@@ -77,11 +83,12 @@ def sample_tokens(logits: Tensor, temperature: Tensor, uniforms: Tensor, *, top_
       uniforms: [B] in [0, 1).
       top_k: optional [B] int (<= 0: off); top_p: optional [B] float (1: off). Pass both as None when no
         row filters, which avoids sorting the vocabulary.
+      plain: the sampler of unfiltered batches (`plain_sampler`); None: torch's.
     Returns:
       tokens [B] int64 and their behaviour log-probs [B] fp32.
     """
     if top_k is None and top_p is None:
-        return _Samplers.plain(logits, temperature, uniforms)
+        return (plain or _Samplers.plain)(logits, temperature, uniforms)
     logits = logits.float()
     greedy = temperature <= 0
     z = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
@@ -114,8 +121,41 @@ def _sample_plain(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tupl
     return _sample_full(z, greedy, uniforms)
 
 
+sample_plain: PlainSampler = _sample_plain
+"""Unfiltered temperature sampling in torch (any device)."""
+
+
 class _Samplers:
     plain = staticmethod(_sample_plain)
+
+
+def plain_sampler(fused: bool, device: torch.device) -> PlainSampler:
+    """The engine's sampler of unfiltered batches: on CUDA with `fused`, the two-pass Triton kernels of
+    `asyncrl.policies.triton_sampler` once a probe agrees with torch's; otherwise `sample_plain`."""
+    device = torch.device(device)
+    if not fused or device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return sample_plain
+    return _probed_triton_sampler(device) or sample_plain
+
+
+@functools.cache
+def _probed_triton_sampler(device: torch.device) -> PlainSampler | None:
+    """The Triton sampler if it compiles on `device` and picks torch's tokens on a probe (None: it does not)."""
+    try:
+        from asyncrl.policies.triton_sampler import triton_sample
+        gen = torch.Generator().manual_seed(0)
+        logits = (torch.randn(5, 20_000, generator=gen) * 4).to(device)
+        temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0], device=device)
+        uniforms = torch.tensor([0.0, 0.5, 0.25, 0.75, 0.999], device=device)
+        logits = logits.bfloat16()  # the engine's graphs hand it logits in the model's dtype
+        want, got = _sample_plain(logits, temperature, uniforms), triton_sample(logits, temperature, uniforms)
+        if not torch.equal(got[0], want[0]):
+            raise ValueError(f"tokens {got[0].tolist()} where torch picks {want[0].tolist()}")
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+    except Exception as err:  # noqa: BLE001 - a compiler problem must not take the engine down
+        warnings.warn(f"sampler: the Triton kernels are not used ({type(err).__name__}: {str(err)[:200]})")
+        return None
+    return triton_sample
 
 
 def use_compiled_sampler(enabled: bool = True, device: torch.device | str | None = None) -> bool:
