@@ -167,6 +167,13 @@ def _probe_inputs(name: str, device: torch.device, dtype: torch.dtype) -> list[t
     return out
 
 
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of fn with a new code object (same body, globals and defaults)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+    return copy
+
+
 def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = None,
                       dtype: torch.dtype = torch.bfloat16, *, model: nn.Module | None = None) -> dict[str, bool]:
     """Compile (True) or restore (False) the elementwise pieces of `model`'s layers (None: every model in
@@ -175,7 +182,9 @@ def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = 
     Each compiled piece is first run on `device` with decode- and prefill-shaped inputs and compared with
     the eager version; a piece that fails to compile or disagrees stays eager. Returns {piece: compiled}.
     Per model, because a process may hold two: a colocated trainer's forward/backward (other shapes, dtypes
-    and grad modes) must not spend the engine's recompile budget — past it, a fullgraph compile fails.
+    and grad modes) must not spend the engine's recompile budget — past it, a fullgraph compile fails. So
+    each model compiles copies of the pieces with code objects of their own: torch.compile keeps guards and
+    that budget per code object, and engines of several dtypes in one process would otherwise share it.
     """
     pieces = {"rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
               "silu_mul": _silu_mul}
@@ -183,7 +192,7 @@ def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = 
     for name, fn in pieces.items():
         chosen = fn
         if enabled:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled = torch.compile(fn if model is None else _own_code(fn), dynamic=True, fullgraph=True)
             try:
                 for args in _probe_inputs(name, torch.device(device or "cpu"), dtype):
                     want, got = fn(*args), compiled(*args)

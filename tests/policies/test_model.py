@@ -4,6 +4,7 @@ token_logprobs / token_entropy, gradient checkpointing."""
 from __future__ import annotations
 
 import collections
+import warnings
 import math
 
 import pytest
@@ -248,3 +249,26 @@ def test_fused_kernels_given_to_one_model_leave_the_others_eager(monkeypatch):
     assert {"_rms_norm", "_add_rms_norm", "_apply_rope", "_silu_mul"} <= set(calls)
     torch.testing.assert_close(got, want)
     assert model_mod._Kernels.rms_norm is model_mod._rms_norm  # the process-wide pieces are untouched
+
+
+def test_each_models_compiled_pieces_have_their_own_recompile_budget(monkeypatch):
+    """Engines of several dtypes in one process: each model's pieces are compiled from code objects of their own,
+    so one model's dtype is not another's recompile (past the limit a fullgraph compile fails, or stays eager)."""
+    import torch._dynamo
+    from asyncrl.policies import model as model_mod
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="eager", **kw))
+    torch._dynamo.reset()  # at the default limit (8): a model compiles each piece ~3 times (probe shapes, its forward)
+    tokens = torch.tensor(make_prompts([5], seed=1))
+    try:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            model = tiny_model(0, perturb=True).to(dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a piece left eager warns
+                status = model_mod.use_fused_kernels(True, "cpu", dtype, model=model)
+            assert all(status.values()), (dtype, status)
+            with torch.no_grad():
+                assert torch.isfinite(model(tokens).float()).all()
+    finally:
+        torch._dynamo.reset()
