@@ -268,6 +268,9 @@ def test_each_models_compiled_pieces_have_their_own_recompile_budget(monkeypatch
                 warnings.simplefilter("error")  # a piece left eager warns
                 status = model_mod.use_fused_kernels(True, "cpu", dtype, model=model)
             assert all(status.values()), (dtype, status)
+            pieces = model.model.layers[0].kernels
+            assert model_mod.use_fused_kernels(True, "cpu", dtype, model=model) == status  # a second engine
+            assert model.model.layers[0].kernels is pieces  # reuses them (and what they compiled)
             with torch.no_grad():
                 assert torch.isfinite(model(tokens).float()).all()
     finally:
