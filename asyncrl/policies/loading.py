@@ -218,8 +218,10 @@ def resolve_model_dir(path: str | os.PathLike) -> pathlib.Path:
     """The HF directory for a model path: the directory itself, or the converted cache of a GGUF file."""
     p = pathlib.Path(path)
     if p.suffix == ".gguf":
-        load_gguf(p)  # make sure the converted copy exists
-        return gguf_cache_dir(p)
+        cached = gguf_cache_dir(p)
+        if not (cached / "model.safetensors").is_file():
+            load_gguf(p)  # converts it (loading a converted copy only to find it there took ~0.5 s per call)
+        return cached
     return p
 
 
