@@ -186,24 +186,24 @@ def _in_own_process(function, *args):
         return pool.submit(function, *args).result()
 
 
-def _vllm_worker(args: EngineBenchArgs, work: Workload) -> tuple[list, float]:
-    """vLLM behind our adapter: outputs and output tok/s, timed like ours (after a warm-up run)."""
+def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[list, float]]:
+    """vLLM behind our adapter, one engine for every workload: (outputs, output tok/s) of each, timed like ours
+    (after a warm-up run)."""
     from asyncrl.policies.vllm_engine import build_vllm_engine
     model = _load(args)
-    engine = build_vllm_engine(model, _engine_config(args, work), agent="bench")
+    engine = build_vllm_engine(model, _engine_config(args, *works), agent="bench")
     del model
-    outs, tok_s, _ = _time_engine(engine, work, args.device)
-    return outs, tok_s
+    return [_time_engine(engine, work, args.device)[:2] for work in works]
 
 
-def _vllm_llm_worker(args: EngineBenchArgs, work: Workload) -> tuple[float, float]:
-    """vLLM's own `LLM.generate`: (output tok/s, mean sample length) of the run after the warm-up."""
+def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[float, float]]:
+    """vLLM's own `LLM.generate`, one `LLM` for every workload: (output tok/s, mean sample length) of each, from
+    the run after the warm-up."""
     from asyncrl.policies.vllm_engine import vllm_offline_generate
     model = _load(args)
-    config = _engine_config(args, work)
-    tokens, seconds = vllm_offline_generate(model, work.prompts, work.params, max_len=config.max_len,
-                                            eos_token_ids=work.eos_token_ids)[-1]
-    return tokens / seconds, tokens / work.sequences
+    runs = vllm_offline_generate(model, [(work.prompts, work.params) for work in works],
+                                 max_len=_engine_config(args, *works).max_len, eos_token_ids=works[0].eos_token_ids)
+    return [(tokens / seconds, tokens / work.sequences) for work, (*_, (tokens, seconds)) in zip(works, runs)]
 
 
 def _load(args: EngineBenchArgs):
@@ -211,9 +211,11 @@ def _load(args: EngineBenchArgs):
     return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
 
 
-def _engine_config(args: EngineBenchArgs, work: Workload):
+def _engine_config(args: EngineBenchArgs, *works: Workload):
+    """Our engine's configuration for these workloads (slots and length of the largest)."""
     from asyncrl.policies import EngineConfig
-    return EngineConfig(max_slots=work.sequences, max_len=max(map(len, work.prompts)) + args.new_tokens,
+    return EngineConfig(max_slots=max(w.sequences for w in works),
+                        max_len=max(max(map(len, w.prompts)) for w in works) + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention)
 
 
@@ -265,43 +267,51 @@ def _ratios(row: dict) -> None:
 
 
 def bench_engine(args: EngineBenchArgs) -> list[dict]:
-    """Run the engine benchmark; print one JSON row per batch size and return the rows."""
-    from asyncrl.policies import Engine
+    """Run the engine benchmark; print one JSON row per batch size and return the rows. In-process backends
+    run row by row (each prints a progress line); each vLLM backend runs once, in its own process, for all rows."""
     args.validate()
     model = _load(args)
-    results, bandwidth = [], peak_bandwidth(args.device)
-    for batch, work in zip(args.batch_sizes, _workloads(args, model)):
-        row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
-               "n": args.n, "workload": args.data or f"random {args.prompt_len}-token prompts",
-               "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens,
-               **_roofline(args, model, work, bandwidth)}
-        if "asyncrl" in args.backends:
-            engine = Engine(model, _engine_config(args, work))
-            outs, row["ours_tok_s"], step_s = _time_engine(engine, work, args.device)
-            if engine.fused:
-                print("compiled pieces:", engine.fused, flush=True)
-            row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
-                       decode_attention=engine.decode_kernel, sampler=engine.sampler,
-                       **logprob_mismatch(model, outs))
-            if row["step_bytes"]:  # the decode step alone (no prefill, no host work between steps)
-                row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s
-            del engine, outs
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if "hf" in args.backends:
-            row["hf_tok_s"], row["hf_mean_len"] = _time_hf_generate(model, work, args.device)
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        if "vllm" in args.backends:
-            vllm_outs, row["vllm_tok_s"] = _in_own_process(_vllm_worker, args, work)
-            row["vllm_mean_len"] = _generated(vllm_outs)[0] / work.sequences
+    works = _workloads(args, model)
+    results = [_in_process_row(args, model, batch, work) for batch, work in zip(args.batch_sizes, works)]
+    if "vllm" in args.backends:
+        for row, (vllm_outs, tok_s) in zip(results, _in_own_process(_vllm_worker, args, works)):
+            row["vllm_tok_s"], row["vllm_mean_len"] = tok_s, _generated(vllm_outs)[0] / row["sequences"]
             vllm_mismatch = logprob_mismatch(model, vllm_outs)
             row.update({f"vllm_{k}": vllm_mismatch[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "max_abs_logit")})
-        if "vllm-llm" in args.backends:
-            row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = _in_own_process(_vllm_llm_worker, args, work)
+    if "vllm-llm" in args.backends:
+        for row, (tok_s, mean_len) in zip(results, _in_own_process(_vllm_llm_worker, args, works)):
+            row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = tok_s, mean_len
+    for row in results:
         _ratios(row)
         _roofline_fractions(row)
-        results.append(row)
         print(json.dumps(row), flush=True)
     write_json(args.out, results)
     return results
+
+
+def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) -> dict:
+    """One row's workload, roofline, and the backends that run in this process (ours, transformers')."""
+    from asyncrl.policies import Engine
+    bandwidth = peak_bandwidth(args.device)
+    row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
+           "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
+           "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens,
+           **_roofline(args, model, work, bandwidth)}
+    if "asyncrl" in args.backends:
+        engine = Engine(model, _engine_config(args, work))
+        outs, row["ours_tok_s"], step_s = _time_engine(engine, work, args.device)
+        if engine.fused:
+            print("compiled pieces:", engine.fused, flush=True)
+        row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
+                   decode_attention=engine.decode_kernel, sampler=engine.sampler, **logprob_mismatch(model, outs))
+        if row["step_bytes"]:  # the decode step alone (no prefill, no host work between steps)
+            row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s
+        print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, decode step {step_s * 1e3:.2f} ms", flush=True)
+        del engine, outs
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if "hf" in args.backends:
+        row["hf_tok_s"], row["hf_mean_len"] = _time_hf_generate(model, work, args.device)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row

@@ -352,27 +352,31 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
                           lora_base=base)
 
 
-def vllm_offline_generate(model: CausalLM, prompts: list[list[int]], params: SamplingParams, *, max_len: int,
-                          eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
-                          repeats: int = 2) -> list[tuple[int, float]]:
-    """vLLM's own offline path on these prompts, for comparison with `VLLMEngine`: `vllm.LLM.generate` (on GPU its
-    engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and behaviour
-    log-probs, no per-step control. Returns (tokens generated, seconds) of each of `repeats` runs (the first
-    one warms up). Call it in a process that may start children (vLLM starts its engine core)."""
-    device, slots = str(model.device), len(prompts) * params.n
+def vllm_offline_generate(model: CausalLM, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
+                          max_len: int, eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
+                          repeats: int = 2) -> list[list[tuple[int, float]]]:
+    """vLLM's own offline path on these batches of prompts, for comparison with `VLLMEngine`: `vllm.LLM.generate`
+    (on GPU its engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and
+    behaviour log-probs, no per-step control. One `LLM` (sized for the largest batch) runs every batch `repeats`
+    times; returns, per batch, (tokens generated, seconds) of each run (the first one warms up). Call it in a
+    process that may start children (vLLM starts its engine core)."""
+    device, slots = str(model.device), max(len(prompts) * params.n for prompts, params in batches)
     with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-offline-") as directory:
         save_pretrained(model, directory)
         llm = vllm_llm(directory, options, max_slots=slots, max_len=max_len, dtype=model.dtype, device=device,
                         kv_bytes=_kv_bytes(model, slots, max_len, options), seed=0)
-    stop = sorted(params.stop_ids(eos_token_ids))
-    runs = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
-        runs.append((sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start))
-    return runs
+    results = []
+    for prompts, params in batches:
+        stop = sorted(params.stop_ids(eos_token_ids))
+        runs = []
+        for _ in range(repeats):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = vllm_generate(llm, prompts, params, max_tokens=params.max_new_tokens, stop_ids=stop)
+            runs.append((sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start))
+        results.append(runs)
+    return results
 
 
 def _kv_bytes(model: CausalLM, slots: int, max_len: int, options: VLLMConfig) -> int | None:
