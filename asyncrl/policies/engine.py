@@ -343,14 +343,17 @@ class Engine(EngineControl[_Request]):
             sampled = sample_tokens(logits, temperature, uniforms, top_k=top_k, top_p=top_p, plain=self._sample_plain)
         tokens, logprobs = sampled
         done: list[_Sample] = []
-        for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):
-            sample.append([token], [logprob], self.version)
-            c = sample.completion
-            if token in sample.request.stop_ids:
+        version = self.version
+        for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):  # per token: kept lean
+            c, request = sample.completion, sample.request
+            c.token_ids.append(token)
+            c.logprobs.append(logprob)
+            c.versions.append(version)
+            if token in request.stop_ids:
                 c.finish_reason = "stop"
-            elif len(c.token_ids) >= sample.request.max_new:
+                done.append(sample)
+            elif len(c.token_ids) >= request.max_new:
                 c.finish_reason = "length"
-            if c.finished:
                 done.append(sample)
         self.stats["generated_tokens"] += len(samples)
         # a finished session's K/V goes to a free slot at the top; with none free (a full engine, where every
