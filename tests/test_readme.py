@@ -11,6 +11,9 @@ the README says of them (`command_kinds`; the README states each count, and a te
 - refused: commands naming a model you download (`/models/…`) run until they are refused up front, naming
   that path alone;
 - not run: NOT_RUN, with the reason (GPUs, minutes, a second running job, a synopsis).
+
+A real training runs in an interpreter of its own (it spawns its processes); every other command runs in a
+fork of one process that imported the library once (tests/cli_forks.py), a process of its own all the same.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 
 import pytest
 
+from tests.cli_forks import cli_forks
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -116,15 +120,35 @@ def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
     return tmp_path
 
 
+def _env(cwd: pathlib.Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_OFFLINE": "1"}
+
+
 def _run(args: list[str], cwd: pathlib.Path, timeout: float = limit(600)):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=_env(cwd))
+
+
+def _run_in_order(commands: list[tuple[str, list[str]]], cwd: pathlib.Path) -> list[subprocess.CompletedProcess]:
+    """Each (command, args) in order: a real `asyncrl train` in an interpreter of its own (it spawns its
+    processes), each run of the others between two trainings in a fork of one prepared process
+    (tests/cli_forks.py: ~2 s a command instead of ~8)."""
+    outs, batch = [], []
+    for command, args in [*commands, (None, None)]:
+        if command is not None and (args[0] != "train" or "--dry-run" in args):
+            batch.append(args)
+            continue
+        if batch:
+            outs += cli_forks(batch, cwd=cwd, env=_env(cwd), timeout=limit(300))
+            batch = []
+        if command is not None:
+            outs.append(_run(args, cwd))
+    return outs
 
 
 @pytest.mark.slow
 def test_every_readme_command_runs(workdir):
-    ran = []
+    commands = []
     for command in readme_commands():
         if command in NOT_RUN:
             continue
@@ -135,7 +159,9 @@ def test_every_readme_command_runs(workdir):
             args.insert(2, "--dry-run")  # before a subcommand such as algorithm:dapo; a command whose run dir
             # another one used before it is refused, as it would be for a reader running them in order
         args += SMALLER.get(args[0], [])
-        out = _run(args, workdir)
+        commands.append((command, args))
+    ran = []
+    for (command, args), out in zip(commands, _run_in_order(commands, workdir), strict=True):
         if NEEDS_DOWNLOAD in command:
             path = next(a for a in args if a.startswith(NEEDS_DOWNLOAD))
             assert out.returncode != 0 and f"{path}: does not exist" in out.stderr, (command, out.stderr[-3000:])

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -19,17 +21,24 @@ def _asyncrl(*args, timeout=limit(120)):
                           timeout=timeout, cwd=ROOT)
 
 
-def test_help_reads():
-    out = _asyncrl("data", "--help")
+def _help(capsys, *args) -> str:
+    """`asyncrl ARGS --help` in this process (the parsing is tyro's, as in the subprocess)."""
+    from asyncrl.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--help"])
+    assert exit_.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def test_help_reads(capsys):
+    out = _asyncrl("data", "--help")  # one in a process of its own, as a user runs it
     assert out.returncode == 0, out.stderr
     assert "convert-gsm8k" in out.stdout and "inspect" in out.stdout
-    out = _asyncrl("data", "convert-gsm8k", "--help")
-    assert out.returncode == 0
-    assert "--src PATH" in out.stdout and "--out PATH" in out.stdout and "Let's think step by step" in out.stdout
-    out = _asyncrl("data", "inspect", "--help")
-    assert out.returncode == 0
-    for text in ("PATH", "--model", "--max-prompt-length", "--system-prompt"):
-        assert text in out.stdout
+    text = _help(capsys, "data", "convert-gsm8k")
+    assert "--src PATH" in text and "--out PATH" in text and "Let's think step by step" in text
+    text = _help(capsys, "data", "inspect")
+    for word in ("PATH", "--model", "--max-prompt-length", "--system-prompt"):
+        assert word in text
 
 
 def test_convert_then_inspect(tmp_path, gsm8k_test_file, smollm2_tokenizer):
