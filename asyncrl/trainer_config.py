@@ -133,6 +133,15 @@ class TrainerConfig:
     """torch.compile each decoder layer of the trained models (regional compilation; CUDA, one trainer
     process: an FSDP2-sharded group runs its layers eagerly). Measured 1.6-2x faster on an H100; the first
     steps take ~1 min longer while it compiles."""
+    compile_scope: Literal["layer", "model"] = "layer"
+    """With compile_layers: compile each decoder layer on its own (one graph serves every layer, quick to
+    compile), or the model's whole forward as one region (one call a micro-batch instead of one per layer:
+    less host time per step, a longer first compile)."""
+    cuda_graphs: bool = False
+    """Replay the compiled layers as CUDA graphs (inductor's CUDA graph trees), so a small model's step is
+    not bound by the host launching each layer's kernels. Packed micro-batches are padded to a few shapes
+    (length to a multiple of `PACK_MULTIPLE`, document count and longest-document bound bucketed) so the
+    recorded graphs are replayed; needs compiled layers and packed sequences. See BENCHMARKS.md."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -169,6 +178,9 @@ class TrainerConfig:
                       "logits_chunk_tokens"):
             if getattr(self, field) < 1:
                 _fail(owner, field, getattr(self, field), "must be >= 1")
+        if self.cuda_graphs and not (self.compile_layers and self.pack_sequences and self.use_dynamic_bsz):
+            _fail(owner, "cuda_graphs", self.cuda_graphs, "replays compiled layers over packed micro-batches: "
+                  "keep --trainer.compile-layers, --trainer.pack-sequences and --trainer.use-dynamic-bsz on")
         if self.temperature is not None and not self.temperature > 0:
             _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature), or None")
         self.optim.validate("trainer.optim")

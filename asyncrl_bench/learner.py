@@ -88,6 +88,10 @@ class LearnerBenchArgs:
     """Ours, with gradient checkpointing: recompute only each decoder layer's MLP, or the whole layer."""
     compile_layers: bool = True
     """Ours: torch.compile each decoder layer (CUDA only)."""
+    compile_scope: Literal["layer", "model"] = "layer"
+    """Ours: --trainer.compile-scope (each decoder layer, or the model's whole forward, as one compiled region)."""
+    cuda_graphs: bool = False
+    """Ours: --trainer.cuda-graphs (the compiled layers replayed as CUDA graphs over bucketed packed lengths)."""
     fused_optimizer: bool = True
     """Fused AdamW on CUDA, ours and HF's."""
     offload: Literal["none", "optimizer", "params"] = "none"
@@ -207,6 +211,7 @@ def _time_train_step(args: LearnerBenchArgs, model, step_groups: list[list], *, 
                         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                         pack_sequences=args.pack_sequences, gradient_checkpointing=args.gradient_checkpointing,
                         checkpoint_scope=args.checkpoint_scope, compile_layers=args.compile_layers,
+                        compile_scope=args.compile_scope, cuda_graphs=args.cuda_graphs,
                         fused_optimizer=args.fused_optimizer, offload=args.offload, param_dtype=args.param_dtype,
                         optim=OptimConfig(lr=lr))
     group = None
@@ -282,7 +287,9 @@ def _learner_row(args: LearnerBenchArgs, timed_rows: list[list[tuple[int, int]]]
             "tokens_per_step": tokens / args.steps, "response_tokens_per_step": response / args.steps,
             "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch, "pack_sequences": args.pack_sequences,
             "gradient_checkpointing": args.gradient_checkpointing, "checkpoint_scope": args.checkpoint_scope,
-            "compile_layers": args.compile_layers, "fused_optimizer": args.fused_optimizer,
+            "compile_layers": args.compile_layers, "compile_scope": args.compile_scope,
+            "cuda_graphs": args.cuda_graphs,
+            "fused_optimizer": args.fused_optimizer,
             "offload": args.offload, "param_dtype": args.param_dtype, "warmup_steps": args.warmup_steps,
             "steps": args.steps}
 

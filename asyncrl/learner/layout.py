@@ -18,7 +18,11 @@ from torch import Tensor
 from asyncrl.config import TrainerConfig
 from asyncrl.policies.attention_layouts import DocumentLayout
 
-__all__ = ["MicroBatch", "RowLengths", "split_rows", "plan_micro_batches"]
+__all__ = ["MicroBatch", "RowLengths", "split_rows", "plan_micro_batches", "BucketedLayout", "PACK_MULTIPLE",
+           "DOC_MULTIPLE"]
+
+PACK_MULTIPLE = 512  # bucketed: a packed micro-batch's length is padded up to a multiple of this
+DOC_MULTIPLE = 16  # bucketed: its cu_seqlens entries (documents + 1) to a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +92,42 @@ def split_rows(rows: list[int], lengths: list[int], cfg: TrainerConfig) -> list[
     return bins
 
 
+class BucketedLayout(DocumentLayout):
+    """A `DocumentLayout` whose flash-kernel bound `max_len` is the longest document rounded up to a power of
+    two (at least 128, at most the packed length): with the packed length and the document count padded to
+    buckets (`plan_micro_batches(bucketed=True)`), the compiled layer sees a few integer inputs only, and
+    each of its recorded CUDA graphs is replayed by many micro-batches. Documents may be empty (padding)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        longest = max(self.lengths)
+        object.__setattr__(self, "max_len", min(sum(self.lengths), max(128, 1 << max(longest - 1, 0).bit_length())))
+
+
+def _pad_packed(out: dict[str, np.ndarray], seq: np.ndarray) -> np.ndarray:
+    """Pad a packed micro-batch's index arrays in place to bucketed shapes: one padding document (copies of
+    the first token, positions 0, 1, ...) fills the length up to a multiple of `PACK_MULTIPLE`, and
+    `cu_seqlens` repeats its end (empty documents) up to a multiple of `DOC_MULTIPLE` entries. Nothing
+    predicts from the padding, so losses and gradients are unchanged. Returns the documents' lengths."""
+    total = int(seq.sum())
+    pad = -total % PACK_MULTIPLE
+    lengths = np.concatenate([seq, [pad]]) if pad else seq
+    lengths = np.concatenate([lengths, np.zeros(-(len(lengths) + 1) % DOC_MULTIPLE, dtype=np.int64)])
+    out["token_index"] = np.concatenate([out["token_index"], np.full(pad, out["token_index"][0])])
+    out["positions"] = np.concatenate([out["positions"], np.arange(pad)])
+    out["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)])
+    return lengths
+
+
 def _segments(lengths: np.ndarray) -> np.ndarray:
     """0..n−1 for each length n, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
     return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
-def _host_indices(rows: list[int], lengths: RowLengths, packed: bool) -> dict[str, Tensor]:
+def _host_indices(rows: list[int], lengths: RowLengths, packed: bool, bucketed: bool = False) -> dict[str, Tensor]:
     """The index tensors of one micro-batch, built on the host (int64; numpy: torch's CPU repeat_interleave
-    took ~8 ms a call here, longer than the GPU's work on the micro-batch)."""
+    took ~8 ms a call here, longer than the GPU's work on the micro-batch). Packed and `bucketed`: padded
+    to bucketed shapes (`_pad_packed`), the documents' lengths under "lengths"."""
     prompt = np.array([lengths.prompt[r] for r in rows], dtype=np.int64)
     response = np.array([lengths.response[r] for r in rows], dtype=np.int64)
     seq = prompt + response
@@ -119,6 +151,7 @@ def _host_indices(rows: list[int], lengths: RowLengths, packed: bool) -> dict[st
     if packed:
         out["positions"] = within
         out["cu_seqlens"] = np.concatenate([[0], np.cumsum(seq)])
+        out["lengths"] = _pad_packed(out, seq) if bucketed else seq
     return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in out.items()}
 
 
@@ -137,20 +170,22 @@ def _to_device(host: list[dict[str, Tensor]], device: torch.device) -> list[dict
 
 
 def plan_micro_batches(tokens: Tensor, micro_rows: list[list[int]], lengths: RowLengths, *,
-                       packed: bool) -> list[MicroBatch]:
+                       packed: bool, bucketed: bool = False) -> list[MicroBatch]:
     """Lay out each list of rows of `micro_rows` for a forward over `tokens` [N, S] (an empty list gives
-    an `empty` placeholder over row 0). `packed`: one sequence with document-causal attention."""
+    an `empty` placeholder over row 0). `packed`: one sequence with document-causal attention; `bucketed`
+    (packed only): padded to bucketed shapes for replayed CUDA graphs (`BucketedLayout`)."""
     chosen = [rows or [0] for rows in micro_rows]
-    host = [_host_indices(rows, lengths, packed) for rows in chosen]
+    host = [_host_indices(rows, lengths, packed, bucketed and packed) for rows in chosen]
+    docs = [tuple(int(n) for n in idx.pop("lengths")) for idx in host] if packed else [None] * len(host)
+    layout = BucketedLayout if bucketed else DocumentLayout
     flat_tokens = tokens.reshape(-1)
     out = []
-    for rows, given, idx in zip(chosen, micro_rows, _to_device(host, tokens.device)):
-        seq = [lengths.total(r) for r in rows]
-        shape = (1, sum(seq)) if packed else (len(rows), max(seq))
+    for rows, given, idx, seq in zip(chosen, micro_rows, _to_device(host, tokens.device), docs):
+        shape = (1, sum(seq)) if packed else (len(rows), max(lengths.total(r) for r in rows))
         out.append(MicroBatch(
             row_list=rows, rows=idx["rows"], tokens=flat_tokens[idx["token_index"]].view(shape),
             positions=idx["positions"].view(shape) if packed else None,
-            documents=DocumentLayout(tuple(seq), idx["cu_seqlens"].to(torch.int32)) if packed else None,
+            documents=layout(seq, idx["cu_seqlens"].to(torch.int32)) if packed else None,
             predict_at=idx["predict_at"], targets=flat_tokens[idx["target_index"]], out_rows=idx["out_rows"],
             out_cols=idx["out_cols"], num_targets=sum(lengths.response[r] for r in rows), empty=not given))
     return out

@@ -52,7 +52,7 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     width = batch.response_mask.shape[1]
     totals = [lengths.total(r) for r in range(batch.num_rows)]
     micros = plan_micro_batches(tokens, split_rows(list(range(batch.num_rows)), totals, cfg), lengths,
-                                packed=cfg.pack_sequences)
+                                packed=cfg.pack_sequences, bucketed=cfg.cuda_graphs)
     out = torch.zeros(batch.num_rows, width, device=tokens.device)
     was_training = model.training
     model.eval()

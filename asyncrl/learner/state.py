@@ -120,7 +120,9 @@ def layer_compile_options() -> dict[str, bool]:
 def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
     """Train mode, gradient checkpointing of the configured scope, and (CUDA, unsharded) each decoder layer
     compiled. FSDP2's hooks sit on the layers themselves, where compiling would trace them: a sharded model
-    keeps eager layers."""
+    keeps eager layers. With `cuda_graphs` the compiled layers replay CUDA graphs (inductor's graph trees)
+    and every trained parameter gets a zeroed `.grad` that stays allocated (a gradient first allocated inside
+    a recorded backward would live in the graphs' memory and be overwritten by the next replay)."""
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     model.checkpoint_scope = config.checkpoint_scope
@@ -128,8 +130,17 @@ def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
     sharded = any(hasattr(p, "device_mesh") for p in params)
     if config.compile_layers and params[0].is_cuda and not sharded:
         options = layer_compile_options()
-        for layer in model.model.layers:
-            layer.compile(dynamic=True, options=options)
+        if config.cuda_graphs:
+            options["triton.cudagraphs"] = True
+        if config.compile_scope == "model":
+            model.compile(dynamic=True, options=options)
+        else:
+            for layer in model.model.layers:
+                layer.compile(dynamic=True, options=options)
+        if config.cuda_graphs:  # gradients accumulate in place into stable buffers, never into graph memory
+            for p in params:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
 
 def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: AlgorithmConfig, *,

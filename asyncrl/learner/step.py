@@ -76,14 +76,14 @@ def policy_gradients(state: LearnerState, groups: list[Group] | RolloutBatch) ->
     """The accumulated policy gradient of the whole batch as one mini-batch, without an optimizer step
     (for checking that micro-batching, packing, token budgets and sharding leave the gradient unchanged)."""
     prep = prepare(state, _as_batch(state, groups))
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=not state.config.cuda_graphs)
     accumulate(state, prep, list(range(len(prep.batch.prompt_ids))), actor_loss, state.device, Totals())
     grads = {}
     for name, p in state.policy.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name] = g.detach().clone()
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=not state.config.cuda_graphs)
     return grads
 
 

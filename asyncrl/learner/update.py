@@ -115,7 +115,8 @@ def _plan(state: LearnerState, prep: Prepared, rows: list[int], device: torch.de
     micros = split_rows(rows, prep.totals(), state.config)
     count = int(_all_reduce(state, [len(micros)], dist.ReduceOp.MAX)[0])
     micros = micros + [[]] * (count - len(micros))
-    return plan_micro_batches(prep.batch.tokens.to(device), micros, prep.lengths, packed=state.config.pack_sequences)
+    return plan_micro_batches(prep.batch.tokens.to(device), micros, prep.lengths, packed=state.config.pack_sequences,
+                              bucketed=state.config.cuda_graphs)
 
 
 def _counts(state: LearnerState, prep: Prepared, rows: list[int]) -> Counts:
@@ -172,9 +173,10 @@ def critic_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
 
 
 # -------------------------------------------------------------------------------------- the loop
-def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None) -> float:
+def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None, keep_grads: bool = False) -> float:
     """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip). Returns
-    the norm (non-finite: skipped)."""
+    the norm (non-finite: skipped). `keep_grads`: zero the gradients in place instead of freeing them (CUDA
+    graphs accumulate into stable buffers)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
@@ -182,7 +184,7 @@ def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=N
     if math.isfinite(norm):
         optimizer.step()
         scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     return norm
 
 
@@ -226,7 +228,8 @@ def run_updates(state: LearnerState, prep: Prepared, loss: MicroLoss, model: nn.
     for epoch in range(cfg.ppo_epochs):
         for groups in _minibatches(state, len(prep.batch.prompt_ids), epoch):
             accumulate(state, prep, groups, loss, device, totals)
-            grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group))
+            grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group,
+                                              keep_grads=cfg.cuda_graphs))
     sums, weighted, tokens = _group_totals(state, totals)
     return UpdateResult(sums=sums, means={k: v / max(tokens, 1.0) for k, v in weighted.items()},
                         grad_norms=grad_norms, updates=len(grad_norms))
