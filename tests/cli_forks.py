@@ -32,14 +32,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def cli_forks(commands: list[list[str]], *, cwd: str | os.PathLike, env: dict | None = None,
               timeout: float = limit(180)) -> list[subprocess.CompletedProcess]:
-    """Run `asyncrl ARGS` for each ARGS in order (in `cwd`, with `env` or this environment), each in a fork
-    of one prepared process; `timeout` applies to each command. Returns what subprocess.run would."""
+    """Run `asyncrl ARGS` for each ARGS in order (in `cwd`, in this environment with `env`'s variables set),
+    each in a fork of one prepared process; `timeout` applies to each command. Returns what subprocess.run
+    would."""
     with tempfile.TemporaryDirectory(prefix="cli-forks-") as tmp:
         tmp = pathlib.Path(tmp)
         requests = [{"args": list(map(str, args)), "stdout": str(tmp / f"{i}.out"), "stderr": str(tmp / f"{i}.err"),
                      "timeout": timeout} for i, args in enumerate(commands)]
         (tmp / "requests.json").write_text(json.dumps(requests))
-        env = {**(os.environ if env is None else env), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
         done = subprocess.run([sys.executable, "-m", "tests.cli_forks", str(tmp / "requests.json")], cwd=cwd,
                               env=env, capture_output=True, text=True, timeout=limit(60) + timeout * len(commands))
         codes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import pytest
 import tyro
@@ -16,7 +15,8 @@ from asyncrl.hub_run import HUB_KEY, resolve_run_names
 from asyncrl.preflight import preflight
 from asyncrl.presets import PRESETS
 from tests.hub_helpers import COMMIT_A, COMMIT_B, SUMS, fake_hub
-from tests.run_helpers import NO_EVAL, cli
+from tests.cli_forks import cli_forks
+from tests.run_helpers import NO_EVAL, ROOT, cli
 from tests.timing import limit
 
 GSM8K_KEYS = ["--data.prompt-key", "question", "--data.answer-key", "answer", "--data.data-source", "openai/gsm8k"]
@@ -151,24 +151,28 @@ def test_a_run_trains_from_a_named_model_and_dataset_and_records_the_commits(hub
     assert config["model"]["path"] == "acme/tiny" and config["data"]["path"] == "hf:acme/sums"
     assert config[HUB_KEY]["model.path"]["commit"] == COMMIT_A
     assert config[HUB_KEY]["data.path"]["path"].endswith("train-00000-of-00001.parquet")
-    dry = cli(*common, "--resume", "--async-training.total-versions", "3", "--dry-run", env=env)
+    dry, missing = cli_forks([[*common, "--resume", "--async-training.total-versions", "3", "--dry-run"],
+                              [*common[:2], "--model.path", "acme/tiny@nope", "--run-dir", str(tmp_path / "x")]],
+                             cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"})
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "resume: from" in dry.stdout and f"acme/tiny resolved to commit {COMMIT_A[:12]}" in dry.stdout
-    missing = cli(*common[:2], "--model.path", "acme/tiny@nope", "--run-dir", str(tmp_path / "x"), env=env)
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "--model.path acme/tiny@nope: not in the Hugging Face cache" in missing.stderr
     assert not (tmp_path / "x").exists()  # refused before anything started
 
 
 def test_the_gsm8k_converter_and_the_data_commands_read_a_hub_split(hub_home, tmp_path):
-    env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1"}
-    out = cli("data", "convert-gsm8k", "--src", "hf:acme/sums:test", "--out", str(tmp_path / "t.jsonl"), env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    env = {"HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    converted, inspected, out = cli_forks([
+        ["data", "convert-gsm8k", "--src", "hf:acme/sums:test", "--out", str(tmp_path / "t.jsonl")],
+        ["data", "inspect", "hf:acme/sums:plain/train", "--model", "acme/tiny"],
+        ["eval", "--model", "acme/tiny@v2", "--data.path", "hf:acme/sums:plain/train", "--data.data-source",
+         "arithmetic", "--num-prompts", "2", "--n", "1", "--temperature", "0", "--max-new-tokens", "2"]],
+        cwd=ROOT, env=env)
+    assert converted.returncode == 0, converted.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [r["reward_model"]["ground_truth"] for r in rows] == [s["answer"].split("#### ")[1] for s in SUMS[:4]]
-    out = cli("data", "inspect", "hf:acme/sums:plain/train", "--model", "acme/tiny", env=env)
-    assert out.returncode == 0 and "16 rows" in out.stdout and "data sources: sums (16)" in out.stdout, out.stderr
-    out = cli("eval", "--model", "acme/tiny@v2", "--data.path", "hf:acme/sums:plain/train", "--data.data-source",
-              "arithmetic", "--num-prompts", "2", "--n", "1", "--temperature", "0", "--max-new-tokens", "2", env=env)
+    assert inspected.returncode == 0 and "16 rows" in inspected.stdout, inspected.stderr
+    assert "data sources: sums (16)" in inspected.stdout
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 2
