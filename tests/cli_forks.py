@@ -1,9 +1,9 @@
 """`asyncrl` commands that start no process of their own (`--dry-run`, `--help`, refusals, `eval`, `export`,
-`data`, `plan`, `report`), run in order by one Python process that imported the library, torch and
-transformers once and forks a child per command. Each child is a process of its own, as `python -m
-asyncrl.cli ARGS` would be (its exit status, stdout, stderr and global state are its own), without the ~5 s of
-imports a fresh interpreter pays per command. Commands that spawn processes (a real `asyncrl train`) keep
-their own interpreter.
+`data`, `plan`, `report`), run in order by one Python process that imported the library and the commands'
+modules once and forks a child per command. Each child is a process of its own, as `python -m asyncrl.cli
+ARGS` would be (its exit status, stdout, stderr and global state are its own), without the seconds of imports
+a fresh interpreter pays per command. Commands that spawn processes (a real `asyncrl train`) keep their own
+interpreter.
 
     outs = cli_forks([["train", "cpu-demo", "--dry-run"], ["data", "--help"]], cwd=tmp_path)
     assert outs[0].returncode == 0 and "checks:" in outs[0].stdout
@@ -81,15 +81,24 @@ def _wait(pid: int, timeout: float) -> int:
         time.sleep(0.05)
 
 
+def _preload(requests: list[dict]) -> None:
+    """Import, once and before the forks, the modules of the commands asked for (and transformers, which the
+    commands that read a model or a tokenizer import when they run)."""
+    import importlib
+
+    from asyncrl.cli import COMMANDS
+    names = {r["args"][0] for r in requests if r["args"] and r["args"][0] in COMMANDS}
+    for name in names:
+        importlib.import_module(COMMANDS[name].split(":")[0])
+    if names & {"train", "eval", "data", "export"}:
+        from transformers import AutoTokenizer  # noqa: F401  (transformers loads its modules lazily)
+
+
 def main(path: str) -> int:
-    import transformers  # noqa: F401  what the commands import; once, before the forks
-    import asyncrl.cli  # noqa: F401
-    import asyncrl.data.cli  # noqa: F401
-    import asyncrl.evaluate  # noqa: F401
-    import asyncrl.train_command  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401  (transformers loads its modules lazily)
+    requests = json.loads(pathlib.Path(path).read_text())
+    _preload(requests)
     codes = []
-    for request in json.loads(pathlib.Path(path).read_text()):
+    for request in requests:
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
         if pid == 0:

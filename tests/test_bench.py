@@ -17,6 +17,7 @@ import torch
 from asyncrl.policies import ARCH_PRESETS, random_model, token_logprobs
 from asyncrl_bench.engine import logprob_mismatch, step_bytes
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, body_params, groups_for, row_lengths, train_flops
+from tests.cli_forks import cli_forks
 from tests.run_helpers import ROOT, cli
 from tests.timing import limit
 from tests.tolerances import FORWARD_DEPTH, close_tol
@@ -36,11 +37,9 @@ TINY_ENGINE = ["--model", "random:tiny-qwen2", "--device", "cpu", "--dtype", "fl
 
 
 def test_bench_usage_and_help():
-    out = cli("bench", "--help")
-    assert out.returncode == 0 and "engine" in out.stdout and "learner" in out.stdout
-    out = cli("bench", "nope")
-    assert out.returncode != 0 and "unknown benchmark 'nope'" in out.stderr
-    out = cli("bench", "engine", "--help")
+    usage, unknown, out = cli_forks([["bench", "--help"], ["bench", "nope"], ["bench", "engine", "--help"]], cwd=ROOT)
+    assert usage.returncode == 0 and "engine" in usage.stdout and "learner" in usage.stdout
+    assert unknown.returncode != 0 and "unknown benchmark 'nope'" in unknown.stderr
     assert out.returncode == 0
     for flag in ("--model", "--backends", "--batch-sizes", "--prompt-len", "--new-tokens", "--data", "--n", "--out"):
         assert flag in out.stdout, flag

@@ -13,7 +13,8 @@ from asyncrl.config import GRPO, DataConfig, TrainerConfig
 from asyncrl.evaluate import evaluate, pass_at_k
 from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, random_model, save_pretrained
-from tests.run_helpers import cli, tiny_run
+from tests.cli_forks import cli_forks
+from tests.run_helpers import ROOT, tiny_run
 
 TOY = DataConfig(task="toy")
 TINY = dict(num_prompts=6, n=4, max_new_tokens=6, max_slots=16)
@@ -103,22 +104,22 @@ def test_bad_arguments_name_the_field(kwargs, field):
 
 
 def test_cli_help_and_smoke_run(tmp_path):
-    out = cli("eval", "--help")
-    assert out.returncode == 0
+    target, missing = tmp_path / "eval" / "result.json", tmp_path / "run" / "checkpoints" / "step_00000020"
+    helped, ran, bad_k, no_checkpoint, out = cli_forks([
+        ["eval", "--help"],
+        ["eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--num-prompts", "4", "--n", "2", "--k", "1",
+         "2", "--max-new-tokens", "4", "--out", str(target)],
+        ["eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--n", "2", "--k", "3"],
+        ["eval", "--model", str(missing), "--data.task", "toy"],
+        ["eval", "--model", str(tmp_path / "nope"), "--data.task", "toy"]], cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    assert helped.returncode == 0
     for flag in ("--model", "--data.task", "--num-prompts", "--n", "--k", "--tokenizer", "--out"):
-        assert flag in out.stdout, flag
-    target = tmp_path / "eval" / "result.json"
-    out = cli("eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--num-prompts", "4", "--n", "2",
-              "--k", "1", "2", "--max-new-tokens", "4", "--out", str(target))
-    assert out.returncode == 0, out.stderr[-2000:]
-    printed = json.loads(out.stdout.strip().splitlines()[-1])
+        assert flag in helped.stdout, flag
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    printed = json.loads(ran.stdout.strip().splitlines()[-1])
     assert printed["prompts"] == 4 and "pass@1" in printed and "pass@2" in printed
     assert json.loads(target.read_text()) == printed
-    out = cli("eval", "--model", "random:tiny-qwen2", "--data.task", "toy", "--n", "2", "--k", "3")
-    assert out.returncode != 0 and "--k 3 is invalid" in out.stderr
-    missing = tmp_path / "run" / "checkpoints" / "step_00000020"
-    out = cli("eval", "--model", str(missing), "--data.task", "toy")
-    assert out.returncode != 0 and f"--model {missing}: no such checkpoint" in out.stderr
-    assert "--checkpoint-every" in out.stderr and "Traceback" not in out.stderr
-    out = cli("eval", "--model", str(tmp_path / "nope"), "--data.task", "toy")
+    assert bad_k.returncode != 0 and "--k 3 is invalid" in bad_k.stderr
+    assert no_checkpoint.returncode != 0 and f"--model {missing}: no such checkpoint" in no_checkpoint.stderr
+    assert "--checkpoint-every" in no_checkpoint.stderr and "Traceback" not in no_checkpoint.stderr
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr

@@ -10,7 +10,8 @@ import pathlib
 import pytest
 
 from asyncrl.report import summarize, write_report
-from tests.run_helpers import cli, tiny_run
+from tests.cli_forks import cli_forks
+from tests.run_helpers import ROOT, tiny_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = {"reward.png", "throughput.png", "version_lag.png", "idle.png"}
@@ -121,16 +122,15 @@ def test_bad_run_dir_errors_name_the_file(tmp_path):
 
 
 def test_cli_help_run_and_bad_dir(run_dir, tmp_path):
-    out = cli("report", "--help")
-    assert out.returncode == 0 and "RUN_DIR" in out.stdout and "--out" in out.stdout
-    out = cli("report", str(run_dir), "--out", str(tmp_path / "cli"))
+    helped, out, missing = cli_forks([["report", "--help"], ["report", str(run_dir), "--out", str(tmp_path / "cli")],
+                                      ["report", str(tmp_path / "missing-run")]], cwd=ROOT)
+    assert helped.returncode == 0 and "RUN_DIR" in helped.stdout and "--out" in helped.stdout
     assert out.returncode == 0, out.stderr[-2000:]
     printed = [pathlib.Path(line) for line in out.stdout.split()]
     assert {p.name for p in printed} == ALL_FIGURES | {"report.md"}
     assert all(p.is_file() for p in printed)
-    out = cli("report", str(tmp_path / "missing-run"))
-    assert out.returncode != 0
-    assert f"{tmp_path / 'missing-run' / 'metrics.jsonl'}" in out.stderr
+    assert missing.returncode != 0
+    assert f"{tmp_path / 'missing-run' / 'metrics.jsonl'}" in missing.stderr
 
 
 def test_held_out_evaluations_are_summarized_by_their_version_and_plotted(tmp_path):
