@@ -41,7 +41,8 @@ TRAINED_FOR_REAL = {
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score"
     " --run-dir runs/word_length": TINY_TRAIN + ["--async-training.total-versions", "2"],
     "asyncrl train cpu-retry --data.path examples/guess_number/data.jsonl --env.fn examples/guess_number/env.py:Guess"
-    " --run-dir runs/guess_number": TINY_TRAIN[:-2] + ["--async-training.total-versions", "2"],
+    " --run-dir runs/guess_number": TINY_TRAIN[:-2] + ["--async-training.total-versions", "2", "--rollout.n", "2",
+                                                      "--trainer.mini-batch-size", "2"],  # a 4x smaller step
     # once passed --dry-run and then failed in its first train step (DAPO's buffer exceeded the token budget);
     # on the toy task, since a random model scores 0 on every sum and DAPO's dynamic sampling would drop every group
     # flags on both sides of algorithm:dapo, the run's included (`--wandb off`), as a user appends them
