@@ -23,7 +23,9 @@ same tokens (mean |Δlogp|, and KL(engine‖train) estimated on the sampled toke
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import tempfile
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -196,14 +198,28 @@ def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[lis
     return [_time_engine(engine, work, args.device)[:2] for work in works]
 
 
-def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[float, float]]:
-    """vLLM's own `LLM.generate`, one `LLM` for every workload: (output tok/s, mean sample length) of each, from
-    the run after the warm-up."""
+def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: str,
+                     kv_bytes: int | None) -> list[tuple[float, float]]:
+    """vLLM's own `LLM.generate` over the model saved in `model_dir`, one `LLM` for every workload: (output tok/s,
+    mean sample length) of each, from the run after the warm-up."""
     from asyncrl.policies.vllm_engine import vllm_offline_generate
-    model = _load(args)
-    runs = vllm_offline_generate(model, [(work.prompts, work.params) for work in works],
-                                 max_len=_engine_config(args, *works).max_len, eos_token_ids=works[0].eos_token_ids)
+    runs = vllm_offline_generate(model_dir, [(work.prompts, work.params) for work in works],
+                                 dtype=getattr(torch, args.dtype), device=args.device,
+                                 max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
+                                 eos_token_ids=works[0].eos_token_ids)
     return [(tokens / seconds, tokens / work.sequences) for work, (*_, (tokens, seconds)) in zip(works, runs)]
+
+
+def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float]]:
+    """`_vllm_llm_worker` in a process of its own, over a copy of `model` saved once (the child loads no model
+    of its own, so the GPU holds one copy of the weights besides vLLM's)."""
+    from asyncrl.policies import save_pretrained
+    from asyncrl.policies.vllm_engine import kv_cache_bytes
+    config = _engine_config(args, *works)
+    kv_bytes = None if args.device.startswith("cuda") else kv_cache_bytes(model, config.max_slots, config.max_len)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-vllm-") as directory:
+        save_pretrained(model, directory)
+        return _in_own_process(_vllm_llm_worker, args, works, directory, kv_bytes)
 
 
 def _load(args: EngineBenchArgs):
@@ -279,7 +295,7 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
             vllm_mismatch = logprob_mismatch(model, vllm_outs)
             row.update({f"vllm_{k}": vllm_mismatch[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "max_abs_logit")})
     if "vllm-llm" in args.backends:
-        for row, (tok_s, mean_len) in zip(results, _in_own_process(_vllm_llm_worker, args, works)):
+        for row, (tok_s, mean_len) in zip(results, _vllm_llm_rows(args, model, works)):
             row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = tok_s, mean_len
     for row in results:
         _ratios(row)
@@ -308,6 +324,7 @@ def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) ->
             row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s
         print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, decode step {step_s * 1e3:.2f} ms", flush=True)
         del engine, outs
+        gc.collect()  # the engine's KV cache and graph pool, before the next row or a vLLM child allocates
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     if "hf" in args.backends:

@@ -352,19 +352,19 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
                           lora_base=base)
 
 
-def vllm_offline_generate(model: CausalLM, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
-                          max_len: int, eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
+def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
+                          dtype: torch.dtype, device: str, max_len: int, kv_bytes: int | None = None,
+                          eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
                           repeats: int = 2) -> list[list[tuple[int, float]]]:
     """vLLM's own offline path on these batches of prompts, for comparison with `VLLMEngine`: `vllm.LLM.generate`
     (on GPU its engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and
-    behaviour log-probs, no per-step control. One `LLM` (sized for the largest batch) runs every batch `repeats`
-    times; returns, per batch, (tokens generated, seconds) of each run (the first one warms up). Call it in a
-    process that may start children (vLLM starts its engine core)."""
-    device, slots = str(model.device), max(len(prompts) * params.n for prompts, params in batches)
-    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-offline-") as directory:
-        save_pretrained(model, directory)
-        llm = vllm_llm(directory, options, max_slots=slots, max_len=max_len, dtype=model.dtype, device=device,
-                        kv_bytes=_kv_bytes(model, slots, max_len, options), seed=0)
+    behaviour log-probs, no per-step control. One `LLM` over the saved model in `model_dir` (sized for the
+    largest batch; `kv_bytes` of KV cache, None: what --rollout.vllm.gpu-memory-utilization leaves) runs every
+    batch `repeats` times; returns, per batch, (tokens generated, seconds) of each run (the first one warms up).
+    Call it in a process that may start children (vLLM starts its engine core)."""
+    slots = max(len(prompts) * params.n for prompts, params in batches)
+    llm = vllm_llm(model_dir, options, max_slots=slots, max_len=max_len, dtype=dtype, device=device,
+                    kv_bytes=kv_bytes, seed=0)
     results = []
     for prompts, params in batches:
         stop = sorted(params.stop_ids(eos_token_ids))
