@@ -15,6 +15,7 @@ group is killed and its status is -9).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -103,11 +104,13 @@ def main(path: str) -> int:
         pid = os.fork()
         if pid == 0:
             os.setpgid(0, 0)  # a group of its own: a timeout kills whatever it started
+            code = 1
             try:
                 code = _child(request["args"], request["stdout"], request["stderr"])
-            finally:
+            finally:  # the atexit handlers (logging's flush among them), then out without tearing down the
+                atexit._run_exitfuncs()  # modules the parent imported (~1-2 s for torch and transformers)
                 sys.stdout.flush(), sys.stderr.flush()
-            return code  # the child leaves through the interpreter's own exit (atexit handlers run)
+                os._exit(code)
         try:
             os.setpgid(pid, pid)  # here too, so that a kill never races the child's own call
         except OSError:

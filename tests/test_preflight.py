@@ -15,6 +15,7 @@ from asyncrl.config import RunConfig
 from asyncrl.flags import as_flags
 from asyncrl.preflight import check_devices, check_model_path, check_run_dir, preflight
 from asyncrl.presets import PRESETS
+from tests.cli_forks import cli_forks
 from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
@@ -97,23 +98,41 @@ def test_bad_flags_are_refused_naming_the_flag(tmp_path, args, expected):
         assert any(text in problem for problem in report.problems), (text, report.problems)
 
 
-@pytest.mark.parametrize("args, expected", [
+NO_CUDA = not __import__("torch").cuda.is_available()
+REFUSED = [  # a command's flags, and the line it exits with
     (["--rollout.top-p", "1.5"], "--rollout.top-p 1.5 is invalid: must lie in (0, 1]"),
     (["--placement.agent-devices", "cuda:0"], "--placement.agent-devices cuda:0: cuda:0 requested but CUDA"),
     (["--model.path", "/no/such/model"], "--model.path /no/such/model: does not exist"),
-])
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the device case assumes a machine without CUDA")
-def test_the_command_exits_before_spawning_anything(tmp_path, args, expected):
-    run_dir = tmp_path / "run"
-    err = refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, *args), run_dir, expected)
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict:
+    """`asyncrl train cpu-demo` with each REFUSED case's flags (the device case only on a machine without CUDA,
+    where it is refused), and with two problems at once, each into a run directory of its own; run as forks of
+    one prepared process (tests/cli_forks.py). {case: (the process's output, its run directory)}."""
+    root = tmp_path_factory.mktemp("refusals")
+    cases = {i: args for i, (args, _) in enumerate(REFUSED) if NO_CUDA or "cuda:0" not in args}
+    cases["both"] = ["--rollout.top-p", "2", "--model.path", str(root / "missing")]
+    runs = {case: root / f"run-{case}" for case in cases}
+    outs = cli_forks([["train", "cpu-demo", *TINY, "--run-dir", str(runs[case]), *args] for case, args in cases.items()],
+                     cwd=ROOT)
+    return {case: (out, runs[case]) for case, out in zip(cases, outs)} | {"missing": root / "missing"}
+
+
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+@pytest.mark.skipif(not NO_CUDA, reason="the device case assumes a machine without CUDA")
+def test_the_command_exits_before_spawning_anything(refusals, case):
+    out, run_dir = refusals[case]
+    expected = REFUSED[case][1]
+    err = refused(out, run_dir, expected)
     assert expected in err.rstrip().splitlines()[-1]  # the one line it exits with
 
 
-def test_every_problem_is_listed_at_once(tmp_path):
-    run_dir = tmp_path / "run"
-    err = refused(asyncrl("train", "cpu-demo", *TINY, "--run-dir", run_dir, "--rollout.top-p", "2",
-                          "--model.path", tmp_path / "missing"), run_dir)
-    assert "2 problems" in err and "--rollout.top-p 2.0" in err and f"--model.path {tmp_path / 'missing'}" in err
+def test_every_problem_is_listed_at_once(refusals):
+    (out, run_dir), missing = refusals["both"], refusals["missing"]
+    err = refused(out, run_dir)
+    assert "2 problems" in err and "--rollout.top-p 2.0" in err and f"--model.path {missing}" in err
 
 
 def _problems(tmp_path, *args) -> list[str]:
