@@ -9,7 +9,10 @@
 Each `step()` admits waiting requests while slots and the prefill budget allow (a prompt is prefilled
 once and its K/V copied to its n sample slots), then runs one decode step for every running sequence.
 Requests join and leave between steps (continuous batching). Every token comes with its behaviour
-log-prob and the weight version that produced it.
+log-prob and the weight version that produced it. With `decode_ahead` (the default) a step launches the next
+decode before reading the tokens of the one before (`asyncrl.policies.decode_steps`), so the host's per-token
+work overlaps the GPU's; a step's tokens then appear one `step()` later, and a control (pause, abort, update,
+sleep) drops the step in flight, whose rows simply decode the same token again.
 
 Sessions (multi-turn episodes): `add_request(..., sessions=[name per sample])` keeps each finished sample's
 K/V under its name, in a slot at the top of the cache that no running sequence uses. A later request with
@@ -32,7 +35,7 @@ call from another thread (an RPC handler) while a driver loop calls `step()`:
   sleep() / wake_up()  free / re-allocate the KV cache (colocated training); running sequences keep
                 their tokens and get their K/V recomputed on wake-up.
 
-On CUDA the decode step (model + fp32 logits) is captured in CUDA graphs, one per (batch bucket, attention
+On CUDA the decode step (model, logits, sampler) is captured in CUDA graphs, one per (batch bucket, attention
 length bucket); on CPU it runs eagerly.
 """
 
@@ -46,7 +49,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.policies.decode_attention import DecodeKernel, decode_attention, sdpa_decode
-from asyncrl.policies.decode_graphs import DecodeGraphs
+from asyncrl.policies.decode_steps import DecodeSteps, Launched
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.fused_projections import fuse_projections
@@ -74,7 +77,10 @@ class EngineConfig:
     """Decode attends over attend_bucket × 2^k positions, the smallest such length covering the longest
     running sequence (capped at max_len)."""
     cuda_graphs: bool = True
-    """Capture the decode step (forward, fp32 logits, sampler) in CUDA graphs (ignored off CUDA)."""
+    """Capture the decode step (forward, logits, sampler) in CUDA graphs (ignored off CUDA)."""
+    decode_ahead: bool = True
+    """Launch each decode step before reading the previous one's tokens, so the host's per-token work overlaps
+    the GPU (batches with top-k/top-p rows always run one step at a time)."""
     decode_attention: DecodeKernel = "auto"
     """Decode attention over the cache: "triton" (CUDA), "sdpa", or "auto" (Triton where it runs and agrees with SDPA)."""
     fused_kernels: bool = True
@@ -151,8 +157,9 @@ class Engine(EngineControl[_Request]):
         # torch.compile'd, the sampler measured slower on an H100 than eager; the Triton kernels read the logits twice
         self._sample_plain = plain_sampler(config.fused_kernels, model.device)
         self.sampler = "torch" if self._sample_plain is sample_plain else "triton"
-        self._graphs = (DecodeGraphs(model, self.cache, config.max_slots, self._sample_plain)
-                        if (on_cuda and config.cuda_graphs) else None)
+        self._steps = DecodeSteps(model, self.cache, config.max_slots, self._sample_plain,
+                                  graphs=on_cuda and config.cuda_graphs)
+        self._inflight: Launched | None = None  # a decode step launched, its tokens not yet read
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
         super().__init__(version=version, vocab_size=cfg.vocab_size, max_len=config.max_len,
                          max_slots=config.max_slots,
@@ -201,6 +208,8 @@ class Engine(EngineControl[_Request]):
                 self._prefill(admitted, finished)
         if self._running:
             self._decode(finished)
+        if not self._running:
+            self._drop_inflight()  # only rows that finished were in it
         self.stats["steps"] += 1
         return finished
 
@@ -248,7 +257,12 @@ class Engine(EngineControl[_Request]):
         order = whole + continued
         logits = self.model.logits(torch.cat(rows))
         index = torch.tensor([i for i, r in enumerate(order) for _ in r.samples], device=logits.device)
-        self._sample_and_append(logits[index], [s for r in order for s in r.samples], finished)
+        new = [s for r in order for s in r.samples]
+        self._sample_and_append(logits[index], new, finished)
+        live = [s for s in new if s.slot >= 0]
+        if live and self._inflight is not None:  # the next step is launched from the device: give it these rows
+            self._steps.set_rows([s.slot for s in live], [s.completion.token_ids[-1] for s in live],
+                                 [s.cached_len for s in live])
 
     def _forward_extend(self, requests: list[_Request]) -> Tensor:
         """The last hidden state of each request's prompt, prefilling only what its held session lacks."""
@@ -297,24 +311,58 @@ class Engine(EngineControl[_Request]):
         return self.model(ids.to(device), cache=self.cache, cache_slots=slot_t)
 
     def _decode(self, finished: list[_Request]) -> None:
-        samples = self._running
-        tokens = torch.tensor([s.completion.token_ids[-1] for s in samples], dtype=torch.long)
-        positions = torch.tensor([s.cached_len for s in samples], dtype=torch.long)
-        attend = self._attend_len(int(positions.max()) + 1)
-        self.stats["decode_steps"] += 1
-        # eager without graphs, or when a graph's padding rows would write into held sessions' slots
-        if self._graphs is None or self._graphs.bucket(len(samples)) > self._held.bottom:
-            self.cache.attend_len = attend
-            device = self.model.device
-            hidden = self.model(tokens.to(device)[:, None], positions.to(device)[:, None], cache=self.cache,
-                                decode=True)
-            self._sample_and_append(self.model.logits(hidden[:, 0]), samples, finished)
+        """A decode step of every running row. Ahead (`decode_ahead`): launch it from the device-resident inputs
+        before reading the step in flight, then read that one while this one runs. Otherwise (nothing in flight,
+        or rows that filter and are sampled again on the host) upload every row's newest token and run it."""
+        inflight, self._inflight = self._inflight, None
+        filtered = any(s.request.params.filtered for s in self._running)
+        if inflight is not None and not filtered:
+            self._inflight = self._launch(inflight.pending)
+            self._consume(inflight, finished)
             return
-        temperature, uniforms = self._sampling_inputs(samples)
-        logits, sampled = self._graphs.run(tokens, positions, temperature, uniforms, attend)
-        if any(s.request.params.filtered for s in samples):
-            sampled = None  # the graph samples without top-k/top-p; redo it eagerly from its logits
-        self._sample_and_append(logits, samples, finished, sampled)
+        if inflight is not None:
+            self._consume(inflight, finished)
+            if not self._running:
+                return
+        samples = self._running
+        self._steps.set_rows(list(range(len(samples))), [s.completion.token_ids[-1] for s in samples],
+                             [s.cached_len for s in samples])
+        launched = self._launch(frozenset())
+        if filtered:  # the step sampled without top-k/top-p; sample again from its logits
+            self._sample_and_append(launched.logits, samples, finished)
+        elif self.config.decode_ahead:
+            self._inflight = launched
+        else:
+            self._consume(launched, finished)
+
+    def _launch(self, pending: frozenset[int]) -> Launched:
+        """Start a step of every running row; `pending`: ids of samples whose previous step is still in flight
+        (this one decodes the token after it: the next uniform number, one position further)."""
+        samples = list(self._running)
+        ahead = [id(s) in pending for s in samples]
+        temperature = torch.tensor([s.request.params.temperature for s in samples], dtype=torch.float32)
+        # a row finishing in the step in flight decodes one token more, discarded: clamp its uniform's index
+        uniforms = torch.tensor([s.uniforms[min(len(s.completion.token_ids) + a, len(s.uniforms) - 1)]
+                                 for s, a in zip(samples, ahead)], dtype=torch.float32)
+        attend = self._attend_len(max(s.cached_len + a for s, a in zip(samples, ahead)) + 1)
+        self.stats["decode_steps"] += 1
+        # a graph's padding rows must not write into held sessions' slots: run those batches eagerly
+        graph = self._steps.buckets is not None and self._steps.bucket(len(samples)) <= self._held.bottom
+        launched = self._steps.launch(samples, temperature, uniforms, attend, graph=graph)
+        launched.pending = frozenset(map(id, samples))
+        return launched
+
+    def _consume(self, launched: Launched, finished: list[_Request]) -> None:
+        """Append a launched step's tokens to its rows' samples (rows that finished meanwhile are skipped)."""
+        tokens, logprobs = launched.results()
+        rows = [i for i, s in enumerate(launched.samples) if not s.completion.finished]
+        self._append([launched.samples[i] for i in rows], [tokens[i] for i in rows], [logprobs[i] for i in rows],
+                     finished)
+
+    def _drop_inflight(self) -> None:
+        """Forget the step in flight (before the rows or the weights change outside a step): its tokens are
+        never appended, so each of its rows decodes the same token again, from the host's inputs."""
+        self._inflight = None
 
     def _attend_len(self, needed: int) -> int:
         """attend_bucket × the smallest power of two covering `needed`, capped at max_len (few graph shapes)."""
@@ -323,28 +371,26 @@ class Engine(EngineControl[_Request]):
             length *= 2
         return min(length, self.config.max_len)
 
-    @staticmethod
-    def _sampling_inputs(samples: list[_Sample]) -> tuple[Tensor, Tensor]:
-        """Per-row temperature and this token's uniform number (CPU tensors)."""
-        temperature = torch.tensor([s.request.params.temperature for s in samples], dtype=torch.float32)
+    def _sample_and_append(self, logits: Tensor, samples: list[_Sample], finished: list[_Request]) -> None:
+        """Sample row i of `logits` for samples[i] (top-k / top-p included) and append it."""
+        device = logits.device
+        params = [s.request.params for s in samples]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device)
         uniforms = torch.tensor([s.uniforms[len(s.completion.token_ids)] for s in samples], dtype=torch.float32)
-        return temperature, uniforms
+        top_k = top_p = None
+        if any(p.filtered for p in params):
+            top_k = torch.tensor([p.top_k for p in params]).to(device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+        tokens, logprobs = sample_tokens(logits, temperature, uniforms.to(device), top_k=top_k, top_p=top_p,
+                                         plain=self._sample_plain)
+        self._append(samples, tokens.tolist(), logprobs.tolist(), finished)
 
-    def _sample_and_append(self, logits: Tensor, samples: list[_Sample], finished: list[_Request],
-                           sampled: tuple[Tensor, Tensor] | None = None) -> None:
-        if sampled is None:
-            device = logits.device
-            params = [s.request.params for s in samples]
-            temperature, uniforms = (t.to(device) for t in self._sampling_inputs(samples))
-            top_k = top_p = None
-            if any(p.filtered for p in params):
-                top_k = torch.tensor([p.top_k for p in params]).to(device)
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
-            sampled = sample_tokens(logits, temperature, uniforms, top_k=top_k, top_p=top_p, plain=self._sample_plain)
-        tokens, logprobs = sampled
+    def _append(self, samples: list[_Sample], tokens: list[int], logprobs: list[float],
+                finished: list[_Request]) -> None:
+        """Give each sample its token; finish, hold and release the samples that stop or reach their length."""
         done: list[_Sample] = []
         version = self.version
-        for sample, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):  # per token: kept lean
+        for sample, token, logprob in zip(samples, tokens, logprobs):  # per token: kept lean
             c, request = sample.completion, sample.request
             c.token_ids.append(token)
             c.logprobs.append(logprob)
@@ -371,7 +417,10 @@ class Engine(EngineControl[_Request]):
         for slot in sorted((s.slot for s in samples if s.slot >= 0), reverse=True):
             last = self._running.pop()
             if last.slot != slot:
-                self.cache.copy_slot(last.slot, slot, last.cached_len) if self.cache.allocated else None
+                # a step in flight writes the K/V of the newest token too: move that position with the others
+                written = last.cached_len + (self._inflight is not None and id(last) in self._inflight.pending)
+                self.cache.copy_slot(last.slot, slot, written) if self.cache.allocated else None
+                self._steps.move_row(last.slot, slot)
                 last.slot = slot
                 self._running[slot] = last
         for s in samples:
@@ -380,6 +429,7 @@ class Engine(EngineControl[_Request]):
     # ---------------------------------------------------------------- RL controls
     def _withdraw(self, request: _Request) -> None:
         """Drop it from the queue, or free the slots of its unfinished samples."""
+        self._drop_inflight()
         if request in self._waiting:
             self._waiting.remove(request)
         self._release([s for s in request.samples if not s.completion.finished and s.slot >= 0])
@@ -389,6 +439,7 @@ class Engine(EngineControl[_Request]):
         """Copy each bucket in place as it comes. kv="recompute" re-prefills running sequences under the new
         weights; "keep" reuses their K/V (computed with older weights, as PipelineRL and vLLM's keep mode do).
         With lora_rank > 0: W_base + s·B·A copied into the same parameters (`asyncrl.policies.engine_adapters`)."""
+        self._drop_inflight()  # it ran on the weights being replaced
         for name, tensor in (items if self._adapters is None else self._adapters.resolve(items, version)):
             self._params[name].copy_(tensor)
         if version is not None:
@@ -415,10 +466,10 @@ class Engine(EngineControl[_Request]):
 
     def _free_memory(self) -> None:
         """Free the KV cache (and captured graphs). Running sequences keep their tokens."""
+        self._drop_inflight()
         self._held.clear()
         self.cache.free()
-        if self._graphs is not None:
-            self._graphs.clear()
+        self._steps.clear()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 

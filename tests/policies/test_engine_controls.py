@@ -48,11 +48,13 @@ def test_pause_keep_then_resume_equals_an_uninterrupted_run():
         assert all(c.finish_reason == "length" for c in out.completions)
 
 
-def test_pause_abort_returns_partial_outputs():
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
+def test_pause_abort_returns_partial_outputs(ahead):
+    """With `decode_ahead`, a step's tokens are appended at the next step: one token fewer after k steps."""
     model = tiny_model(seed=2)
     prompts = make_prompts([6, 12, 9], seed=3)
     params = [_params(5, 30, n=2), _params(6, 30), _params(7, 30)]
-    engine = Engine(model, small_config(max_slots=3))  # the third request waits
+    engine = Engine(model, small_config(max_slots=3, decode_ahead=ahead))  # the third request waits
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(5):
         engine.step()
@@ -69,7 +71,7 @@ def test_pause_abort_returns_partial_outputs():
             assert c.finish_reason == "abort"
             assert c.token_ids == fc.token_ids[:len(c.token_ids)]
     # a request admitted at step 1 has its prefill token plus one decode token per step
-    assert [len(c.token_ids) for o in outs for c in o.completions] == [6, 6, 6, 0]
+    assert [len(c.token_ids) for o in outs for c in o.completions] == [6 - ahead] * 3 + [0]
     assert engine.step() == []
     engine.resume()
     out = engine.generate([prompts[0]], params[0])[0]  # the engine serves again, from a clean state
@@ -111,11 +113,12 @@ def test_pause_wait_drains_running_requests_and_keeps_the_queue():
 
 
 # ------------------------------------------------------------------------------------------------- abort
-def test_abort_returns_tokens_so_far_and_others_continue():
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
+def test_abort_returns_tokens_so_far_and_others_continue(ahead):
     model = tiny_model(seed=4)
     prompts = make_prompts([8, 14, 5, 11, 17], seed=5)
     params = [_params(12, 24, n=2), _params(13, 24), _params(14, 24), _params(15, 24), _params(16, 24)]
-    engine = Engine(model, small_config(max_slots=4))
+    engine = Engine(model, small_config(max_slots=4, decode_ahead=ahead))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(6):
         engine.step()
@@ -125,12 +128,13 @@ def test_abort_returns_tokens_so_far_and_others_continue():
     assert [o.request_id for o in outs] == [ids[0], ids[4]]
     running, waiting = outs
     assert_consistent(running)
+    k = 7 - ahead  # tokens after 6 steps
     for c, fc in zip(running.completions, run_alone(model, prompts[0], params[0]).completions):
-        assert c.finish_reason == "abort" and len(c.token_ids) == 7
-        assert c.token_ids == fc.token_ids[:7]
-        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(fc.logprobs[:7]),
-                                   atol=logprob_tol(model, prompts[0], fc.token_ids[:7]), rtol=0)
-        assert c.versions == [0] * 7
+        assert c.finish_reason == "abort" and len(c.token_ids) == k
+        assert c.token_ids == fc.token_ids[:k]
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(fc.logprobs[:k]),
+                                   atol=logprob_tol(model, prompts[0], fc.token_ids[:k]), rtol=0)
+        assert c.versions == [0] * k
     assert [(c.token_ids, c.logprobs, c.versions, c.finish_reason) for c in waiting.completions] == \
         [([], [], [], "abort")]
     assert engine.abort([ids[0]]) == []  # already gone
@@ -212,16 +216,17 @@ def test_interruptions_mixing_sleep_wake_and_updates_keep_every_sample_at_its_bu
             assert c.versions == sorted(c.versions) and set(c.versions) == {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
-def test_update_weights_mid_generation(kv):
+def test_update_weights_mid_generation(kv, ahead):
     old, new = tiny_model(seed=5), tiny_model(seed=6)
     prompts = make_prompts([6, 17], seed=6)
     params = [_params(17, 24, n=2), _params(18, 24)]
-    engine = Engine(tiny_model(seed=5), small_config())
+    engine = Engine(tiny_model(seed=5), small_config(decode_ahead=ahead))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(5):
         engine.step()
-    m = 6  # tokens per sample before the update
+    m = 6 - ahead  # tokens per sample before the update (the step in flight is dropped by it)
     engine.update_weights(named_weights(new), version=1, kv=kv)
     assert engine.version == 1
     done = drain(engine)
@@ -351,19 +356,20 @@ def test_sleep_frees_the_cache_and_wake_up_recomputes_kv():
                                        atol=logprob_tol(model, prompt, c.token_ids, p.temperature), rtol=0)
 
 
-def test_abort_while_asleep_then_wake_up():
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
+def test_abort_while_asleep_then_wake_up(ahead):
     """Aborting the first request while asleep moves the others into its slots without a cache to copy;
     wake_up must rebuild their K/V in the new slots."""
     model = tiny_model(seed=14)
     prompts = make_prompts([9, 13, 6], seed=11)
     params = [_params(24, 20, n=2), _params(25, 20), _params(26, 20)]
-    engine = Engine(model, small_config())
+    engine = Engine(model, small_config(decode_ahead=ahead))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(4):
         engine.step()
     engine.sleep()
     (aborted,) = engine.abort([ids[0]])
-    assert all(c.finish_reason == "abort" and len(c.token_ids) == 5 for c in aborted.completions)
+    assert all(c.finish_reason == "abort" and len(c.token_ids) == 5 - ahead for c in aborted.completions)
     engine.wake_up()
     done = drain(engine)
     for i in (1, 2):

@@ -124,4 +124,4 @@ def test_capture_while_another_thread_copies_to_host_and_allocates():
         thread.join()
     assert not errors, f"the other thread failed during capture: {errors[0]!r}"
     assert copies[0] > 0
-    assert len(engine._graphs.graphs) >= 7, "the decode steps above did not run as captured graphs"
+    assert len(engine._steps.graphs) >= 7, "the decode steps above did not run as captured graphs"
