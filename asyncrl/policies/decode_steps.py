@@ -62,8 +62,10 @@ class DecodeSteps:
         self._turn = 0
 
     @staticmethod
-    def _host_buffers(n: int) -> tuple[Tensor, Tensor]:
-        return (torch.empty(n, dtype=torch.long, pin_memory=True), torch.empty(n, dtype=torch.float32, pin_memory=True))
+    def _host_buffers(n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Pinned (so copies are asynchronous): a step's temperature and uniforms in, its tokens and log-probs out."""
+        return (torch.empty(2, n, dtype=torch.float32, pin_memory=True),
+                torch.empty(n, dtype=torch.long, pin_memory=True), torch.empty(n, dtype=torch.float32, pin_memory=True))
 
     def clear(self) -> None:
         """Drop the captured graphs (the KV cache they point into was freed)."""
@@ -101,6 +103,12 @@ class DecodeSteps:
         """Start the step of rows [0, len(samples)) (temperature, uniforms: [n] on the host); `graph`: replay a
         captured graph (padding rows up to the bucket) rather than run eagerly."""
         n = len(samples)
+        host = None
+        if self._pinned is not None:  # two sets: one step's is read while the next one's fill
+            host = self._pinned[self._turn]
+            self._turn ^= 1
+            host[0][0, :n], host[0][1, :n] = temperature, uniforms
+            temperature, uniforms = host[0][0, :n], host[0][1, :n]
         self.temperature[:n].copy_(temperature, non_blocking=True)
         self.uniforms[:n].copy_(uniforms, non_blocking=True)
         self.cache.attend_len = attend
@@ -116,10 +124,9 @@ class DecodeSteps:
                 self.graphs[key] = self._capture(batch)
             graph_, (logits, tokens, logprobs) = self.graphs[key]
             graph_.replay()
-        if self._pinned is None:
+        if host is None:
             return Launched(samples, logits[:n], tokens[:n], logprobs[:n], None)
-        host_tokens, host_logprobs = self._pinned[self._turn]  # two sets: one step's is read while the next fills
-        self._turn ^= 1
+        _, host_tokens, host_logprobs = host
         host_tokens[:n].copy_(tokens[:n], non_blocking=True)
         host_logprobs[:n].copy_(logprobs[:n], non_blocking=True)
         ready = torch.cuda.Event()

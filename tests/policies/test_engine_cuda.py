@@ -41,6 +41,25 @@ def test_graph_decode_matches_eager_decode():
             assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4
 
 
+def test_decode_ahead_with_graphs_samples_what_one_step_at_a_time_does():
+    """The real overlap: captured graphs fed from device-resident rows, pinned copies and events; EOS on, more
+    samples than slots (rows finish while a step is in flight, slots are moved and refilled)."""
+    model = random_model(CONFIG, seed=4, device="cuda")
+    prompts = _prompts(12, seed=5)
+    params = [SamplingParams(n=1 + i % 2, temperature=0.9, max_new_tokens=20 + 3 * i, seed=i) for i in range(12)]
+    outs = {}
+    for ahead in (True, False):
+        engine = Engine(model, EngineConfig(max_slots=8, max_len=96, attend_bucket=16, decode_ahead=ahead))
+        outs[ahead] = engine.generate(prompts, params)
+    stops = 0
+    for a, b in zip(outs[True], outs[False]):
+        for ca, cb in zip(a.completions, b.completions):
+            assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason
+            assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 1e-4
+            stops += ca.finish_reason == "stop"
+    assert stops > 0, "no row stopped at EOS: rows finishing in flight went untested"
+
+
 def test_cuda_engine_logprobs_match_training_forward():
     model = random_model(CONFIG, seed=2, device="cuda")
     engine = Engine(model, EngineConfig(max_slots=16, max_len=80, attend_bucket=16))
