@@ -46,7 +46,7 @@ def test_decode_ahead_with_graphs_samples_what_one_step_at_a_time_does():
     samples than slots (rows finish while a step is in flight, slots are moved and refilled)."""
     model = random_model(CONFIG, seed=4, device="cuda")
     prompts = _prompts(12, seed=5)
-    params = [SamplingParams(n=1 + i % 2, temperature=0.9, max_new_tokens=20 + 3 * i, seed=i) for i in range(12)]
+    params = [SamplingParams(n=1 + i % 2, temperature=0.9, max_new_tokens=40 + 2 * i, seed=i) for i in range(12)]
     outs = {}
     for ahead in (True, False):
         engine = Engine(model, EngineConfig(max_slots=8, max_len=96, attend_bucket=16, decode_ahead=ahead))
