@@ -74,6 +74,8 @@ class EngineBenchArgs:
     cuda_graphs: bool = True
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
     """Our engine's decode attention (`--rollout.decode-attention`)."""
+    decode_ahead: bool = True
+    """Our engine launches each decode step before reading the previous one's tokens (`EngineConfig.decode_ahead`)."""
     seed: int = 0
     out: str | None = None
     """Write the results as JSON here."""
@@ -232,7 +234,8 @@ def _engine_config(args: EngineBenchArgs, *works: Workload):
     from asyncrl.policies import EngineConfig
     return EngineConfig(max_slots=max(w.sequences for w in works),
                         max_len=max(max(map(len, w.prompts)) for w in works) + args.new_tokens,
-                        cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention)
+                        cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
+                        decode_ahead=args.decode_ahead)
 
 
 @torch.inference_mode()
