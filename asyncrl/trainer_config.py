@@ -134,14 +134,14 @@ class TrainerConfig:
     process: an FSDP2-sharded group runs its layers eagerly). Measured 1.6-2x faster on an H100; the first
     steps take ~1 min longer while it compiles."""
     compile_scope: Literal["layer", "model"] = "layer"
-    """With compile_layers: compile each decoder layer on its own (one graph serves every layer, quick to
-    compile), or the model's whole forward as one region (one call a micro-batch instead of one per layer:
-    less host time per step, a longer first compile)."""
+    """With compile_layers: compile each decoder layer on its own (one graph serves every layer; ~10 s to
+    compile), or the model's whole forward as one region (one call a micro-batch instead of one per layer;
+    Qwen2.5-0.5B ragged on an H100: 83k against 80k tok/s, but ~110 s to compile; see BENCHMARKS.md)."""
     cuda_graphs: bool = False
-    """Replay the compiled layers as CUDA graphs (inductor's CUDA graph trees), so a small model's step is
-    not bound by the host launching each layer's kernels. Packed micro-batches are padded to a few shapes
-    (length to a multiple of `PACK_MULTIPLE`, document count and longest-document bound bucketed) so the
-    recorded graphs are replayed; needs compiled layers and packed sequences. See BENCHMARKS.md."""
+    """Replay the compiled region as CUDA graphs (inductor's CUDA graph trees). Packed micro-batches are
+    padded to a few shapes (length to a multiple of 512, document count and the flash bound bucketed) so
+    the recorded graphs are replayed; needs compiled layers and packed sequences. Measured no faster at
+    the layer scope (Qwen2.5-0.5B ragged, H100) and the first step records for ~1 min: see BENCHMARKS.md."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -40,6 +40,8 @@ class Args:
     workload: str = "ragged"
     """The learner benchmark's workloads (`asyncrl bench learner --help`): fixed or ragged."""
     max_tokens_per_micro_batch: int = 8192
+    gradient_checkpointing: bool = True
+    """The benchmark's default (MLP-only recompute); off: the learner's own default."""
     cuda_graphs: bool = False
     compile_scope: str = "layer"
     """layer or model (`--trainer.compile-scope`)."""
@@ -64,6 +66,14 @@ def _kernel_intervals(prof) -> list[tuple[float, float]]:
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
             out.append((e.time_range.start, e.time_range.end))
     return out
+
+
+def _launch_counts(prof) -> dict[str, int]:
+    """Kernel launches, CUDA graph launches and launches that waited for a full queue in a profile."""
+    names = [e.name for e in prof.events()]
+    launch = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    return {"launches": sum(n in launch for n in names), "graph_launches": sum(n == "cudaGraphLaunch" for n in names),
+            "command_buffer_full": sum(n == "Command Buffer Full" for n in names)}
 
 
 def _layer_call_ms(model, tokens: int, compiled: bool) -> float:
@@ -91,7 +101,8 @@ def _layer_call_ms(model, tokens: int, compiled: bool) -> float:
 def main(args: Args) -> None:
     model = load_model(args.model, dtype=torch.float32, device="cuda")
     bench = LearnerBenchArgs(model=args.model, rows=args.rows, workload=args.workload)
-    cfg = TrainerConfig(mini_batch_size=args.rows // bench.group_size, gradient_checkpointing=True,
+    cfg = TrainerConfig(mini_batch_size=args.rows // bench.group_size,
+                        gradient_checkpointing=args.gradient_checkpointing,
                         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, cuda_graphs=args.cuda_graphs,
                         compile_scope=args.compile_scope, optim=OptimConfig(lr=1e-6))
     state = build_learner(model, cfg, GRPO())
@@ -122,19 +133,15 @@ def main(args: Args) -> None:
         torch.cuda.synchronize()
         profiled_s = time.perf_counter() - begin
     learner_forward._response_hidden = hidden
-    names = [e.name for e in prof.events()]
-    row = {"model": args.model, "cuda_graphs": args.cuda_graphs, "compile_scope": args.compile_scope, "budget": args.max_tokens_per_micro_batch,
+    row = {"model": args.model, "cuda_graphs": args.cuda_graphs, "compile_scope": args.compile_scope,
+           "budget": args.max_tokens_per_micro_batch, "gradient_checkpointing": args.gradient_checkpointing,
            "step_s": step_s, "profiled_step_s": profiled_s, "gpu_busy_s": _busy_seconds(_kernel_intervals(prof)),
-           "fwd_calls": fwd["calls"], "fwd_host_s": fwd["host_s"],
-           "launches": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-                           for n in names),
-           "graph_launches": sum(n == "cudaGraphLaunch" for n in names),
-           "command_buffer_full": sum(n == "Command Buffer Full" for n in names),
-           "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
-           "frames": int(counters["frames"]["ok"]),
-           "layer_call_host_ms": None if args.cuda_graphs or args.compile_scope == "model" else {  # (graphs replay only inside a step)
-               "compiled": _layer_call_ms(model, args.layer_tokens, True),
-               "eager": _layer_call_ms(model, args.layer_tokens, False)}}
+           "fwd_calls": fwd["calls"], "fwd_host_s": fwd["host_s"], **_launch_counts(prof),
+           "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]), "frames": int(counters["frames"]["ok"]),
+           "layer_call_host_ms": None}
+    if not args.cuda_graphs and args.compile_scope == "layer":  # (graphs replay only inside a step)
+        row["layer_call_host_ms"] = {"compiled": _layer_call_ms(model, args.layer_tokens, True),
+                                     "eager": _layer_call_ms(model, args.layer_tokens, False)}
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70), file=sys.stderr)
     print(table.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70), file=sys.stderr)

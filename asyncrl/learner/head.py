@@ -18,7 +18,8 @@ bonus); as a metric it is computed in the same pass over the logits as lse (fuse
 Why not Liger's fused linear cross-entropy: it folds the gradient into the forward pass assuming a scalar
 loss, so per-token upstream gradients (our losses weight every token differently) were silently wrong
 (linkedin/Liger-Kernel#968, fixed in 2026-07), it has no entropy output and no CPU path. The per-chunk
-elementwise work here is plain PyTorch, compiled into one kernel per direction on CUDA.
+elementwise work here is plain PyTorch (on CUDA: the forward's statistics one Triton pass over the logits,
+`asyncrl.learner.head_triton`; the backward compiled into one kernel).
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def _chunk_backward(logits: Tensor, targets: Tensor, lse: Tensor, mean_z: Tensor
 
 @functools.cache
 def _compiled_kernels():
-    return torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward, dynamic=True)
+    """CUDA: the forward statistics in one Triton pass over the logits (`head_triton`), the backward
+    compiled into one kernel."""
+    from asyncrl.learner.head_triton import chunk_forward  # Triton: only where the head runs on CUDA
+    return chunk_forward, torch.compile(_chunk_backward, dynamic=True)
 
 
 def _kernels(compiled: bool):
@@ -130,7 +134,8 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperat
       hidden: [n, H] final hidden states of the positions that predict `targets`.
       weight: [V, H] the LM head (under CUDA autocast the matmul runs in autocast's dtype, as nn.Linear).
       targets: [n] int64 token ids.
-      compiled: the per-chunk elementwise work as one torch.compile'd kernel per direction (CUDA).
+      compiled: the per-chunk elementwise work as one kernel per direction (CUDA: Triton forward, compiled
+        backward).
 
     Returns (logp [n], entropy [n]), fp32 (float64 for a float64 model). Both carry gradients to `hidden` and `weight`; an entropy that
     is only logged costs no backward work (its upstream gradient is None)."""
