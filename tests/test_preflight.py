@@ -115,8 +115,8 @@ def refusals(tmp_path_factory) -> dict:
     cases = {i: args for i, (args, _) in enumerate(REFUSED) if NO_CUDA or "cuda:0" not in args}
     cases["both"] = ["--rollout.top-p", "2", "--model.path", str(root / "missing")]
     runs = {case: root / f"run-{case}" for case in cases}
-    outs = cli_forks([["train", "cpu-demo", *TINY, "--run-dir", str(runs[case]), *args] for case, args in cases.items()],
-                     cwd=ROOT)
+    commands = [["train", "cpu-demo", *TINY, "--run-dir", str(runs[case]), *args] for case, args in cases.items()]
+    outs = cli_forks(commands, cwd=ROOT)
     return {case: (out, runs[case]) for case, out in zip(cases, outs)} | {"missing": root / "missing"}
 
 
