@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.cli_forks import cli_forks
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,11 +45,12 @@ def test_help_reads(capsys):
 def test_convert_then_inspect(tmp_path, gsm8k_test_file, smollm2_tokenizer):
     # the fixture converts SmolLM2 into the session cache, which the subprocess reuses
     out_file = tmp_path / "gsm8k" / "test.parquet"
-    out = _asyncrl("data", "convert-gsm8k", "--src", gsm8k_test_file, "--out", out_file)
-    assert out.returncode == 0, out.stderr
-    assert f"wrote 1319 rows to {out_file}" in out.stdout and out_file.is_file()
+    converted, out = cli_forks([["data", "convert-gsm8k", "--src", gsm8k_test_file, "--out", out_file],
+                                ["data", "inspect", out_file, "--model", "smollm2", "--max-prompt-length", "100"]],
+                               cwd=ROOT)
+    assert converted.returncode == 0, converted.stderr
+    assert f"wrote 1319 rows to {out_file}" in converted.stdout and out_file.is_file()
 
-    out = _asyncrl("data", "inspect", out_file, "--model", "smollm2", "--max-prompt-length", "100")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert f"{out_file}: 1319 rows" in text
