@@ -74,10 +74,10 @@ def test_engine_bench_smoke_run(tmp_path):
 
 
 def test_engine_bench_refuses_bad_backends():
-    out = cli("bench", "engine", *TINY_ENGINE, "--backends", "asyncrl", "asyncrl")
-    assert out.returncode != 0 and "--backends asyncrl asyncrl" in out.stderr
-    out = cli("bench", "engine", *TINY_ENGINE, "--backends", "sglang")
-    assert out.returncode != 0 and "sglang" in out.stderr
+    twice, unknown = cli_forks([["bench", "engine", *TINY_ENGINE, "--backends", "asyncrl", "asyncrl"],
+                                ["bench", "engine", *TINY_ENGINE, "--backends", "sglang"]], cwd=ROOT)
+    assert twice.returncode != 0 and "--backends asyncrl asyncrl" in twice.stderr
+    assert unknown.returncode != 0 and "sglang" in unknown.stderr
 
 
 def test_engine_bench_on_a_prompt_file_stops_at_eos(tmp_path, smollm2_tokenizer, gsm8k_test_file):
