@@ -206,10 +206,16 @@ def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: st
     mean sample length) of each, from the run after the warm-up."""
     from asyncrl.policies.vllm_engine import vllm_offline_generate
     runs = vllm_offline_generate(model_dir, [(work.prompts, work.params) for work in works],
-                                 dtype=getattr(torch, args.dtype), device=args.device,
+                                 dtype=getattr(torch, args.dtype), device=str(_load_device(args)),
                                  max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
                                  eos_token_ids=works[0].eos_token_ids)
     return [(tokens / seconds, tokens / work.sequences) for work, (*_, (tokens, seconds)) in zip(works, runs)]
+
+
+def _load_device(args: EngineBenchArgs) -> torch.device:
+    """The device models load on, with its index ("cuda" is the current CUDA device)."""
+    device = torch.device(args.device)
+    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
 
 
 def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float]]:

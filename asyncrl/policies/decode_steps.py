@@ -77,10 +77,11 @@ class DecodeSteps:
         return None if self.buckets is None else next(b for b in self.buckets if b >= n)
 
     # ---------------------------------------------------------------- rows
-    def set_rows(self, rows: list[int], tokens: list[int], positions: list[int]) -> None:
-        """Rows whose newest token the host knows (after a prefill, or all rows when nothing is in flight)."""
+    def set_rows(self, rows: list[int] | None, tokens: list[int], positions: list[int]) -> None:
+        """Rows whose newest token the host knows (after a prefill; None: rows [0, len(tokens)), every row when
+        nothing is in flight)."""
         device = self.tokens.device
-        index = torch.tensor(rows, device=device)
+        index = slice(0, len(tokens)) if rows is None else torch.tensor(rows, device=device)
         self.tokens[index, 0] = torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
         self.positions[index, 0] = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
 

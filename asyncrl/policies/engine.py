@@ -325,8 +325,7 @@ class Engine(EngineControl[_Request]):
             if not self._running:
                 return
         samples = self._running
-        self._steps.set_rows(list(range(len(samples))), [s.completion.token_ids[-1] for s in samples],
-                             [s.cached_len for s in samples])
+        self._steps.set_rows(None, [s.completion.token_ids[-1] for s in samples], [s.cached_len for s in samples])
         launched = self._launch(frozenset())
         if filtered:  # the step sampled without top-k/top-p; sample again from its logits
             self._sample_and_append(launched.logits, samples, finished)
