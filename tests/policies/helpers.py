@@ -7,12 +7,19 @@ sampled sequences differ token by token and a wrong index or a stale K/V shows u
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.policies.model import token_logprobs
 from asyncrl.types import GenerationOutput
+from tests.timing import limit
 from tests.tolerances import forward_tol
 
 VOCAB = ARCH_PRESETS["tiny-qwen2"]["vocab_size"]  # 256
@@ -119,3 +126,17 @@ def assert_consistent(out: GenerationOutput) -> None:
     """Every completion carries one log-prob and one version per token."""
     for c in out.completions:
         assert len(c.token_ids) == len(c.logprobs) == len(c.versions)
+
+
+def run_kernel_cases(module: str, cases: list[dict]) -> list[dict]:
+    """Run a Triton kernel's case module (`python -m module cases-as-JSON`) in a process of its own: compiled
+    where a GPU is, else under Triton's interpreter on CPU (TRITON_INTERPRET must be set before the kernels are
+    defined). Returns the JSON list the module prints last."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-m", module, json.dumps(cases)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=limit(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,24 +1,17 @@
 """The Triton decode-attention kernel (`asyncrl.policies.triton_decode`) against SDPA under a length mask, run by
 Triton's interpreter on CPU, and how the engine chooses between them."""
 
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from asyncrl.policies import ARCH_PRESETS, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.policies.decode_attention import decode_attention, sdpa_decode
-from tests.timing import limit
+from tests.policies.helpers import run_kernel_cases
 from tests.tolerances import forward_tol
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cases() -> list[dict]:
@@ -40,13 +33,7 @@ def _cases() -> list[dict]:
 
 def test_triton_kernel_matches_sdpa():
     """Under Triton's interpreter on CPU; compiled where a GPU is."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tests.policies.decode_kernel_cases", json.dumps(_cases())],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit(300))
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_kernel_cases("tests.policies.decode_kernel_cases", _cases())
     assert len(results) == len(_cases())
     for r in results:
         assert r["max_abs_diff"] <= r["atol"], r

@@ -1,21 +1,13 @@
 """The Triton sampler (`asyncrl.policies.triton_sampler`) against an fp64 inverse CDF, run by Triton's interpreter on
 CPU (compiled where a GPU is), and how the engine chooses its sampler."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from asyncrl.policies.sampling import plain_sampler, sample_plain
-from tests.timing import limit
+from tests.policies.helpers import run_kernel_cases
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _case(name: str, seed: int, batch: int, vocab: int, **kw) -> dict:
@@ -49,13 +41,7 @@ def _cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "-m", "tests.policies.sampler_kernel_cases", json.dumps(_cases())],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit(300))
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_kernel_cases("tests.policies.sampler_kernel_cases", _cases())
     assert [r["case"] for r in out] == [c["name"] for c in _cases()]
     return out
 
