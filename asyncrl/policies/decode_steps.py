@@ -38,6 +38,8 @@ class Launched:
     tokens: Tensor
     logprobs: Tensor
     ready: torch.cuda.Event | None
+    pending: frozenset[int] = frozenset()
+    """ids of the samples this step decodes: until it is read, each has one more token than the host knows."""
 
     def results(self) -> tuple[list[int], list[float]]:
         if self.ready is not None:
@@ -125,14 +127,15 @@ class DecodeSteps:
                 self.graphs[key] = self._capture(batch)
             graph_, (logits, tokens, logprobs) = self.graphs[key]
             graph_.replay()
+        pending = frozenset(map(id, samples))
         if host is None:
-            return Launched(samples, logits[:n], tokens[:n], logprobs[:n], None)
+            return Launched(samples, logits[:n], tokens[:n], logprobs[:n], None, pending)
         _, host_tokens, host_logprobs = host
         host_tokens[:n].copy_(tokens[:n], non_blocking=True)
         host_logprobs[:n].copy_(logprobs[:n], non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(samples, logits[:n], host_tokens[:n], host_logprobs[:n], ready)
+        return Launched(samples, logits[:n], host_tokens[:n], host_logprobs[:n], ready, pending)
 
     def _capture(self, batch: int):
         # streams and graphs belong to the *current* device, which is per thread: make it the engine's

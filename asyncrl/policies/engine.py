@@ -347,9 +347,7 @@ class Engine(EngineControl[_Request]):
         self.stats["decode_steps"] += 1
         # a graph's padding rows must not write into held sessions' slots: run those batches eagerly
         graph = self._steps.buckets is not None and self._steps.bucket(len(samples)) <= self._held.bottom
-        launched = self._steps.launch(samples, temperature, uniforms, attend, graph=graph)
-        launched.pending = frozenset(map(id, samples))
-        return launched
+        return self._steps.launch(samples, temperature, uniforms, attend, graph=graph)
 
     def _consume(self, launched: Launched, finished: list[_Request]) -> None:
         """Append a launched step's tokens to its rows' samples (rows that finished meanwhile are skipped)."""
