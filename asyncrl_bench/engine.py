@@ -12,10 +12,16 @@ gets the same prompts and sampling (temperature 1) and is timed after a warm-up 
 kernels loaded). Random prompts generate exactly `new_tokens` tokens per sequence (EOS ignored); a prompt
 file (`--data`, `--n` samples per prompt) generates until EOS, so lengths vary and continuous batching
 matters. Printed per batch size: each backend's output tok/s and mean sample length, our ratios to the
-others, our mean decode-step time, the roofline (bytes a decode step must read at the mean context, the
-device's bandwidth, and the tok/s they allow), each backend's fraction of it, the fraction our decode step alone
-reaches, and the log-prob mismatch between each engine and a training forward of the
-same tokens (mean |Δlogp|, and KL(engine‖train) estimated on the sampled tokens).
+others, the time our engine and vLLM's `LLM.generate` take to prefill the prompts alone (a run with one new
+token: `*_prefill_s`, and prompt tokens/s), our mean decode-step time without that prefill, the roofline and each
+backend's fraction of it, the fraction our decode step alone reaches of its bandwidth bound, and the log-prob
+mismatch between each engine and a training forward of the same tokens (mean |Δlogp|, and KL(engine‖train)
+estimated on the sampled tokens).
+
+The roofline is the least time the device's nominal limits allow for the whole workload: the prompts' prefill
+at peak bf16 FLOP/s (`prefill_flops`) plus new_tokens − 1 decode steps, each reading every weight once and the
+K/V of every row at the mean context (`step_bytes`) at full HBM bandwidth. vLLM's prefix cache is off by default
+(`--vllm-prefix-caching`): its timed run repeats the warm-up's prompts, and a cache would skip their prefill.
 
 `scripts/bench_engine.py` is a thin wrapper over this module.
 """
@@ -31,13 +37,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from asyncrl_bench.roofline import peak_bandwidth
+from asyncrl_bench.roofline import peak_bandwidth, peak_flops
 from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
 
 if TYPE_CHECKING:
     from asyncrl.policies import SamplingParams
 
-__all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "logprob_mismatch"]
+__all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
 
 Backend = Literal["asyncrl", "vllm", "vllm-llm", "hf"]
 
@@ -76,6 +82,9 @@ class EngineBenchArgs:
     """Our engine's decode attention (`--rollout.decode-attention`)."""
     decode_ahead: bool = True
     """Our engine launches each decode step before reading the previous one's tokens (`EngineConfig.decode_ahead`)."""
+    vllm_prefix_caching: bool = False
+    """Let vLLM's prefix cache serve the timed run the prompts the warm-up run already prefilled (our engine keeps
+    no K/V between requests, so with it on vLLM skips work that ours does)."""
     seed: int = 0
     out: str | None = None
     """Write the results as JSON here."""
@@ -99,6 +108,17 @@ def step_bytes(model, batch: int, attend_len: int) -> float:
     return weights + batch * attend_len * kv_per_token
 
 
+def prefill_flops(model, prompt_lens: list[int]) -> float:
+    """Model FLOPs of prefilling prompts of these lengths (forward only, 2 per multiply-add): 2 · N_body per
+    token, causal attention 2 · layers · (heads · head_dim) · s² per prompt of s tokens (QKᵀ and AV over the
+    half of the scores a causal mask keeps), and the LM head once per prompt (its last position's logits)."""
+    from asyncrl_bench.learner import body_params
+    cfg = model.config
+    n_body, width = body_params(model), cfg.num_heads * cfg.head_dim
+    return float(sum(2 * n_body * s + 2 * cfg.num_layers * width * s * s + 2 * cfg.vocab_size * cfg.hidden_size
+                     for s in prompt_lens))
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """The prompts and sampling of one measurement, the same for every backend."""
@@ -110,6 +130,14 @@ class Workload:
     @property
     def sequences(self) -> int:
         return len(self.prompts) * self.params.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    def prefill_only(self) -> "Workload":
+        """The same prompts with one new token each: the time of this run is the prompts' prefill."""
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, max_new_tokens=1))
 
 
 def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
@@ -138,8 +166,8 @@ def _generated(outs) -> tuple[int, int]:
 
 
 def _time_engine(engine, work: Workload, device: str):
-    """(outputs, output tok/s, seconds per decode step or None), after a warm-up run (graphs captured,
-    kernels loaded). Any `RolloutEngine`; the decode-step time is the embedded engine's (it counts them)."""
+    """(outputs, seconds, decode steps or None) of a run after a warm-up run (graphs captured, kernels loaded).
+    Any `RolloutEngine`; the decode steps are the embedded engine's (it counts them)."""
     engine.generate(work.prompts, work.params)
     stats = getattr(engine, "stats", None)
     if stats is not None:
@@ -148,8 +176,18 @@ def _time_engine(engine, work: Workload, device: str):
     start = time.perf_counter()
     outs = engine.generate(work.prompts, work.params)
     synchronize(device)
-    seconds = time.perf_counter() - start
-    return outs, _generated(outs)[0] / seconds, None if stats is None else seconds / max(stats["decode_steps"], 1)
+    return outs, time.perf_counter() - start, None if stats is None else stats["decode_steps"]
+
+
+def _time_prefill(engine, work: Workload, device: str) -> float:
+    """Seconds of a run of `work`'s prompts with one new token each (their prefill), on an engine that has just
+    run them (its kernels and shapes warm)."""
+    prefill = work.prefill_only()
+    synchronize(device)
+    start = time.perf_counter()
+    engine.generate(prefill.prompts, prefill.params)
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def _time_hf_generate(model, work: Workload, device: str) -> tuple[float, float]:
@@ -195,21 +233,29 @@ def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[lis
     (after a warm-up run)."""
     from asyncrl.policies.vllm_engine import build_vllm_engine
     model = _load(args)
-    engine = build_vllm_engine(model, _engine_config(args, *works), agent="bench")
+    engine = build_vllm_engine(model, _engine_config(args, *works), agent="bench", options=_vllm_options(args))
     del model
-    return [_time_engine(engine, work, args.device)[:2] for work in works]
+    timed = [_time_engine(engine, work, args.device) for work in works]
+    return [(outs, _generated(outs)[0] / seconds) for outs, seconds, _ in timed]
+
+
+def _vllm_options(args: EngineBenchArgs):
+    from asyncrl.config import VLLMConfig
+    return VLLMConfig(enable_prefix_caching=args.vllm_prefix_caching)
 
 
 def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: str,
-                     kv_bytes: int | None) -> list[tuple[float, float]]:
+                     kv_bytes: int | None) -> list[tuple[float, float, float]]:
     """vLLM's own `LLM.generate` over the model saved in `model_dir`, one `LLM` for every workload: (output tok/s,
-    mean sample length) of each, from the run after the warm-up."""
+    mean sample length, seconds of the prompts' prefill alone) of each, from the runs after the warm-up."""
     from asyncrl.policies.vllm_engine import vllm_offline_generate
-    runs = vllm_offline_generate(model_dir, [(work.prompts, work.params) for work in works],
-                                 dtype=getattr(torch, args.dtype), device=str(_load_device(args)),
+    batches = [(w.prompts, w.params) for w in works] + [(w.prompts, w.prefill_only().params) for w in works]
+    runs = vllm_offline_generate(model_dir, batches, dtype=getattr(torch, args.dtype), device=str(_load_device(args)),
                                  max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
-                                 eos_token_ids=works[0].eos_token_ids)
-    return [(tokens / seconds, tokens / work.sequences) for work, (*_, (tokens, seconds)) in zip(works, runs)]
+                                 eos_token_ids=works[0].eos_token_ids, options=_vllm_options(args))
+    timed = [run[-1] for run in runs]  # (tokens, seconds) of each batch's run after its warm-up
+    return [(tokens / seconds, tokens / work.sequences, prefill_s)
+            for work, (tokens, seconds), (_, prefill_s) in zip(works, timed, timed[len(works):])]
 
 
 def _load_device(args: EngineBenchArgs) -> torch.device:
@@ -218,7 +264,7 @@ def _load_device(args: EngineBenchArgs) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
 
 
-def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float]]:
+def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float, float]]:
     """`_vllm_llm_worker` in a process of its own, over a copy of `model` saved once (the child loads no model
     of its own, so the GPU holds one copy of the weights besides vLLM's)."""
     from asyncrl.policies import save_pretrained
@@ -267,21 +313,31 @@ def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
 _RATIOS = {"ratio": "hf_tok_s", "ratio_vs_vllm": "vllm_tok_s", "ratio_vs_vllm_llm": "vllm_llm_tok_s"}
 
 
-def _roofline(args: EngineBenchArgs, model, work: Workload, bandwidth: float | None) -> dict:
-    """The limit every backend's tok/s is measured against: a decode step of all sequences at the mean context
-    (prompt + half the new tokens) must read `step_bytes`; at the device's nominal bandwidth that bounds output
-    tok/s. Null where unknown: on CPU or an unknown GPU, and with --data (lengths vary)."""
-    if not bandwidth or args.data is not None:
-        return {"peak_bandwidth": bandwidth, "step_bytes": None, "roofline_tok_s": None}
+def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict:
+    """The least time the device's nominal limits allow for `work` (module docstring): `roofline_s`, and the output
+    tok/s it bounds (`roofline_tok_s`); `decode_roofline_tok_s` is a decode step's bound alone. Null where
+    unknown: on CPU or an unknown GPU, and with --data (lengths vary)."""
+    bandwidth, flops = peak_bandwidth(device), peak_flops(device)
+    row = {"peak_bandwidth": bandwidth, "peak_flops": flops, "step_bytes": None, "prefill_flops": None,
+           "roofline_s": None, "roofline_tok_s": None, "decode_roofline_tok_s": None}
+    if not bandwidth or not flops or args.data is not None:
+        return row
     nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2))
-    return {"peak_bandwidth": bandwidth, "step_bytes": nbytes, "roofline_tok_s": work.sequences * bandwidth / nbytes}
+    prefill = prefill_flops(model, [len(p) for p in work.prompts])
+    seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
+    return {**row, "step_bytes": nbytes, "prefill_flops": prefill, "roofline_s": seconds,
+            "roofline_tok_s": work.sequences * args.new_tokens / seconds,
+            "decode_roofline_tok_s": work.sequences * bandwidth / nbytes}
 
 
 def _roofline_fractions(row: dict) -> None:
-    """Each backend's tok/s over the roofline (prefill and host work included: an end-to-end fraction)."""
+    """Each backend's tok/s over the roofline (its prefill, decode and host work: an end-to-end fraction), and
+    its prompt tokens/s in the run that prefilled them alone."""
     for name in ("ours", "vllm", "vllm_llm", "hf"):
         if row.get("roofline_tok_s") and f"{name}_tok_s" in row:
             row[f"{name}_roofline_fraction"] = row[f"{name}_tok_s"] / row["roofline_tok_s"]
+        if f"{name}_prefill_s" in row:
+            row[f"{name}_prefill_tok_s"] = row["prompt_tokens"] / row[f"{name}_prefill_s"]
 
 
 def _ratios(row: dict) -> None:
@@ -304,8 +360,8 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
             vllm_mismatch = logprob_mismatch(model, vllm_outs)
             row.update({f"vllm_{k}": vllm_mismatch[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "max_abs_logit")})
     if "vllm-llm" in args.backends:
-        for row, (tok_s, mean_len) in zip(results, _vllm_llm_rows(args, model, works)):
-            row["vllm_llm_tok_s"], row["vllm_llm_mean_len"] = tok_s, mean_len
+        for row, (tok_s, mean_len, prefill_s) in zip(results, _vllm_llm_rows(args, model, works)):
+            row["vllm_llm_tok_s"], row["vllm_llm_mean_len"], row["vllm_llm_prefill_s"] = tok_s, mean_len, prefill_s
     for row in results:
         _ratios(row)
         _roofline_fractions(row)
@@ -316,23 +372,14 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
 
 def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) -> dict:
     """One row's workload, roofline, and the backends that run in this process (ours, transformers')."""
-    from asyncrl.policies import Engine
-    bandwidth = peak_bandwidth(args.device)
     row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
            "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
-           "prompt_len": max(map(len, work.prompts)), "new_tokens": args.new_tokens,
-           **_roofline(args, model, work, bandwidth)}
+           "prompt_len": max(map(len, work.prompts)), "prompt_tokens": work.prompt_tokens,
+           "new_tokens": args.new_tokens, **_roofline(args, model, work, args.device)}
     if "asyncrl" in args.backends:
-        engine = Engine(model, _engine_config(args, work))
-        outs, row["ours_tok_s"], step_s = _time_engine(engine, work, args.device)
-        if engine.fused:
-            print("compiled pieces:", engine.fused, flush=True)
-        row.update(ours_mean_len=_generated(outs)[0] / work.sequences, decode_step_ms=step_s * 1e3,
-                   decode_attention=engine.decode_kernel, sampler=engine.sampler, **logprob_mismatch(model, outs))
-        if row["step_bytes"]:  # the decode step alone (no prefill, no host work between steps)
-            row["bandwidth_fraction"] = row["step_bytes"] / bandwidth / step_s
-        print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, decode step {step_s * 1e3:.2f} ms", flush=True)
-        del engine, outs
+        row.update(_ours(args, model, work, row["step_bytes"], row["peak_bandwidth"]))
+        print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, prefill {row['ours_prefill_s']:.3f} s, "
+              f"decode step {row['decode_step_ms'] or 0:.2f} ms", flush=True)
         gc.collect()  # the engine's KV cache and graph pool, before the next row or a vLLM child allocates
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -341,3 +388,22 @@ def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) ->
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return row
+
+
+def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, bandwidth: float | None) -> dict:
+    """Our engine on `work`: tok/s, the prompts' prefill alone, the mean decode step without it (the run's time
+    less that prefill, over its decode steps) and, where the roofline is known, the fraction of a decode step's
+    bandwidth bound it reaches; the behaviour log-probs' mismatch with a training forward."""
+    from asyncrl.policies import Engine
+    engine = Engine(model, _engine_config(args, work))
+    outs, seconds, steps = _time_engine(engine, work, args.device)
+    prefill_s = _time_prefill(engine, work, args.device)
+    if engine.fused:
+        print("compiled pieces:", engine.fused, flush=True)
+    step_s = max(seconds - prefill_s, 0.0) / steps if steps else None
+    fields = {"ours_tok_s": _generated(outs)[0] / seconds, "ours_mean_len": _generated(outs)[0] / work.sequences,
+              "ours_prefill_s": prefill_s, "decode_steps": steps, "decode_step_ms": step_s and step_s * 1e3,
+              "decode_attention": engine.decode_kernel, "sampler": engine.sampler, **logprob_mismatch(model, outs)}
+    if nbytes and bandwidth and step_s:
+        fields["bandwidth_fraction"] = nbytes / bandwidth / step_s
+    return fields

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.policies import ARCH_PRESETS, random_model, token_logprobs
-from asyncrl_bench.engine import logprob_mismatch, step_bytes
+from asyncrl_bench.engine import logprob_mismatch, prefill_flops, step_bytes
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, body_params, groups_for, row_lengths, train_flops
 from tests.cli_forks import cli_forks
 from tests.run_helpers import ROOT, cli
@@ -68,6 +68,13 @@ def test_engine_bench_smoke_run(tmp_path):
     assert row["batch"] == 2 and row["device"] == "cpu" and row["new_tokens"] == 8
     assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["decode_step_ms"] > 0
     assert row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
+    # the prompts' prefill alone is timed apart; the decode step is the rest of the run over its decode steps
+    # (7 after the prefill's token, and one launched ahead of the last that the finished rows drop)
+    run_s = 2 * 8 / row["ours_tok_s"]
+    assert row["prompt_tokens"] == 2 * 8 and 0 < row["ours_prefill_s"] < run_s and row["decode_steps"] in (7, 8)
+    assert row["decode_step_ms"] == pytest.approx(max(run_s - row["ours_prefill_s"], 0) / row["decode_steps"] * 1e3,
+                                                  rel=1e-6)
+    assert row["ours_prefill_tok_s"] == pytest.approx(16 / row["ours_prefill_s"])
     assert row["ours_mean_len"] == row["hf_mean_len"] == 8  # EOS ignored: every sample is forced to full length
     # fp32 on CPU: every token's engine log-prob matches a training forward's
     assert row["max_abs_dlogp"] <= dlogp_tol(row, ARCH_PRESETS["tiny-qwen2"]["hidden_size"]), row
@@ -274,6 +281,9 @@ def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
     assert row["ours_mean_len"] == row["vllm_mean_len"] == 8 and "hf_tok_s" not in row
     assert row["ratio_vs_vllm"] == row["ours_tok_s"] / row["vllm_tok_s"]
     assert row["vllm_llm_mean_len"] == 8 and row["ratio_vs_vllm_llm"] == row["ours_tok_s"] / row["vllm_llm_tok_s"]
+    # LLM.generate's prefill alone (one new token) is timed too, with its prefix cache off (the warm-up ran them)
+    assert 0 < row["vllm_llm_prefill_s"] < 4 * 8 / row["vllm_llm_tok_s"]
+    assert row["vllm_llm_prefill_tok_s"] == pytest.approx(2 * 16 / row["vllm_llm_prefill_s"])
     assert row["max_abs_dlogp"] <= dlogp_tol(row, SMOLLM2_HIDDEN), row
     assert row["vllm_max_abs_dlogp"] <= dlogp_tol(row, SMOLLM2_HIDDEN, prefix="vllm_"), row
     # on CPU no roofline is known: printed as null rather than left out; SDPA decodes there
@@ -298,6 +308,37 @@ def test_learner_bench_with_lora_against_peft_counts_frozen_flops(tmp_path):
     assert lora_train_flops(config, 1000, 0, [(4, 4)]) < full  # frozen weights: no weight gradients
     with pytest.raises(ValueError, match="--lora.rank -1 is invalid"):
         LearnerBenchArgs(**TINY_RAGGED, lora=LoraConfig(rank=-1)).validate()
+
+
+def test_prefill_flops_count_the_body_the_causal_half_of_attention_and_one_head_row():
+    model = random_model("tiny-qwen2")
+    cfg = model.config
+    width = cfg.num_heads * cfg.head_dim
+    one = 2 * body_params(model) * 10 + 2 * cfg.num_layers * width * 10 ** 2 + 2 * cfg.vocab_size * cfg.hidden_size
+    assert prefill_flops(model, [10]) == one and prefill_flops(model, [10, 10]) == 2 * one
+    # the training step's FLOPs of the same prompt (no response) are three times its forward, less the head row
+    assert train_flops(cfg, body_params(model), [(10, 0)]) == 3 * (one - 2 * cfg.vocab_size * cfg.hidden_size)
+
+
+def test_engine_roofline_is_the_prefill_at_peak_flops_then_the_decode_steps_at_full_bandwidth(monkeypatch):
+    """The engine row's roofline: the least time for the whole workload (prefill at peak FLOP/s, then
+    new_tokens - 1 decode steps at full bandwidth); null on CPU."""
+    import asyncrl_bench.engine as engine_bench
+    model = random_model("tiny-qwen2")
+    args = engine_bench.EngineBenchArgs(model="random:tiny-qwen2", batch_sizes=(3,), prompt_len=6, new_tokens=5, n=2)
+    [work] = engine_bench._workloads(args, model)
+    monkeypatch.setattr(engine_bench, "peak_flops", lambda device: 1e9)
+    monkeypatch.setattr(engine_bench, "peak_bandwidth", lambda device: 1e8)
+    row = engine_bench._roofline(args, model, work, "cuda")
+    prefill, step = prefill_flops(model, [6, 6, 6]), step_bytes(model, 6, 6 + 2)  # mean context: 6 + 5 / 2
+    assert row["prefill_flops"] == prefill and row["step_bytes"] == step
+    assert row["roofline_s"] == pytest.approx(prefill / 1e9 + 4 * step / 1e8)
+    assert row["roofline_tok_s"] == pytest.approx(6 * 5 / row["roofline_s"])
+    assert row["decode_roofline_tok_s"] == pytest.approx(6 * 1e8 / step)
+    one_token = engine_bench._roofline(dataclasses.replace(args, new_tokens=1), model, work, "cuda")
+    assert one_token["roofline_s"] == pytest.approx(prefill / 1e9)  # the first token is the prefill's
+    monkeypatch.undo()
+    assert engine_bench._roofline(args, model, work, "cpu")["roofline_tok_s"] is None
 
 
 def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):
