@@ -317,7 +317,9 @@ class Engine(EngineControl[_Request]):
         inflight, self._inflight = self._inflight, None
         filtered = any(s.request.params.filtered for s in self._running)
         if inflight is not None and not filtered:
-            self._inflight = self._launch(inflight.pending)
+            if not all(id(s) in inflight.pending and len(s.completion.token_ids) + 1 >= s.request.max_new
+                       for s in self._running):  # else every row ends with the step in flight: none to launch
+                self._inflight = self._launch(inflight.pending)
             self._consume(inflight, finished)
             return
         if inflight is not None:

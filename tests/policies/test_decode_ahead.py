@@ -37,6 +37,21 @@ def test_ahead_generates_what_one_step_at_a_time_does(filtered):
     assert EOS in {t for o in outs[True] for c in o.completions for t in c.token_ids}
 
 
+def test_no_step_is_launched_after_every_row_ends_with_the_one_in_flight():
+    """Rows that reach their length together: the step that samples their last token is the last one launched
+    (ahead or not, a batch of N-token samples takes N - 1 decode steps after the prefill's token)."""
+    model = tiny_model(seed=3)
+    prompts = make_prompts([5, 9, 3], seed=4)
+    params = SamplingParams(n=2, max_new_tokens=12, ignore_eos=True, seed=5)
+    outs = {}
+    for ahead in (False, True):
+        engine = Engine(model, small_config(max_slots=6, decode_ahead=ahead))
+        outs[ahead] = engine.generate(prompts, params)
+        assert engine.stats["decode_steps"] == 11, (ahead, engine.stats)
+    for one, two in zip(outs[False], outs[True]):
+        assert_same_output(two, one, model, params)
+
+
 def test_pause_abort_and_update_with_a_step_in_flight():
     """Controls between steps drop the step in flight: after the same tokens, the same update and abort, both engines
     go on alike (every sample fits at once, so both admit the same rows at the same time)."""
