@@ -197,9 +197,12 @@ def test_max_run_time_stops_the_job_like_sigterm_and_no_cap_is_imposed_by_defaul
     # The cap counts from the launcher's start, start-up included (it bounds the whole job, as an operator's
     # wall-clock limit does). So that it falls while the job trains whatever the machine's speed, it is a
     # start-up allowance (scaled like every deadline here) plus a few seconds of training.
+    # The uncapped job runs beside it (two jobs at once: the allowance covers a machine that busy).
     cap = limit(20) + 4
     capped = Job(tmp_path, *TOY, *ENDLESS, "--placement.max-run-time-s", f"{cap:g}", name="capped")
     jobs.append(capped)
+    uncapped = Job(tmp_path, *TOY, *ENDLESS, "--async-training.time-budget-s", f"{cap:g}", name="uncapped")
+    jobs.append(uncapped)
     assert capped.finish(cap + limit(120)) == 124, capped.tail()
     stopped = capped.wait_for(rf"interrupted \(max_run_time_s={cap:g} reached\) at version (\d+); "
                               r"checkpoint (step_\d+) written")
@@ -209,8 +212,6 @@ def test_max_run_time_stops_the_job_like_sigterm_and_no_cap_is_imposed_by_defaul
     assert (capped.run_dir / "checkpoints" / stopped.group(2) / "learner.pt").is_file()
     books_balance(summary)
     # the same job without the cap runs past it (a time budget ends it)
-    uncapped = Job(tmp_path, *TOY, *ENDLESS, "--async-training.time-budget-s", f"{cap:g}", name="uncapped")
-    jobs.append(uncapped)
     assert uncapped.finish(cap + limit(120)) == 0, uncapped.tail()
     assert uncapped.summary()["wall_s"] > cap and uncapped.summary()["interrupted"] is None
 
