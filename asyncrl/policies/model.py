@@ -135,6 +135,15 @@ def _apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def _norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, cos: Tensor,
+               sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Qwen3's per-head RMS norms of q [B, S, H, D] and k [B, S, Hkv, D], then RoPE (cos, sin [B, S, D]):
+    q and k as [B, H, S, D], read and written once each when compiled."""
+    q = _rms_norm(q, q_weight, eps).transpose(1, 2)
+    k = _rms_norm(k, k_weight, eps).transpose(1, 2)
+    return _apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
 def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
@@ -147,11 +156,17 @@ class _Kernels:
     rms_norm = staticmethod(_rms_norm)
     add_rms_norm = staticmethod(_add_rms_norm)
     apply_rope = staticmethod(_apply_rope)
+    norm_rope = staticmethod(_norm_rope)
     silu_mul = staticmethod(_silu_mul)
 
 
 class _UsesKernels:
     kernels = _Kernels  # per instance after use_fused_kernels(..., model=...)
+
+
+_ROUNDS_BETWEEN = frozenset({"norm_rope"})
+"""Pieces that fuse what eager rounds in between (the norms' bf16 output, then RoPE): compiled, they keep that
+rounding (Inductor would skip it, and RoPE's differences can then cancel into errors the probe refuses)."""
 
 
 def _probe_inputs(name: str, device: torch.device, dtype: torch.dtype) -> list[tuple]:
@@ -162,8 +177,10 @@ def _probe_inputs(name: str, device: torch.device, dtype: torch.dtype) -> list[t
         w = torch.randn(64, device=device, dtype=dtype)
         q, k = torch.randn(b, 4, s, 16, device=device, dtype=dtype), torch.randn(b, 2, s, 16, device=device, dtype=dtype)
         cs = torch.randn(b, 1, s, 16, device=device, dtype=dtype)
+        w16 = torch.randn(16, device=device, dtype=dtype)
+        heads = (q.transpose(1, 2), k.transpose(1, 2), w16, w16, 1e-6, cs[:, 0], cs[:, 0])  # [B, S, H, D] in
         out.append({"rms_norm": (x, w, 1e-6), "add_rms_norm": (x, x, w, 1e-6), "apply_rope": (q, k, cs, cs),
-                    "silu_mul": (x, x)}[name])
+                    "norm_rope": heads, "silu_mul": (x, x)}[name])
     return out
 
 
@@ -187,7 +204,7 @@ def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = 
     that budget per code object, and engines of several dtypes in one process would otherwise share it.
     """
     pieces = {"rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "apply_rope": _apply_rope,
-              "silu_mul": _silu_mul}
+              "norm_rope": _norm_rope, "silu_mul": _silu_mul}
     own = None if model is None else next((m.kernels for m in model.modules() if isinstance(m, _UsesKernels)), None)
     if enabled and isinstance(own, types.SimpleNamespace) and any(getattr(own, n) is not f for n, f in pieces.items()):
         return {n: getattr(own, n) is not f for n, f in pieces.items()}  # compiled for this model before: reuse
@@ -195,7 +212,8 @@ def use_fused_kernels(enabled: bool = True, device: torch.device | str | None = 
     for name, fn in pieces.items():
         chosen = fn
         if enabled:
-            compiled = torch.compile(fn if model is None else _own_code(fn), dynamic=True, fullgraph=True)
+            compiled = torch.compile(fn if model is None else _own_code(fn), dynamic=True, fullgraph=True,
+                                     options={"emulate_precision_casts": name in _ROUNDS_BETWEEN})
             try:
                 for args in _probe_inputs(name, torch.device(device or "cpu"), dtype):
                     want, got = fn(*args), compiled(*args)
@@ -283,10 +301,11 @@ class Attention(_UsesKernels, nn.Module):
         q = q.view(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
-        q, k = self.kernels.apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+        if self.qk_norm:  # [B, H, S, D] out
+            q, k = self.kernels.norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q, k = self.kernels.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
+        v = v.transpose(1, 2)
         if decode:
             out = cache.attend_decode(self.layer_idx, q, k, v, positions[:, 0])  # one query per row
         elif documents is not None:

@@ -240,7 +240,7 @@ def test_fused_kernels_given_to_one_model_leave_the_others_eager(monkeypatch):
     engine_model, trainer_model = tiny_model(0, perturb=True), tiny_model(0, perturb=True)
     tokens = torch.tensor(make_prompts([5, 5], seed=1))
     assert model_mod.use_fused_kernels(True, "cpu", torch.float32, model=engine_model) == dict.fromkeys(
-        ("rms_norm", "add_rms_norm", "apply_rope", "silu_mul"), True)
+        ("rms_norm", "add_rms_norm", "apply_rope", "norm_rope", "silu_mul"), True)
     calls.clear()  # the probes ran each piece
     with torch.no_grad():
         want = trainer_model(tokens)
@@ -249,6 +249,22 @@ def test_fused_kernels_given_to_one_model_leave_the_others_eager(monkeypatch):
     assert {"_rms_norm", "_add_rms_norm", "_apply_rope", "_silu_mul"} <= set(calls)
     torch.testing.assert_close(got, want)
     assert model_mod._Kernels.rms_norm is model_mod._rms_norm  # the process-wide pieces are untouched
+
+
+def test_compiled_norm_rope_rounds_where_eager_does():
+    """Qwen3's q/k norms and RoPE compiled as one piece keep eager's bf16 rounding of the norms' output: the
+    compiled piece gives eager's bits (unrounded, RoPE's differences turned a few-ulp change into errors past the
+    probe's tolerance, and the piece fell back to eager at random)."""
+    from asyncrl.policies import model as model_mod
+    q3 = tiny_model(model_type="qwen3", head_dim=32).to(torch.bfloat16)
+    assert model_mod.use_fused_kernels(True, "cpu", torch.bfloat16, model=q3)["norm_rope"]
+    compiled = q3.model.layers[0].self_attn.kernels.norm_rope
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        q, k = (torch.randn(3, 5, h, 32, generator=gen).bfloat16() for h in (4, 2))
+        wq, wk, cos, sin = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((32,), (32,), (3, 5, 32), (3, 5, 32)))
+        want, got = model_mod._norm_rope(q, k, wq, wk, 1e-6, cos, sin), compiled(q, k, wq, wk, 1e-6, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), seed
 
 
 def test_each_models_compiled_pieces_have_their_own_recompile_budget(monkeypatch):
