@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
@@ -65,16 +67,41 @@ def _setup(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
     return data, specs
 
 
-def _train(*args, timeout=limit(600)):
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _start(tmp_path: pathlib.Path, name: str, *args) -> subprocess.Popen:
+    """`asyncrl train cpu-demo ARGS` started in the background, its output to NAME.out and NAME.err."""
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *map(str, args)],
+                                stdout=out, stderr=err, cwd=ROOT)
 
 
-def test_plugins_score_count_failures_and_warn(tmp_path, smollm2_tokenizer):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2_tokenizer) -> dict[str, tuple[subprocess.CompletedProcess, pathlib.Path]]:
+    """The two runs of this file side by side (each spends much of its time waiting on the slow reward): one that
+    goes on through the failing rewards, and one with `--strict-rewards`."""
+    tmp_path = tmp_path_factory.mktemp("reward-plugins")
     data, specs = _setup(tmp_path)
-    run_dir = tmp_path / "run"
-    out = _train(*TEXT, "--run-dir", run_dir, "--data.path", data, "--reward.fn", *specs,
-                 "--reward.timeout-s", "1", "--reward.error-warn-share", "0.3")
+    common = [*TEXT, "--data.path", data, "--reward.fn", *specs]
+    procs = {
+        "lenient": _start(tmp_path, "lenient", *common, "--run-dir", tmp_path / "lenient", "--reward.timeout-s", "1",
+                          "--reward.error-warn-share", "0.3"),
+        # the slow reward is cut off instead of holding the exit for 30 s
+        "strict": _start(tmp_path, "strict", *common, "--run-dir", tmp_path / "strict", "--strict-rewards",
+                         "--reward.timeout-s", "1"),
+    }
+    try:
+        for proc in procs.values():
+            proc.wait(limit(600))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return {name: (subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / f"{name}.out").read_text(),
+                                               (tmp_path / f"{name}.err").read_text()), tmp_path / name)
+            for name, proc in procs.items()}
+
+
+def test_plugins_score_count_failures_and_warn(runs):
+    out, run_dir = runs["lenient"]
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     rewards = summary["rewards"]
@@ -95,11 +122,8 @@ def test_plugins_score_count_failures_and_warn(tmp_path, smollm2_tokenizer):
     assert f"rewards: {rewards['calls']} scored, {rewards['errors']} errors, {rewards['timeouts']} timeouts" in out.stdout
 
 
-def test_strict_rewards_stop_the_run_naming_the_reward_once(tmp_path, smollm2_tokenizer):
-    data, specs = _setup(tmp_path)
-    run_dir = tmp_path / "run"
-    out = _train(*TEXT, "--run-dir", run_dir, "--data.path", data, "--reward.fn", *specs, "--strict-rewards",
-                 "--reward.timeout-s", "1")  # the slow reward is cut off instead of holding the exit for 30 s
+def test_strict_rewards_stop_the_run_naming_the_reward_once(runs):
+    out, _ = runs["strict"]
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("asyncrl train: the run failed: ") and "bad.py:" in last, out.stderr[-4000:]
