@@ -6,7 +6,10 @@ import pathlib
 import subprocess
 import sys
 
-from tests.run_helpers import NO_EVAL, torchrun_port
+import pytest
+
+from tests.cli_forks import cli_forks
+from tests.run_helpers import NO_EVAL, tiny_run, torchrun_port
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -16,8 +19,15 @@ def _run(*args, timeout=limit(240)):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_help_lists_presets_and_fields():
-    out = _run("-m", "asyncrl.cli", "train", "--help")
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """This file's commands that start no process, as forks of one prepared process (tests/cli_forks.py)."""
+    named = {"help": ["train", "--help"], "invalid": ["train", "cpu-demo", "--rollout.n", "0", "--wandb", "off"]}
+    return dict(zip(named, cli_forks(list(named.values()), cwd=tmp_path_factory.mktemp("commands"))))
+
+
+def test_help_lists_presets_and_fields(commands):
+    out = commands["help"]
     assert out.returncode == 0 and "cpu-demo" in out.stdout
     out = _run("scripts/train.py", "cpu-demo", "--help")
     assert out.returncode == 0
@@ -25,11 +35,8 @@ def test_help_lists_presets_and_fields():
         assert field in out.stdout, f"{field} missing from --help"
 
 
-def test_tiny_fully_async_run_writes_metrics(tmp_path):
-    run_dir = tmp_path / "run"
-    out = _run("-m", "asyncrl.cli", "train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy",
-               "--async-training.total-versions", "3", "--wandb", "off", *NO_EVAL, "--run-dir", str(run_dir))
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_tiny_fully_async_run_writes_metrics(tmp_path_factory):
+    run_dir = tiny_run(tmp_path_factory)  # `asyncrl train cpu-demo` on the toy task, 3 versions (shared, read only)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("critic/score/mean", "fully_async/count/staleness_samples", "trainer/idle_ratio",
@@ -38,12 +45,13 @@ def test_tiny_fully_async_run_writes_metrics(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["versions"] == 3
     ledger = summary["ledger"]
-    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"]
+    # its last version is checkpointed: the prompts still open are carried to the checkpoint
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger["carried"]
     assert json.loads((run_dir / "config.json").read_text())["model"]["path"] == "random:tiny-qwen2"
 
 
-def test_invalid_config_names_the_field():
-    out = _run("-m", "asyncrl.cli", "train", "cpu-demo", "--rollout.n", "0", "--wandb", "off")
+def test_invalid_config_names_the_field(commands):
+    out = commands["invalid"]
     assert out.returncode != 0
     assert "--rollout.n 0 is invalid: must be >= 1" in out.stderr and "Traceback" not in out.stderr
 
