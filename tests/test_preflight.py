@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -17,16 +15,10 @@ from asyncrl.preflight import check_devices, check_model_path, check_run_dir, pr
 from asyncrl.presets import PRESETS
 from tests.cli_forks import cli_forks
 from tests.run_helpers import NO_EVAL
-from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL]
 TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off", *NO_EVAL]
-
-
-def asyncrl(*args, cwd=ROOT, timeout=limit(300)):
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
 
 
 def refused(out, run_dir: pathlib.Path, *expected: str) -> str:
@@ -143,10 +135,27 @@ def _problems(tmp_path, *args) -> list[str]:
     return preflight(cfg).problems
 
 
-def test_data_problems_name_the_file_and_row(tmp_path, smollm2_tokenizer):
-    run_dir = tmp_path / "run"
-    unknown = rows_file(tmp_path / "unknown.jsonl", [row(source="openai/gsm8k"), row(source="mine")])
-    refused(asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", unknown), run_dir,
+@pytest.fixture(scope="module")
+def text_commands(tmp_path_factory, smollm2_tokenizer) -> dict:
+    """The commands of the data, dry-run and eval cases below, on files written here, run as forks of one prepared
+    process (tests/cli_forks.py). {case: (the process's output, its run directory, its data file)}."""
+    root = tmp_path_factory.mktemp("text-commands")
+    data = {"unknown": rows_file(root / "unknown.jsonl", [row(source="openai/gsm8k"), row(source="mine")]),
+            "dry": rows_file(root / "d.jsonl", [row(source="openai/gsm8k")] * 3 + [row("", source="openai/gsm8k")])}
+    runs = {case: root / f"run-{case}" for case in ("unknown", "dry", "eval")}
+    commands = {
+        "unknown": ["train", "cpu-demo", *TEXT, "--run-dir", runs["unknown"], "--data.path", data["unknown"]],
+        "dry": ["train", "cpu-demo", *TEXT, "--run-dir", runs["dry"], "--data.path", data["dry"], "--data.on-empty",
+                "drop", "--rollout.temperature", "0.7", "--dry-run"],
+        "eval": ["eval", "--model", runs["eval"] / "checkpoints" / "step_00000020", "--data.task", "toy"],
+    }
+    outs = cli_forks(list(commands.values()), cwd=ROOT)
+    return {case: (out, runs[case], data.get(case)) for case, out in zip(commands, outs)}
+
+
+def test_data_problems_name_the_file_and_row(tmp_path, text_commands):
+    out, run_dir, unknown = text_commands["unknown"]
+    refused(out, run_dir,
             f"--reward.fn: no reward function for data_source 'mine' (first at {unknown}:2)",
             "--reward.fn mine=PATH.py:NAME")
     empty = rows_file(tmp_path / "empty.jsonl", [row(source="openai/gsm8k"), row("", source="openai/gsm8k")])
@@ -167,14 +176,11 @@ def test_data_problems_name_the_file_and_row(tmp_path, smollm2_tokenizer):
     assert problem.startswith("--rollout.max-prompt-length 8 is invalid: the arithmetic task's prompts take")
 
 
-def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(tmp_path, smollm2_tokenizer):
+def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(text_commands):
     import shlex
 
     import tyro
-    run_dir = tmp_path / "run"
-    data = rows_file(tmp_path / "d.jsonl", [row(source="openai/gsm8k")] * 3 + [row("", source="openai/gsm8k")])
-    out = asyncrl("train", "cpu-demo", *TEXT, "--run-dir", run_dir, "--data.path", data, "--data.on-empty", "drop",
-                  "--rollout.temperature", "0.7", "--dry-run")
+    out, run_dir, data = text_commands["dry"]
     assert out.returncode == 0, out.stderr[-3000:]
     assert not run_dir.exists() and "starting " not in out.stderr
     assert f"ok    data: {data}: 4 rows, 3 kept" in out.stdout
@@ -248,9 +254,9 @@ def test_checks_as_functions(tmp_path):
     assert report.ok and any(f.startswith("reward of 'toy'") for f in report.facts)
 
 
-def test_eval_on_a_missing_path_says_so(tmp_path):
-    missing = tmp_path / "runs" / "x" / "checkpoints" / "step_00000020"
-    out = asyncrl("eval", "--model", missing, "--data.task", "toy")
+def test_eval_on_a_missing_path_says_so(text_commands):
+    out, run_dir, _ = text_commands["eval"]
+    missing = run_dir / "checkpoints" / "step_00000020"
     assert out.returncode != 0 and f"--model {missing}: no such checkpoint" in out.stderr
     assert "Traceback" not in out.stderr and "Repo id" not in out.stderr
 
