@@ -35,12 +35,12 @@ from tqdm import tqdm
 
 from asyncrl.checkpoint import export_hf, run_hub, run_model
 from asyncrl.config import DataConfig
-from asyncrl.hub import dataset_name, local_model_path, resolve_dataset
+from asyncrl.tools.hub import dataset_name, local_model_path, resolve_dataset
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
-from asyncrl.preflight import check_devices, check_model_path
-from asyncrl.run_spec import ScorerFactory, SourceFactory
+from asyncrl.launch.preflight import check_devices, check_model_path
+from asyncrl.launch.run_spec import ScorerFactory, SourceFactory
 from asyncrl.runtime.evaluation import pass_at_k
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
 

@@ -28,10 +28,10 @@ import torch
 import tyro
 from safetensors.torch import save_file
 
-from asyncrl.checkpoint import _load_learner_file, describe_checkpoint, export_hf, run_hub, run_model
+from asyncrl.checkpoint.save_load import describe_checkpoint, export_hf, read_learner_file, run_hub, run_model
 from asyncrl.evaluate import is_checkpoint
-from asyncrl.hub import local_model_path
-from asyncrl.run_spec import run_tokenizer
+from asyncrl.tools.hub import local_model_path
+from asyncrl.launch.run_spec import run_tokenizer
 
 __all__ = ["ExportArgs", "export_main", "export_adapters"]
 
@@ -40,7 +40,7 @@ def export_adapters(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path,
                     base_name: str | None = None) -> pathlib.Path:
     """Write a LoRA checkpoint's adapters in peft's format (see the module docstring); `base_name` is what
     adapter_config.json records as base_model_name_or_path (default: the run's --model.path)."""
-    saved = _load_learner_file(pathlib.Path(checkpoint), "export")
+    saved = read_learner_file(pathlib.Path(checkpoint), "export")
     lora = saved.get("lora")
     if lora is None:
         raise ValueError(f"{checkpoint} holds full weights, not LoRA adapters: export it as an HF model "

@@ -3,7 +3,7 @@
     asyncrl bench async --devices cuda:0 cuda:1 --model random:qwen2.5-0.5b --tokenizer smollm2 \\
         --data data/gsm8k/train.parquet --variants sync one-step-off stream stale-partial
 
-Every variant is one real training run (the multi-process launcher, `asyncrl.run.train`) with the same model,
+Every variant is one real training run (the multi-process launcher, `asyncrl.launch.train.train`) with the same model,
 data and hyperparameters; only the mode and the placement differ:
 
     sync           colocated: every device hosts a trainer rank (FSDP2) and an engine; generate, then train
@@ -265,7 +265,7 @@ def _broadcast_member(rank: int, port: int, devices: list[str], numel: int, repe
 
 def broadcast_seconds(num_bytes: int, devices: list[str], repeats: int = 10) -> float:
     """Median seconds of one bare torch.distributed broadcast of `num_bytes` (bf16) between two processes."""
-    from asyncrl.rpc.launch import free_port as _free_port
+    from asyncrl.rpc.roles import free_port as _free_port
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -337,7 +337,7 @@ def run_roofline(row: dict, model, *, colocated: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------ the run
 def bench_async(args: AsyncBenchArgs) -> list[dict]:
-    from asyncrl.run import train
+    from asyncrl.launch.train import train
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = [(v, variant_config(args, v)) for v in args.variants]  # every variant parses before any runs

@@ -52,7 +52,7 @@ class AttentionBenchArgs:
 
 
 def _shape(path: str) -> tuple[int, int, int]:
-    from asyncrl.device_checks import known_model_config
+    from asyncrl.launch.device_checks import known_model_config
     cfg = known_model_config(path)
     if cfg is None:
         raise ValueError(f"--model {path}: not a known preset or config.json")

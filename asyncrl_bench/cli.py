@@ -1,5 +1,6 @@
-"""`asyncrl bench engine|learner|async|attention [...]`: picks the benchmark and parses its flags (`asyncrl/cli.py` imports
-this module only when the `bench` command runs).
+"""`asyncrl bench engine|learner|async|attention|plan [...]`: picks the benchmark and parses its flags. The `bench`
+command reaches `asyncrl`'s command line through the `asyncrl.commands` entry point this package declares
+(pyproject.toml): the library never names this package.
 
     asyncrl bench --help                  # the benchmarks
     asyncrl bench learner --help          # one benchmark's flags
@@ -11,6 +12,7 @@ from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async
 from asyncrl_bench.attention import AttentionBenchArgs, bench_attention
 from asyncrl_bench.engine import EngineBenchArgs, bench_engine
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
+from asyncrl_bench.plan import PlanArgs, bench_plan
 
 __all__ = ["BENCHMARKS", "bench_main"]
 
@@ -19,6 +21,7 @@ BENCHMARKS = {
     "learner": (LearnerBenchArgs, bench_learner, "learner train_step vs a transformers training step (tok/s, MFU)"),
     "async": (AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"),
     "attention": (AttentionBenchArgs, bench_attention, "decode attention kernels on a KV cache vs the HBM roofline"),
+    "plan": (PlanArgs, bench_plan, "`asyncrl plan`, measuring briefly the learner and engine rates no JSON file gives"),
 }
 
 
@@ -30,7 +33,7 @@ def _usage() -> str:
 
 
 def bench_main(args: list[str]) -> None:
-    """`asyncrl bench engine|learner|async [...]`."""
+    """`asyncrl bench engine|learner|async|attention|plan [...]`."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         raise SystemExit(0 if args else 2)

@@ -19,7 +19,7 @@ over all processes) and `completions/mean_length` (gathered over all processes).
 
 Needs `trl` (not an asyncrl dependency, so this is a script outside the test suite: without TRL it stops at
 once, saying how to install it). TRL-specific choices are commented where the config is built;
-tests/test_bench_trl.py checks what needs no TRL (arguments, batch geometry, prompts, reward, summary).
+tests/bench/test_bench_trl.py checks what needs no TRL (arguments, batch geometry, prompts, reward, summary).
 """
 
 from __future__ import annotations

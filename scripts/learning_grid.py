@@ -186,7 +186,7 @@ def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
 
 def run_one(args: GridArgs, cell: str, seed: int) -> dict:
     """Train one (cell, seed), evaluate its final checkpoint; write and return its result.json."""
-    from asyncrl.run import train
+    from asyncrl.launch.train import train
     cfg = cell_config(args, cell, seed)
     cfg.validate()
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # no result.json: whatever is there is an unfinished attempt

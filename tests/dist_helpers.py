@@ -188,7 +188,7 @@ def clipped_grads(*, sharded: bool, max_norm: float) -> dict:
 
 def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], next_groups: list[Group],
                 modes: list[str], single_ckpt: str, run_dir: str, export_dir: str) -> None:
-    """Every sharded scenario of tests/test_fsdp.py in one launch (a launch costs two torch imports):
+    """Every sharded scenario of tests/learner/test_fsdp.py in one launch (a launch costs two torch imports):
 
     0. `grad_norm_` of known sharded gradients (`clipped_grads`), per max_norm;
     1. `policy_gradients(groups)` of a sharded GRPO learner, per loss_agg_mode, and with 3-token LM-head chunks;

@@ -1,4 +1,11 @@
-"""The asyncrl package has no import cycles.
+"""The layering of the library, written down: no import cycles (in `asyncrl/`, `asyncrl_bench/` and `scripts/`),
+and which rooms may import which.
+
+    config                      imports only algos and types (the floor under the components)
+    data, envs, rewards,        never import the launch path (asyncrl.launch), the transport (asyncrl.rpc) or the
+    policies                    run loop (asyncrl.runtime)
+    runtime                     never imports asyncrl.rpc (the run logic runs in one process or many)
+    asyncrl/                    never imports asyncrl_bench, not even by a string
 
 A cycle means some module can only be imported after another has half-finished importing, which is what
 function-level imports were being used to dodge. The graph is read from the source with `ast`, so no
@@ -7,7 +14,7 @@ module is imported:
 - an edge runs from a module to each `asyncrl` module it imports, at the top level or inside a function
   (an import under `if TYPE_CHECKING:` never runs and does not count);
 - `from pkg import name` points at `pkg.name` when that is a module, else at `pkg` itself;
-- an edge points at the module named, not at the packages above it (importing `asyncrl.rpc.launch` does run
+- an edge points at the module named, not at the packages above it (importing `asyncrl.rpc.roles` does run
   `asyncrl/rpc/__init__.py`, but a package's `__init__` that imports its own submodules is not a cycle
   anyone has to work around);
 - `importlib.import_module("...")` with a computed name is invisible here (`asyncrl.rpc`'s lazy `__getattr__`).
@@ -21,8 +28,11 @@ import ast
 import pathlib
 import sys
 
+import pytest
+
 PACKAGE = "asyncrl"
-ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO / PACKAGE
 
 
 def module_files(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
@@ -63,7 +73,7 @@ def runtime_imports(tree: ast.Module):
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The package modules one import statement in `module` points at."""
+    """The modules of `module`'s own package that one import statement in it points at."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
@@ -78,13 +88,14 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, m
     for name in names:
         while name and name not in modules:  # `import asyncrl.x.y as z` -> the deepest module that exists
             name = name.rpartition(".")[0]
-        if name.split(".")[0] == PACKAGE:
+        if name.split(".")[0] == module.split(".")[0]:
             targets.add(name)
     return targets
 
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (top-level and function-level, TYPE_CHECKING excluded)."""
+    """Module -> the modules of the same package (the folder `root`) it imports (top-level and function-level,
+    TYPE_CHECKING excluded)."""
     files = module_files(root)
     graph = {}
     for module, path in files.items():
@@ -151,22 +162,68 @@ def nested_imports(root: pathlib.Path = ROOT) -> list[tuple[str, int, str]]:
     return sorted(found)
 
 
-def test_no_import_cycles():
-    cycles = import_cycles(import_graph())
+@pytest.mark.parametrize("folder", [PACKAGE, "asyncrl_bench", "scripts"])
+def test_no_import_cycles(folder):
+    cycles = import_cycles(import_graph(REPO / folder))
     assert not cycles, (
-        "asyncrl has import cycles (modules that import each other, directly or through others; function-level "
+        f"{folder} has import cycles (modules that import each other, directly or through others; function-level "
         "imports count): " + "; ".join(" <-> ".join(c) for c in cycles)
         + ". Move what both sides need into a lower module that both import.")
+
+
+def _reaching(graph: dict[str, set[str]], rooms: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """Edges from a module of `rooms` (dotted prefixes) to one of `forbidden`."""
+    def within(name: str, prefixes: tuple[str, ...]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in prefixes)
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if within(m, rooms)
+                  for t in targets if within(t, forbidden))
 
 
 def test_the_run_logic_knows_no_processes():
     # asyncrl.runtime (queue, roster, agent loop, controller) runs in one process or many: it never reaches
     # into the transport that moves it between them
     graph = import_graph()
-    reaching = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("asyncrl.runtime")
-                      for t in targets if t.startswith("asyncrl.rpc"))
-    assert not reaching, reaching
+    assert not _reaching(graph, ("asyncrl.runtime",), ("asyncrl.rpc",))
     assert any(m.startswith("asyncrl.runtime.") for m in graph)
+
+
+def test_config_is_the_floor_under_the_components():
+    graph = import_graph()
+    allowed = ("asyncrl.config", "asyncrl.algos", "asyncrl.types")
+    config = [m for m in graph if m == "asyncrl.config" or m.startswith("asyncrl.config.")]
+    assert len(config) > 3
+    reaching = sorted(f"{m} -> {t}" for m in config for t in graph[m]
+                      if not any(t == a or t.startswith(a + ".") for a in allowed))
+    assert not reaching, f"asyncrl.config imports components: {reaching}; config may import only {allowed}"
+
+
+def test_components_never_import_the_launch_path():
+    graph = import_graph()
+    rooms = ("asyncrl.data", "asyncrl.envs", "asyncrl.rewards", "asyncrl.policies")
+    assert not _reaching(graph, rooms, ("asyncrl.launch", "asyncrl.rpc", "asyncrl.runtime", "asyncrl.learner"))
+    assert not _reaching(graph, ("asyncrl.learner", "asyncrl.runtime", "asyncrl.rpc", "asyncrl.checkpoint",
+                                 "asyncrl.tools", "asyncrl.tracking", "asyncrl.planning"), ("asyncrl.launch",))
+
+
+def test_the_library_never_names_the_benchmarks():
+    """Not by an import, and not by a string (an entry point, `importlib`): the benchmarks add their command
+    through the `asyncrl.commands` entry-point group."""
+    naming = sorted(f"{path.relative_to(REPO)}:{n}" for path in ROOT.rglob("*.py")
+                    for n, line in enumerate(path.read_text().splitlines(), 1) if "asyncrl_bench" in line)
+    assert not naming, naming
+
+
+def test_the_top_floor_holds_only_commands_and_records():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert top == ["__init__.py", "cli.py", "evaluate.py", "export.py", "types.py"], top
+
+
+def test_loggers_are_named_after_their_module():
+    """`logging.getLogger(__name__)` everywhere, so configuring `asyncrl.runtime` configures the run loop."""
+    named = sorted(f"{path.relative_to(REPO)}:{n}" for path in ROOT.rglob("*.py")
+                   for n, line in enumerate(path.read_text().splitlines(), 1)
+                   if "getLogger(" in line and "getLogger(__name__)" not in line)
+    assert not named, named
 
 
 def test_cycle_finder_finds_a_planted_cycle(tmp_path):
@@ -190,7 +247,7 @@ def test_cycle_finder_finds_a_planted_cycle(tmp_path):
 
 
 if __name__ == "__main__":
-    cycles = import_cycles(import_graph())
+    cycles = [c for folder in (PACKAGE, "asyncrl_bench", "scripts") for c in import_cycles(import_graph(REPO / folder))]
     print(f"import cycles (strongly connected components of more than one module): {len(cycles)}")
     for c in cycles:
         print(f"  {len(c)}: {' '.join(c)}")

@@ -54,9 +54,9 @@ TRAINED_FOR_REAL = {
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
 NOT_RUN = {
     "asyncrl train PRESET [--field value ...]": "a synopsis",
-    "asyncrl bench engine [--batch-sizes 64 256]": "a GPU benchmark (tests/test_bench.py runs it small on CPU)",
-    "asyncrl bench learner": "a benchmark of minutes (tests/test_bench.py runs it small)",
-    "asyncrl bench async --devices cuda:0 cuda:1": "needs two GPUs (tests/test_bench_async.py runs it on CPU)",
+    "asyncrl bench engine [--batch-sizes 64 256]": "a GPU benchmark (tests/bench/test_bench.py runs it small on CPU)",
+    "asyncrl bench learner": "a benchmark of minutes (tests/bench/test_bench.py runs it small)",
+    "asyncrl bench async --devices cuda:0 cuda:1": "needs two GPUs (tests/bench/test_bench_async.py runs it on CPU)",
     "asyncrl agent --join 127.0.0.1:29511 --device cpu": "joins a running job (tests/rpc/test_supervision.py "
                                                          "runs the pair)",
 }

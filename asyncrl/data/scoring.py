@@ -32,7 +32,7 @@ import threading
 import logging
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from asyncrl.background_loop import BackgroundLoop
+from asyncrl.tools.background_loop import BackgroundLoop
 from asyncrl.rewards.plugin import (
     RewardFunction, RewardTable, RewardValueError, load_reward, normalize_result, parse_reward_spec,
 )
@@ -40,7 +40,7 @@ from asyncrl.types import Completion, Prompt
 
 __all__ = ["RewardFn", "RewardError", "ScoredGroup", "Scorer", "Workers", "decode_ids", "call_reward"]
 
-log = logging.getLogger("asyncrl.scoring")
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 MAX_ERROR_EXAMPLES = 5

@@ -10,7 +10,7 @@ import dataclasses
 import random
 from typing import Mapping, Sequence
 
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 from asyncrl.types import Prompt
 
 __all__ = ["ArithmeticTask", "CountdownTask", "ToyTask", "render_chat"]

@@ -7,7 +7,7 @@ from typing import Any
 from asyncrl.envs.builtin import BUILTIN_ENVS
 from asyncrl.envs.protocol import EnvFactory
 from asyncrl.envs.tools import tool_schemas
-from asyncrl.user_code import load_object
+from asyncrl.tools.user_code import load_object
 
 __all__ = ["FLAG", "load_env", "env_tool_schemas"]
 
@@ -18,7 +18,7 @@ def load_env(spec: str) -> EnvFactory:
     """The environment class (or factory) `spec` names.
 
     Raises:
-      ValueError: naming --env.fn, the spec, what is wrong and the fix (see `asyncrl.user_code.load_object`).
+      ValueError: naming --env.fn, the spec, what is wrong and the fix (see `asyncrl.tools.user_code.load_object`).
     """
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]

@@ -30,18 +30,18 @@ import math
 import time
 from typing import Any, Callable
 
-from asyncrl.background_loop import BackgroundLoop
+from asyncrl.tools.background_loop import BackgroundLoop
 from asyncrl.envs.episode import Episode, EpisodeStats
 from asyncrl.envs.isolated import close_env, open_env, step_env
 from asyncrl.envs.protocol import EnvFactory, StepResult, Turn
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.policies.sampling import SamplingParams
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 from asyncrl.types import Completion, GenerationOutput, Prompt
 
 __all__ = ["EnvRuntime", "EpisodeGroup", "EpisodeRunner"]
 
-log = logging.getLogger("asyncrl.episodes")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
            "world"]

@@ -58,7 +58,7 @@ from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["EngineConfig", "Engine"]
 

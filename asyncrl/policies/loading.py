@@ -249,10 +249,10 @@ def resolve_model_dir(path: str | os.PathLike) -> pathlib.Path:
 
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of an HF directory, of a GGUF file (through its converted cache), of `smollm2`, or of a Hub
-    name (`asyncrl.hub`: ORG/NAME[@REVISION], through the local Hugging Face cache)."""
+    name (`asyncrl.tools.hub`: ORG/NAME[@REVISION], through the local Hugging Face cache)."""
     import transformers
 
-    from asyncrl.hub import local_model_path
+    from asyncrl.tools.hub import local_model_path
     path = smollm2_gguf_path() if str(path) == "smollm2" else local_model_path(str(path), "tokenizer")
     return transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
 
@@ -260,9 +260,9 @@ def load_tokenizer(path: str | os.PathLike):
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                seed: int = 0) -> CausalLM:
     """One entry point: an HF directory, a `.gguf` file, `smollm2` (the packaged GGUF), a Hub name
-    (ORG/NAME[@REVISION], through the local Hugging Face cache: `asyncrl.hub`), or `random:<preset or
+    (ORG/NAME[@REVISION], through the local Hugging Face cache: `asyncrl.tools.hub`), or `random:<preset or
     config.json>` for random weights."""
-    from asyncrl.hub import local_model_path
+    from asyncrl.tools.hub import local_model_path
     if path.startswith("random:"):
         return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device)
     if path == "smollm2":

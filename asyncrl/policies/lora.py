@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from asyncrl.config.run_config import LORA_TARGETS
+
 __all__ = [
     "LORA_TARGETS", "LoRALinear", "apply_lora", "lora_modules", "adapters_off", "adapter_tensors",
     "is_adapter_name", "merged_weights", "AdapterMerger", "merge_adapters",
 ]
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The decoder's linear layers, by their Hugging Face names (every one is targeted by default)."""
 
 _ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 

@@ -88,7 +88,7 @@ from asyncrl.policies.vllm_calls import (
     check_fused_groups, vllm_add, vllm_add_lora, vllm_generate, vllm_llm, vllm_llm_engine, vllm_reload,
     vllm_remove_lora, with_fused_siblings,
 )
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["VLLMEngine", "build_vllm_engine", "kv_cache_bytes", "vllm_missing", "vllm_offline_generate"]
 

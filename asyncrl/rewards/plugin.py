@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rewards.result import RewardResult, RewardValueError, normalize_result
 from asyncrl.types import Prompt
-from asyncrl.user_code import load_object, short_repr
+from asyncrl.tools.user_code import load_object, short_repr
 
 __all__ = [
     "RewardFunction", "RewardResult", "RewardValueError", "RewardTable", "load_reward", "wrap_reward",

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed.rpc as rpc
 
-from asyncrl.console import phase
+from asyncrl.tracking.console import phase
 from asyncrl.learner import memory_metrics
 from asyncrl.runtime.agent import RolloutAgent
 from asyncrl.rpc.assembly import build_engine, local_device
@@ -37,7 +37,7 @@ USER_CODE_MODULES = ("asyncrl.data.scoring", "asyncrl.envs.isolated")
 
 __all__ = ["AgentServer", "RemoteRoster", "heartbeat_period"]
 
-log = logging.getLogger("asyncrl.agent_server")
+log = logging.getLogger(__name__)
 
 
 def heartbeat_period(agent_timeout_s: float) -> float:

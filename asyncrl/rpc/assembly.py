@@ -1,6 +1,6 @@
 """Run assembly, in one place for both launchers: the learner, the queue, each agent's engine, and the resume.
 
-The in-process launcher (`asyncrl.rpc.local`) and the multi-process one (`asyncrl.rpc.launch`) build the same
+The in-process launcher (`asyncrl.rpc.local`) and the multi-process one (`asyncrl.rpc.roles`) build the same
 objects from the same `RunSpec` through these functions, so the two cannot drift (precision of the reference
 model, engine sizes, seeds, what a resume restores).
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from asyncrl.algos.staleness import verl_max_required_samples
-from asyncrl.checkpoint_repair import ChooseError, choose_checkpoint
+from asyncrl.checkpoint.repair import ChooseError, choose_checkpoint
 from asyncrl.learner import LearnerState, build_learner, shard_model
 from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
@@ -28,7 +28,7 @@ from asyncrl.rpc.spec import AgentSpec, RunSpec
 __all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine", "build_evals",
            "resume_checkpoint", "resolve_resume", "ResumeInfo", "resume_info"]
 
-log = logging.getLogger("asyncrl.assembly")
+log = logging.getLogger(__name__)
 
 
 def local_device(device: str) -> str:
@@ -97,7 +97,7 @@ def resume_checkpoint(spec: RunSpec, *, repair: bool = True) -> pathlib.Path | N
     `resume` on a run directory without a checkpoint is an error unless `resume_or_start`. It is the newest
     checkpoint that verifies, after the leftovers of an interrupted save are settled (`repair`; without it
     nothing on disk changes and the path may be a `step_N.old` a repair would restore): see
-    `asyncrl.checkpoint_repair`. A newer checkpoint that does not verify is moved aside, logged in one line."""
+    `asyncrl.checkpoint.repair`. A newer checkpoint that does not verify is moved aside, logged in one line."""
     if not (spec.resume or spec.resume_or_start):
         return None
     flag = "--resume" if spec.resume else "--resume-or-start"

@@ -27,7 +27,7 @@ from asyncrl.rpc.ipc import IpcReceiver, IpcSender, open_staging
 __all__ = ["WeightChannel", "Layout", "make_buckets", "flatten", "layout_of", "unflatten", "numel", "channel_backend",
            "buffers_on_gpu"]
 
-log = logging.getLogger("asyncrl.channels")
+log = logging.getLogger(__name__)
 
 Layout = list[list[tuple[str, tuple, str]]]
 """Per bucket, (name, shape, dtype name) of each tensor in it, in order."""

@@ -38,7 +38,7 @@ from asyncrl.rpc.spec import RunSpec
 
 __all__ = ["TrainerGroup", "FollowerHost", "commands_group"]
 
-log = logging.getLogger("asyncrl.commands")
+log = logging.getLogger(__name__)
 
 
 def commands_group(spec: RunSpec) -> dist.ProcessGroup | None:

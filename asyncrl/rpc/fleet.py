@@ -41,7 +41,7 @@ from asyncrl.rpc.store import RunStore
 
 __all__ = ["AgentHandle", "Fleet", "Admissions"]
 
-log = logging.getLogger("asyncrl.fleet")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from asyncrl.console import phase
+from asyncrl.tracking.console import phase
 from asyncrl.planning import layout_of
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import (build_evals, build_learner_state, build_queue, local_device, resolve_resume,
@@ -34,7 +34,7 @@ from asyncrl.rpc.store import RunStore
 
 __all__ = ["run_head"]
 
-log = logging.getLogger("asyncrl.head")
+log = logging.getLogger(__name__)
 
 
 class _Head:

@@ -38,7 +38,7 @@ from asyncrl.rpc.spec import RunSpec
 
 __all__ = ["LocalRun", "LocalTrainer"]
 
-log = logging.getLogger("asyncrl.local")
+log = logging.getLogger(__name__)
 
 
 class LocalTrainer:

@@ -27,7 +27,7 @@ from asyncrl.rpc.store import serve_store
 
 __all__ = ["join_rpc", "leave_rpc", "RpcMembership"]
 
-log = logging.getLogger("asyncrl.membership")
+log = logging.getLogger(__name__)
 
 _WORKERS_KEY = "names/_ALL_WORKER_INFOS"  # "name-id,name-id," in the group's store (TensorPipe agent)
 _TOKEN_KEY = "RpcGroupManagementToken"

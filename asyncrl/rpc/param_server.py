@@ -34,7 +34,7 @@ from asyncrl.runtime.roster import Roster
 __all__ = ["LocalPublisher", "CollectivePublisher", "ColocatedPublisher", "SyncResult", "SyncRunner",
            "source_flats"]
 
-log = logging.getLogger("asyncrl.param_server")
+log = logging.getLogger(__name__)
 
 
 class SyncResult:

@@ -1,5 +1,5 @@
 """The launcher of a run on one machine and its supervision: `launch(spec)` spawns every rank (their bodies are in
-`asyncrl.rpc.launch`), forwards signals, restarts dead agents, enforces the optional wall-clock cap, never leaves
+`asyncrl.rpc.roles`), forwards signals, restarts dead agents, enforces the optional wall-clock cap, never leaves
 a process behind, and returns rank 0's summary.
 
 * Signals: the first SIGTERM / SIGINT / SIGHUP is forwarded to every rank (each runs in a process group of its
@@ -32,14 +32,14 @@ import time
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
-from asyncrl.rpc.launch import reserve_port, run_agent_process, run_trainer
+from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.lifecycle import on_signals
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 
 __all__ = ["launch", "Supervisor", "RunKilled"]
 
-log = logging.getLogger("asyncrl.supervise")
+log = logging.getLogger(__name__)
 
 
 class RunKilled(RuntimeError):

@@ -29,7 +29,7 @@ from typing import Literal, Mapping, NoReturn
 
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_token, read_token
-from asyncrl.rpc.launch import run_agent_process, run_trainer
+from asyncrl.rpc.roles import run_agent_process, run_trainer
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.controller import RunSummary
@@ -37,7 +37,7 @@ from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, name_process
 
 __all__ = ["TorchrunRole", "torchrun_role", "run_torchrun", "keep_agent"]
 
-log = logging.getLogger("asyncrl.torchrun")
+log = logging.getLogger(__name__)
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

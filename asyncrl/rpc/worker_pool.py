@@ -41,7 +41,7 @@ from asyncrl.runtime.lifecycle import die_with_parent
 
 __all__ = ["WorkerPool", "CallTimedOut", "WorkerLost", "CallFailed"]
 
-log = logging.getLogger("asyncrl.worker_pool")
+log = logging.getLogger(__name__)
 
 
 class CallTimedOut(TimeoutError):

@@ -48,7 +48,7 @@ from asyncrl.types import Completion, GenerationOutput, Group, GroupInfo
 
 __all__ = ["RolloutAgent", "RosterHandle"]
 
-log = logging.getLogger("asyncrl.agent")
+log = logging.getLogger(__name__)
 
 
 class RosterHandle(Protocol):

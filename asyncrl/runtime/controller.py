@@ -42,7 +42,7 @@ from asyncrl.types import Group
 
 __all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted", "WeightPublisher", "Trainers"]
 
-log = logging.getLogger("asyncrl.controller")
+log = logging.getLogger(__name__)
 
 
 class WeightPublisher(Protocol):

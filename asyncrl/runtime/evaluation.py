@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from asyncrl.eval_config import EvalConfig
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.policies.sampling import SamplingParams
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 from asyncrl.types import Completion, Prompt
 
 __all__ = ["EvalBoard", "EvalTask", "EvalOutcome", "pass_at_k"]

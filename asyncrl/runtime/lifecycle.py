@@ -20,7 +20,7 @@ from typing import Callable
 
 __all__ = ["StopRequest", "RunFailed", "on_signals", "die_with_parent", "name_process", "STOP_SIGNALS", "exit_code"]
 
-log = logging.getLogger("asyncrl.lifecycle")
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15

@@ -24,7 +24,7 @@ from typing import Literal
 
 from asyncrl.algos.staleness import VerlBudget, verl_admit, verl_on_new_version, verl_release
 from asyncrl.data.sources import PromptSource
-from asyncrl.seeding import derive_seed
+from asyncrl.tools.seeding import derive_seed
 from asyncrl.types import Completion, Group, GroupInfo, Prompt
 
 __all__ = ["Task", "Ledger", "SampleQueue", "QueueTimeout"]

@@ -36,7 +36,7 @@ from asyncrl.types import Group
 
 __all__ = ["Roster", "Fenced", "Member"]
 
-log = logging.getLogger("asyncrl.roster")
+log = logging.getLogger(__name__)
 
 Status = Literal["joining", "live", "dead", "left"]
 

@@ -12,7 +12,7 @@ import torch
 
 from asyncrl.config import RolloutConfig, VLLMConfig
 from asyncrl.policies import SamplingParams, load_model
-from asyncrl.preflight import check_tensor_parallel
+from asyncrl.launch.preflight import check_tensor_parallel
 from tests.policies.helpers import forward_logprobs, logprob_tol
 
 CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

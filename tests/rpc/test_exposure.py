@@ -16,9 +16,9 @@ import socket
 
 import pytest
 
-from asyncrl.eval_config import EvalConfig
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.rpc.exposure import RunToken, bind_address, is_loopback, listening_socket, new_token, read_token
-from asyncrl.rpc.launch import free_port
+from asyncrl.rpc.roles import free_port
 from tests.rpc.jobs import TOY, Job
 from tests.timing import limit
 
@@ -208,7 +208,7 @@ def test_loopback_addresses_bind_loopback_and_others_bind_what_they_name():
 
 
 def _toy_config(tmp_path, **placement):
-    from asyncrl.presets import PRESETS
+    from asyncrl.config.presets import PRESETS
     base = PRESETS["cpu-demo"][1]
     return dataclasses.replace(
         base, model=dataclasses.replace(base.model, path="random:tiny-qwen2"),
@@ -217,7 +217,7 @@ def _toy_config(tmp_path, **placement):
 
 
 def test_the_checks_before_launch_say_what_is_exposed_and_refuse_a_bad_token(tmp_path, monkeypatch):
-    from asyncrl.preflight import preflight
+    from asyncrl.launch.preflight import preflight
     monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
     report = preflight(_toy_config(tmp_path))
     assert report.ok and "network: every listener on loopback (127.0.0.1); nothing exposed" in report.facts

@@ -284,7 +284,7 @@ def _record_deaths(run):
 def test_dynamic_sampling_that_finds_no_signal_fails_the_run_instead_of_spinning():
     """DAPO's dynamic sampling with every sample scoring alike (a broken reward, or data far too hard) would drop
     every group forever; after --algorithm.max-num-gen-batches batches' worth the run fails and says why."""
-    from asyncrl.algorithm_config import DAPO
+    from asyncrl.config.algorithm import DAPO
     from asyncrl.config import OptimConfig, TrainerConfig
     from asyncrl.learner import build_learner
     from tests.rpc.helpers import tiny_model

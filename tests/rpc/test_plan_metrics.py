@@ -47,7 +47,7 @@ def test_a_better_split_is_logged_at_most_every_plan_every_versions(caplog):
               "rollouter/active_time": 3.0, "timing_s/param_sync_total": 1.0, "trainer/idle_ratio": 0.1,
               "rollouter/idle_ratio": 0.55}
     logged = []
-    with caplog.at_level(logging.INFO, logger="asyncrl.controller"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.runtime.controller"):
         for version in range(1, 8):
             controller.state.version = version
             before = len(caplog.records)

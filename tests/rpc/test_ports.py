@@ -9,7 +9,7 @@ import multiprocessing
 
 import torch.distributed as dist
 
-from asyncrl.rpc.launch import free_port, reserve_port
+from asyncrl.rpc.roles import free_port, reserve_port
 from tests.timing import limit
 
 

@@ -169,7 +169,7 @@ def test_a_full_disk_at_checkpoint_time_stops_the_run_naming_it_and_leaves_no_pa
                                                                                                  monkeypatch):
     import errno
 
-    import asyncrl.checkpoint as checkpoint_module
+    import asyncrl.checkpoint.save_load as checkpoint_module
     from asyncrl.checkpoint import CheckpointError
 
     real_save, saves = checkpoint_module.torch.save, []

@@ -49,7 +49,7 @@ def test_each_backend_sends_from_its_place(fake_gpu):
 
 def test_cuda_ipc_stages_from_host_memory_when_the_gpu_is_full(fake_gpu, caplog):
     fake_gpu["full"] = True
-    with caplog.at_level(logging.WARNING, logger="asyncrl.param_server"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.rpc.param_server"):
         flats = source_flats(BUCKETS, {"cuda_ipc"}, GPU)
     assert where(flats["cuda_ipc"]) == ["host", "host"]
     assert "no room" in caplog.text and "host memory" in caplog.text

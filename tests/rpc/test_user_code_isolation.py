@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from asyncrl.background_loop import BackgroundLoop
+from asyncrl.tools.background_loop import BackgroundLoop
 from asyncrl.data.scoring import Scorer
 from asyncrl.envs import EpisodeRunner
 from asyncrl.envs.isolated import runs_isolated
@@ -46,7 +46,7 @@ def _completion(ids: list[int]) -> Completion:
 def test_a_sync_reward_that_hangs_scores_0_is_counted_and_named_once_and_the_rest_is_scored(workers, caplog):
     scorer = Scorer(RewardTable.from_specs([REWARD]), timeout_s=1.0, workers=workers)
     prompt = Prompt([1, 2], data_source="toy", index=5)
-    with caplog.at_level(logging.WARNING, logger="asyncrl.scoring"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.scoring"):
         group = scorer.score_group(prompt, [_completion([2, 4]), _completion([7, 1]), _completion([3, 4])])
         again = scorer.score_group(prompt, [_completion([14, 2])])
     assert group.rewards == [1.0, 0.0, 0.5] and group.timeouts == 1 and group.errors == 0
@@ -66,7 +66,7 @@ def test_an_environment_of_your_own_lives_in_a_worker_and_a_hung_step_ends_only_
     env_runtime.isolated_spec, env_runtime.workers = ENV, workers
     runner = EpisodeRunner(engine, env_runtime)
     prompts = [Prompt([5, 9, 11], index=0), Prompt([6, 9, 11], index=1)]  # the odd row's second step hangs
-    with caplog.at_level(logging.WARNING, logger="asyncrl.episodes"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.envs.runner"):
         groups = run_episodes(runner, engine, prompts, SamplingParams(n=2, max_new_tokens=40, seed=4))
     runner.close()
     good, bad = groups["p0"], groups["p1"]
@@ -86,7 +86,7 @@ def test_a_coroutine_that_blocks_the_event_loop_is_named(caplog):
 
     loop = BackgroundLoop(4, name="test-loop", blocked_warn_s=0.3)
     try:
-        with caplog.at_level(logging.WARNING, logger="asyncrl.loop"):
+        with caplog.at_level(logging.WARNING, logger="asyncrl.tools.background_loop"):
             loop.submit(stalls()).result(limit(30))
             loop.submit(asyncio.sleep(0.6)).result(limit(30))  # awaiting is not blocking
     finally:

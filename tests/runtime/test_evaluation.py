@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.eval_config import EvalConfig
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.runtime.evaluation import EvalBoard, pass_at_k
 from asyncrl.types import Completion, Prompt
 

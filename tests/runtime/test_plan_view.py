@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncrl.planning import ADVICE_GAIN, FSDP_EAGER, Layout
+from asyncrl.planning.predict import ADVICE_GAIN, FSDP_EAGER, Layout
 from asyncrl.runtime.plan_view import runtime_plan
 
 

@@ -1,0 +1,249 @@
+"""From a `RunConfig` to the `RunSpec` both launchers run (`build_spec`), and the small picklable factories it
+holds: the multi-process launcher sends each to the process that uses it (the prompt source to the trainer,
+the scorer and the environment setup to each agent), where it builds the tokenizer and the task locally.
+
+    spec = build_spec(cfg)          # what `asyncrl.launch.train.train` launches; `asyncrl.launch.preflight` checks it
+    source = SourceFactory(cfg.data, tokenizer_path(cfg), cfg.rollout.max_prompt_length)()
+
+The checks (`asyncrl.launch.preflight`), evaluation (`asyncrl.evaluate`) and export (`asyncrl.export`) build prompts,
+scorers and tokenizers with the same functions, so they read the data exactly as a run does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+import logging
+
+from asyncrl.config import DataConfig, EnvConfig, EvalConfig, RunConfig
+from asyncrl.data.files import RowKeys, load_prompt_file
+from asyncrl.data.scoring import Scorer, Workers, decode_ids
+from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
+from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
+from asyncrl.envs import ChatRenderer, EnvRuntime, TokenRenderer, env_tool_schemas, load_env
+from asyncrl.envs.isolated import runs_isolated
+from asyncrl.policies.loading import load_tokenizer
+from asyncrl.policies.vllm_engine import build_vllm_engine
+from asyncrl.rewards.plugin import RewardTable, absolute_reward_spec
+from asyncrl.rpc.spec import AgentSpec, ModelSpec, RunSpec, build_embedded_engine
+from asyncrl.types import Prompt
+
+__all__ = ["SourceFactory", "ScorerFactory", "EnvSetup", "build_spec", "tokenizer_path", "run_tokenizer", "task_of",
+           "row_keys", "with_system", "env_tools"]
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_path(cfg: RunConfig) -> str:
+    """Where a run's tokenizer comes from: --model.tokenizer, else the model ('random:…' has none)."""
+    return cfg.model.tokenizer or cfg.model.path
+
+
+def run_tokenizer(model_path: str):
+    """The tokenizer of a model path, None for 'random:' models."""
+    if model_path.startswith("random:"):
+        return None
+    return load_tokenizer(model_path)
+
+
+def task_of(data: DataConfig):
+    """The built-in procedural task --data.task names."""
+    if data.task == "arithmetic":
+        return ArithmeticTask(digits=data.digits, operators=data.operators, seed=data.seed)
+    if data.task == "countdown":
+        return CountdownTask(seed=data.seed)
+    return ToyTask()
+
+
+def with_system(tokenizer, system: str | None, tools: list[dict] | None = None):
+    """The tokenizer, rendering prompts with `system` as the system message and the environment's `tools` in
+    the chat template's tool format, when given."""
+    if tokenizer is None or not (system or tools):
+        return tokenizer
+    return _PromptTokenizer(tokenizer, system, tools)
+
+
+class _PromptTokenizer:
+    """Wraps a tokenizer so prompts get the configured system message and the environment's tools."""
+
+    def __init__(self, tokenizer, system: str | None, tools: list[dict] | None):
+        self.tokenizer, self.system, self.tools = tokenizer, system, tools
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, messages, **kwargs):
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return self.tokenizer.apply_chat_template(head + list(messages), **kwargs)
+
+    def encode(self, text, **kwargs):
+        return self.tokenizer.encode(text, **kwargs)
+
+
+def env_tools(env_fn: str | None) -> list[dict] | None:
+    """JSON schemas of the tools of the environment --env.fn names (None: no environment or no tools)."""
+    if env_fn is None:
+        return None
+    return env_tool_schemas(load_env(env_fn))
+
+
+@dataclasses.dataclass
+class SourceFactory:
+    data: DataConfig
+    model_path: str
+    max_prompt_length: int
+    env_fn: str | None = None
+    """--env.fn: prompts are rendered with its tools."""
+
+    def __call__(self) -> PromptSource:
+        if self.data.path is not None:
+            return DatasetSource(self.file_prompts(), seed=self.data.seed, shuffle=self.data.shuffle)
+        return GeneratedSource(self.task_maker())
+
+    def task_maker(self) -> Callable[[int], Prompt]:
+        """index -> prompt `index` of the built-in task."""
+        tokenizer = with_system(run_tokenizer(self.model_path), self.data.system_prompt, env_tools(self.env_fn))
+        task = task_of(self.data)
+
+        def make(index: int) -> Prompt:
+            prompt = task.prompt(index, tokenizer)
+            if len(prompt.prompt_ids) > self.max_prompt_length:
+                raise ValueError(f"{self.data.task} prompt {index} has {len(prompt.prompt_ids)} tokens > "
+                                 f"--rollout.max-prompt-length {self.max_prompt_length}; raise it")
+            return prompt
+
+        return make
+
+    def file_prompts(self, flag: str = "--data.path") -> list[Prompt]:
+        """The rows of the prompt file, rendered and length-filtered."""
+        tokenizer = run_tokenizer(self.model_path)
+        if tokenizer is None:
+            raise ValueError(f"{flag} {self.data.path} needs a tokenizer to render its prompts, and "
+                             f"--model.path {self.model_path} has none; use a model with a tokenizer, set "
+                             "--model.tokenizer, or --data.task toy for random models")
+        tokenizer = with_system(tokenizer, None, env_tools(self.env_fn))
+        prompts, stats = load_prompt_file(self.data.path, tokenizer, max_prompt_length=self.max_prompt_length,
+                                          on_long=self.data.on_long, on_empty=self.data.on_empty,
+                                          system_prompt=self.data.system_prompt, keys=row_keys(self.data))
+        log.info("data: %s: %d rows, %d kept, %d filtered (longer than %d tokens), %d truncated, %d empty dropped",
+                 self.data.path, stats["rows"], stats["kept"], stats["filtered_too_long"], self.max_prompt_length,
+                 stats["truncated"], stats["empty"])
+        if not stats["rows"]:
+            raise ValueError(f"{flag} {self.data.path} holds no rows; check the file")
+        if not prompts:
+            raise ValueError(f"{flag} {self.data.path}: all {stats['rows'] - stats['empty']} prompts are longer "
+                             f"than --rollout.max-prompt-length {self.max_prompt_length} tokens; raise it or pass "
+                             "--data.on-long truncate")
+        return prompts
+
+
+def row_keys(data: DataConfig) -> RowKeys:
+    """Where --data.path's rows keep their prompt and answer (--data.prompt-key / answer-key / data-source)."""
+    return RowKeys(prompt=data.prompt_key, answer=data.answer_key, data_source=data.data_source)
+
+
+@dataclasses.dataclass
+class EvalPrompts:
+    """The held-out prompts of `--eval.*` (built on rank 0): the rows of every --eval.data file in order, or the
+    training task's prompts under --eval.task-seed; the first --eval.max-prompts of them (the task: 64 unless
+    given)."""
+
+    eval: EvalConfig
+    data: DataConfig
+    model_path: str
+    max_prompt_length: int
+    env_fn: str | None = None
+
+    def __call__(self) -> list[Prompt]:
+        limit = self.eval.max_prompts
+        if not self.eval.data:
+            task_data = dataclasses.replace(self.data, seed=self.eval.task_seed)
+            make = SourceFactory(task_data, self.model_path, self.max_prompt_length, self.env_fn).task_maker()
+            return [make(i) for i in range(limit or 64)]
+        prompts: list[Prompt] = []
+        for path in self.eval.data:
+            rows = dataclasses.replace(self.data, path=path, shuffle=False)
+            prompts += SourceFactory(rows, self.model_path, self.max_prompt_length, self.env_fn).file_prompts("--eval.data")
+        return prompts[:limit]
+
+
+@dataclasses.dataclass
+class ScorerFactory:
+    """Builds the scorer in the process that scores (plug-ins are imported there: functions loaded from
+    files do not pickle)."""
+
+    model_path: str
+    strict: bool = False
+    reward_fns: tuple[str, ...] = ()
+    """--reward.fn specs."""
+    timeout_s: float = 60.0
+    max_concurrency: int = 16
+
+    def __call__(self, *, workers: Workers | None = None) -> Scorer:
+        """`workers`: where sync plug-ins run (the agent's worker processes; None: in the calling thread)."""
+        return Scorer(RewardTable.from_specs(self.reward_fns), tokenizer=run_tokenizer(self.model_path),
+                      strict=self.strict, timeout_s=self.timeout_s, max_concurrency=self.max_concurrency,
+                      workers=workers)
+
+
+@dataclasses.dataclass
+class EnvSetup:
+    """Builds the environment runtime in the rollout process (environment classes from files do not pickle)."""
+
+    env: EnvConfig
+    model_path: str
+    """Where the tokenizer comes from (observations are rendered with its chat template)."""
+
+    def __call__(self, *, workers: Workers | None = None):
+        """`workers`: where the episodes of an environment of your own with a sync step live (None: here)."""
+        factory = load_env(self.env.fn)
+        tokenizer = run_tokenizer(self.model_path)
+        if tokenizer is None:
+            renderer, decode = TokenRenderer(), decode_ids
+        else:
+            renderer = ChatRenderer(tokenizer, tools=env_tool_schemas(factory))
+            decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        return EnvRuntime(factory, renderer, decode, max_turns=self.env.max_turns,
+                          max_turn_tokens=self.env.max_turn_tokens, step_timeout_s=self.env.step_timeout_s,
+                          max_concurrency=self.env.max_concurrency, observation_role=self.env.observation_role,
+                          isolated_spec=self.env.fn if runs_isolated(self.env.fn, factory) else None, workers=workers)
+
+
+def _engine_dtype(cfg: RunConfig, device: str) -> str:
+    if cfg.model.engine_dtype != "auto":
+        return cfg.model.engine_dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSpec:
+    """The run `cfg` describes. `cfg` is validated first unless `validated` says the caller did (preflight
+    does: `asyncrl train` validates once)."""
+    if not validated:
+        cfg.validate()
+    model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
+    factory = build_embedded_engine
+    if cfg.rollout.backend == "vllm":
+        factory = functools.partial(build_vllm_engine, options=cfg.rollout.vllm)
+    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d), engine_factory=factory)
+              for d in cfg.placement.agent_devices]
+    tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it
+    trainer = cfg.trainer
+    if trainer.temperature is None:  # the learner's log-probs are those of the distribution sampled from
+        trainer = dataclasses.replace(trainer, temperature=cfg.rollout.temperature)
+    if trainer.max_response_length is None and cfg.algorithm.overlong_buffer_len != 0:  # shaping needs the budget
+        trainer = dataclasses.replace(trainer, max_response_length=cfg.rollout.max_new_tokens)
+    return RunSpec(model=model, algorithm=cfg.algorithm, trainer=trainer, rollout=cfg.rollout,
+                   async_=cfg.async_training,
+                   source_factory=SourceFactory(cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn),
+                   env_setup=EnvSetup(cfg.env, tokenizer) if cfg.env.fn is not None else None,
+                   scorer_factory=ScorerFactory(tokenizer, strict=cfg.strict_rewards, reward_fns=tuple(map(absolute_reward_spec, cfg.reward.fn)),
+                                                 timeout_s=cfg.reward.timeout_s,
+                                                 max_concurrency=cfg.reward.max_concurrency), agents=agents,
+                   trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
+                   reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
+                   seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement, eval=cfg.eval,
+                   eval_prompts=EvalPrompts(cfg.eval, cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn)
+                   if cfg.evaluates else None,
+                   colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")

@@ -1,0 +1,253 @@
+"""The multi-process run: the body of each process (one per role), started on one machine by `launch`
+(`asyncrl.rpc.supervise`) or on one or more nodes by torchrun (`asyncrl.rpc.torchrun`).
+
+    summary = launch(spec)              # asyncrl.rpc.supervise: spawns trainer + agent processes, supervises them
+    torchrun ... -m asyncrl.cli train ... --placement.launcher torchrun   # same roles, from RANK
+    asyncrl agent --join HOST:PORT --device cuda:3                        # one more agent, into a running job
+
+Trainer ranks `0 .. T−1` form the trainer group (a torch.distributed process group; FSDP2 when T > 1). Rank 0
+serves the run's store at `master_addr:join_port` and is the head (`asyncrl.rpc.head`): controller, queue,
+roster, parameter server. Rollout agents are processes of their own that join the run through the store and
+RPC (`asyncrl.rpc.fleet` describes the protocol); each builds its engine on its device. Control and samples
+travel by RPC, weights over each agent's own weight channel (NCCL between GPUs, CUDA IPC on one GPU, gloo on CPU).
+
+RPC uses pickle: every listener of the run binds loopback (127.0.0.1) unless `master_addr` says otherwise, and
+an agent is admitted only with the run's token (`asyncrl.rpc.exposure`) — never expose a run to an untrusted
+network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import logging
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.rpc.assembly import local_device
+from asyncrl.runtime.controller import RunSummary
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, read_token
+from asyncrl.rpc.head import run_head
+from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.rpc.membership import join_rpc, leave_rpc
+from asyncrl.rpc.spec import RunSpec
+from asyncrl.rpc.store import RunStore, agent_name
+
+__all__ = ["run_trainer", "run_agent", "run_agent_process", "free_port", "reserve_port"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reserve_port(host: str = "") -> socket.socket:
+    """A port for a server that a child process will start (on every address by default), held until the
+    returned socket is closed.
+
+    The socket is bound with SO_REUSEADDR and never listens: the server (torch's TCPStore, which sets
+    SO_REUSEADDR too) can still bind the port, while no other process on the host is handed it meanwhile. A
+    port picked with `free_port` is free only at the moment of the pick: two runs started together on one host
+    were both given the same one, and one failed with EADDRINUSE while its clients broke the other's store."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
+def _setup_logging(role: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s",
+                        force=True)
+    faulthandler.enable()  # a crash in native code (a segfault) still leaves every thread's Python stack
+    dump_every = os.environ.get("ASYNCRL_STACK_DUMP_S")
+    if dump_every:  # diagnosing a hang: every process prints every thread's stack to stderr periodically
+        faulthandler.dump_traceback_later(float(dump_every), repeat=True)
+
+
+# -------------------------------------------------------------------------------------- trainer ranks
+def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
+                parent_pid: int | None = None, token: RunToken | None = None) -> RunSummary | None:
+    """The body of trainer rank `rank`: the trainer group and RPC, then rank 0 runs the head and the others wait
+    for the end (their role object, a `FollowerHost`, is created and driven by rank 0). Returns the summary on
+    rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it)."""
+    role = f"trainer{rank}"
+    _setup_logging(role)
+    confine_to_loopback(host)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+        name_process(f"asyncrl-{role}")
+    torch.set_num_threads(spec.placement.threads_per_process)
+    stop = StopRequest()
+    if rank == 0:
+        on_signals(stop.set)
+    else:  # rank 0 drives the shutdown (its checkpoint needs every rank): note the signal, keep following
+        on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
+    try:
+        store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
+        devices = [local_device(d) for d in spec.trainer_devices]
+        backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+        if devices[rank].startswith("cuda"):
+            torch.cuda.set_device(torch.device(devices[rank]))
+        dist.init_process_group(backend, store=store.prefix("asyncrl/trainers"), rank=rank,
+                                world_size=spec.num_trainers,
+                                timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
+        nonce = new_nonce()
+        if rank == 0:
+            if token is None:
+                raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
+            if is_loopback(host):  # before the info, which joining agents wait for
+                store.leave_token(token)
+            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce})
+            store.reserve_slots(len(spec.agents))
+            store.set_restarts_left(spec.placement.restart_agents)
+            print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
+        join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s)
+        if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
+            store.raw.wait([f"asyncrl/joined/trainer{r}" for r in range(1, spec.num_trainers)],
+                           datetime.timedelta(seconds=spec.startup_timeout_s))
+        else:
+            store.raw.set(f"asyncrl/joined/{role}", "1")
+    except BaseException as err:
+        _report(results, RuntimeError(f"{role} could not start: {err}"))
+        raise
+    summary = None
+    try:
+        if rank == 0:
+            summary = run_head(spec, store, stop, token, nonce)
+            _report(results, summary)
+        else:
+            _wait_for_end(store, poll_s=0.5)
+    except RunFailed as err:  # its message says it all: the launcher prints it once
+        _report(results, err)
+    except BaseException as err:
+        log.exception("%s failed", role)  # the exit below would swallow the traceback
+        _report(results, RuntimeError(f"{role} failed: {err}"))
+        raise
+    finally:
+        leave_rpc()
+        if rank != 0 and parent_pid is not None:
+            os._exit(0)
+    return summary
+
+
+def _join_line(host: str, port: int, token: RunToken) -> str:
+    """How to start one more agent: on loopback the token waits in the store; elsewhere the agent needs it (shown
+    when this run made it; a token the user gave is theirs and is not echoed)."""
+    command = f"asyncrl agent --join {host}:{port} --device DEVICE"
+    if is_loopback(host):
+        return command
+    if token.generated:
+        return f"{TOKEN_ENV}={token.value} {command}"
+    return f"{command} (with the run's token in ${TOKEN_ENV} or --token-file FILE)"
+
+
+def _report(results, outcome) -> None:
+    if results is not None:
+        results.put(pickle.dumps(outcome))
+
+
+def _wait_for_end(store: RunStore, poll_s: float) -> None:
+    """Until rank 0 marks the end of the run (or its store goes away with it)."""
+    while True:
+        try:
+            if store.is_shut_down():
+                return
+        except Exception:  # noqa: BLE001 - rank 0 is gone: so is the run
+            return
+        time.sleep(poll_s)
+
+
+# --------------------------------------------------------------------------------------------- agents
+def run_agent(host: str, port: int, *, device: str, slot: int | None = None, parent_pid: int | None = None,
+              leave_grace_s: float = 60.0, connect_timeout_s: float = 600.0, token: RunToken | None = None,
+              token_file: str | None = None) -> int:
+    """The body of a rollout agent process: reach the run's store, join the RPC group, announce itself with
+    proof of the run's token, and wait; rank 0 creates its `AgentServer` (engine, loop) and ends the process at
+    the end of the run, or when it leaves (first SIGTERM / SIGINT: it asks rank 0 to let it go; a second one
+    exits at once). Returns the exit status.
+
+    The token: `token`, else `token_file` or $ASYNCRL_RUN_TOKEN, else (a loopback run) the one rank 0 left in
+    the store."""
+    managed = parent_pid is not None
+    if managed:
+        die_with_parent(parent_pid)
+    confine_to_loopback(host)
+    stop = StopRequest()
+    on_signals(stop.set)
+    token = token or read_token(token_file, flag="--token-file")
+    store = RunStore(host, port, serve=False, timeout_s=connect_timeout_s)
+    info = store.info()
+    token = token or store.left_token()
+    if token is None:
+        log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE; the run "
+                  "printed its join line at start-up)", host, port, TOKEN_ENV)
+        return 2
+    slot = store.new_slot() if slot is None else slot
+    for attempt in range(1, 4):  # a member that just died may still be listed until rank 0 evicts it
+        name = agent_name(slot, store.next_incarnation(slot))  # a fresh name: a failed join may have left its own
+        _setup_logging(name)
+        try:
+            join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"])
+            break
+        except RuntimeError as err:
+            if attempt == 3:
+                raise
+            log.warning("%s: joining failed (%s); trying again in 5 s", name, err)
+            time.sleep(5.0)
+    name_process(f"asyncrl-{name}")
+    store.announce({"name": name, "slot": slot, "device": device, "pid": os.getpid(), "host": socket.gethostname(),
+                    "proof": token.proof(name, info.get("nonce", ""))})
+    log.info("%s joined the run at %s:%d on %s; waiting to be admitted", name, host, port, device)
+    asked_at = None
+    try:
+        while True:
+            try:
+                if store.is_shut_down():
+                    return 0
+                refused = store.refusal(name)
+            except Exception:  # noqa: BLE001 - the run's head is gone
+                log.error("%s: the run's store at %s:%d is gone; exiting", name, host, port)
+                return 1
+            if refused is not None:
+                log.error("%s: the run refused this agent: %s", name, refused)
+                return 2
+            if stop.is_set() and asked_at is None:
+                asked_at = time.monotonic()
+                if not managed:  # a launcher-managed agent is stopped by rank 0 with the whole run
+                    log.info("%s: %s received; asking rank 0 to let it leave", name, stop.reason)
+                    store.request_leave(name, f"{stop.reason} received")
+            if asked_at is not None and time.monotonic() - asked_at > leave_grace_s:
+                log.error("%s: not released within %.0f s; exiting", name, leave_grace_s)
+                return 1
+            time.sleep(0.2)
+    finally:
+        leave_rpc()
+
+
+def run_agent_process(host: str, port: int, **kwargs) -> NoReturn:
+    """`run_agent`, then end the process at once with its status. An agent must not end through the
+    interpreter's teardown: its weight channel (a gloo group held by the `AgentServer` that RPC owns) still has
+    live threads then, and destroying it there aborts the process ("terminate called without an active
+    exception", exit -6) after a run that went well."""
+    try:
+        code = run_agent(host, port, **kwargs)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed here: os._exit below skips the interpreter's report
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

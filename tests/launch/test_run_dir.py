@@ -1,0 +1,159 @@
+"""Runs never mix (`asyncrl.launch.run_dir`): a new run into a run directory that holds one is refused before anything
+starts, by `asyncrl train` and by `train()`, naming the directory, what is in it and the fixes (--resume,
+--overwrite, another --run-dir); --overwrite deletes exactly asyncrl's files (refused when there is more, and
+with --resume; --dry-run deletes nothing); and, through the command with real processes, a resume that
+changes the lr lists it and trains with it, falling back from a damaged newer checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from asyncrl.launch.preflight import preflight
+from asyncrl.launch.train import train
+from asyncrl.launch.run_dir import RUN_FILES, clear_run_dir
+from tests.run_helpers import cli
+from tests.launch.test_resume_check import TINY, _cfg
+from tests.timing import limit
+
+
+def _used(run_dir: pathlib.Path, *, checkpoints: int = 0) -> dict[str, float]:
+    """A run directory as a finished run leaves it (its files' contents do not matter here); returns the
+    modification times of what is in it, to show nothing was touched."""
+    run_dir.mkdir(parents=True)
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        (run_dir / name).write_text("{}\n")
+    for step in range(1, checkpoints + 1):
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    return _stamps(run_dir)
+
+
+def _stamps(run_dir: pathlib.Path) -> dict[str, float]:
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime for p in run_dir.rglob("*")}
+
+
+def test_a_new_run_into_a_used_run_dir_is_refused_naming_it_its_contents_and_the_fixes(tmp_path):
+    run = tmp_path / "run"
+    before = _used(run, checkpoints=2)
+    assert preflight(_cfg(run)).problems == [
+        f"--run-dir {run} already holds a run (checkpoints/ with 2 checkpoints, newest step_00000002, config.json, "
+        "metrics.jsonl, summary.json); a new run would mix with it: pass --resume to continue it, --overwrite to "
+        "delete it and start over, or another --run-dir"]
+    # train() refuses too (library callers skip the command line), before writing anything
+    with pytest.raises(ValueError, match=f"--run-dir {run} already holds a run"):
+        train(_cfg(run))
+    assert _stamps(run) == before
+    # an empty directory, or one that does not exist yet, is a new run's
+    (tmp_path / "empty").mkdir()
+    assert preflight(_cfg(tmp_path / "empty")).problems == preflight(_cfg(tmp_path / "new")).problems == []
+
+
+def test_what_is_not_a_run_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    _used(run)
+    (run / "notes.txt").write_text("mine")
+    [problem] = preflight(_cfg(run)).problems
+    assert problem.endswith("pass --resume to continue it, --overwrite once you have moved out what asyncrl did not "
+                            "write (notes.txt), or another --run-dir")
+    assert preflight(_cfg(run, "--overwrite")).problems == [
+        f"--overwrite: --run-dir {run} also holds notes.txt, which asyncrl did not write, so nothing will be "
+        "deleted: move that out of it, or choose another --run-dir"]
+    with pytest.raises(ValueError, match="also holds notes.txt"):
+        clear_run_dir(run)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl", "notes.txt", "summary.json"]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("")
+    assert preflight(_cfg(home)).problems == [
+        f"--run-dir {home} is not empty (thesis.tex) and holds no asyncrl run; a run there would mix with what is in "
+        "it: choose another --run-dir (or an empty one)"]
+
+
+def test_overwrite_deletes_exactly_asyncrl_s_files_and_never_follows_a_link(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    _used(run, checkpoints=1)
+    outside.mkdir()
+    (outside / "keep.txt").write_text("kept")
+    (run / "wandb").symlink_to(outside, target_is_directory=True)
+    assert set(clear_run_dir(run)) == {"checkpoints/", "config.json", "metrics.jsonl", "summary.json", "wandb"}
+    assert list(run.iterdir()) == [] and (outside / "keep.txt").read_text() == "kept"
+    assert set(RUN_FILES) >= {"config.json", "metrics.jsonl", "samples.jsonl", "checkpoints", "wandb"}
+
+
+def test_overwrite_with_resume_is_refused(tmp_path):
+    run = tmp_path / "run"
+    _used(run, checkpoints=1)
+    for resume in ("--resume", "--resume-or-start"):
+        assert preflight(_cfg(run, resume, "--overwrite")).problems == [
+            f"--overwrite deletes the run in --run-dir {run} that {resume} continues: pass {resume} to continue it, "
+            "or --overwrite to delete it and start a new run, not both"]
+
+
+def test_resume_or_start_does_not_start_over_a_run_without_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    _used(run)
+    [problem] = preflight(_cfg(run, "--resume-or-start")).problems
+    assert problem.startswith(f"--resume-or-start: --run-dir {run} holds no checkpoint to resume from but is not "
+                              "empty (config.json, metrics.jsonl, summary.json); a new run there would mix with it")
+
+
+def _rows(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def _lr_in(checkpoint: pathlib.Path) -> list[float]:
+    saved = torch.load(checkpoint / "learner.pt", map_location="cpu", weights_only=True)
+    return [group["lr"] for group in saved["optimizer"]["param_groups"]]
+
+
+def test_through_the_command_refused_then_resumed_with_a_new_lr_then_overwritten(tmp_path):
+    run = tmp_path / "run"
+    common = ["train", "cpu-demo", *TINY, "--run-dir", str(run)]
+    first = cli(*common, "--async-training.total-versions", "2", "--checkpoint-every", "2", timeout=limit(240))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _lr_in(run / "checkpoints" / "step_00000002") == [2e-5]
+    before = _stamps(run)
+
+    again = cli(*common, "--async-training.total-versions", "2", timeout=limit(120))
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"asyncrl train: --run-dir {run} already holds a run (checkpoints/ with 1 checkpoint, newest step_00000002, "
+        "config.json, metrics.jsonl, processes.json, samples.jsonl, summary.json); a new run would mix with it: pass "
+        "--resume to continue it, --overwrite to delete it and start over, or another --run-dir")
+    assert _stamps(run) == before
+
+    # a newer checkpoint that a power loss cut short: the resume falls back to step 2, saying why in one line
+    damaged = run / "checkpoints" / "step_00000009"
+    shutil.copytree(run / "checkpoints" / "step_00000002", damaged)
+    os.truncate(damaged / "learner.pt", 1000)
+    resumed = cli(*common, "--resume", "--async-training.total-versions", "3", "--checkpoint-every", "3",
+                  "--trainer.optim.lr", "1e-4", timeout=limit(240))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [line] = [line for line in resumed.stderr.splitlines() if "does not load" in line]
+    assert line.endswith("WARNING step_00000009 does not load: learner.pt is damaged (File is not a zip file); "
+                         "resuming from step_00000002 instead"), line
+    assert (run / "checkpoints" / "step_00000009.corrupt").is_dir()
+    assert ("[asyncrl] note: resume from step_00000002 changes applied from here: --trainer.optim.lr 2e-05 -> "
+            "0.0001; harmless: --async-training.total-versions 2 -> 3, --checkpoint-every 2 -> 3") in resumed.stderr
+    assert _lr_in(run / "checkpoints" / "step_00000003") == [1e-4]  # trained with the new lr, not the saved one
+    assert [r["fully_async/count/current_param_version"] for r in _rows(run)][-1] >= 2
+    saved = json.loads((run / "checkpoints" / "step_00000003" / "run_config.json").read_text())
+    assert saved["trainer"]["optim"]["lr"] == 1e-4 and saved["_data_fingerprint"]["task"] == "toy"
+
+    dry = cli(*common, "--overwrite", "--dry-run", timeout=limit(120))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "note  --overwrite: the run starts by deleting checkpoints/ with 2 checkpoints" in dry.stdout
+    assert "(not with --dry-run: nothing is deleted now)" in dry.stdout and (run / "checkpoints").is_dir()
+
+    fresh = cli(*common, "--overwrite", "--async-training.total-versions", "1", "--placement.launcher", "local",
+                timeout=limit(240))
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "[asyncrl] --overwrite: deleted checkpoints/, config.json, metrics.jsonl, processes.json" in fresh.stderr
+    assert len(_rows(run)) == 1 and not (run / "checkpoints").exists()  # only the new run's version
+    assert json.loads((run / "config.json").read_text())["placement"]["launcher"] == "local"
+    assert os.listdir(run)  # the new run's files
