@@ -372,7 +372,8 @@ class RunConfig:
     wandb: Literal["auto", "online", "offline", "off"] = "auto"
     """wandb mode: auto = online when logged in, offline otherwise."""
     checkpoint_every: int = 0
-    """Checkpoint every this many versions (0: never)."""
+    """Checkpoint every this many versions (0: only at the end). A run that ends, or is stopped, writes a checkpoint
+    of what it trained whatever this says."""
     resume: bool = False
     """Continue from the newest checkpoint in run_dir (refused when there is none)."""
     resume_or_start: bool = False

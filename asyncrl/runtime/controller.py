@@ -143,6 +143,7 @@ class Controller:
         # the last `history_limit` versions' metrics (for the summary; every version is in the tracker's log)
         self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
+        self.saved_at_step = -1  # the learner step of the last checkpoint this run wrote
         self.started_at_step = state.step
         self.layout, self.plan_every = layout, plan_every  # the run's devices, for the planner's view (None: none)
         self._advised_at: int | None = None  # the version of the last advice logged
@@ -371,6 +372,8 @@ class Controller:
                     self.queue.close()  # the last checkpoint is the end of admissions: it carries what is left
                 checkpoint = self.checkpoint()
         self.queue.close()
+        if interrupted is None and self._trained_unsaved():
+            checkpoint = self.checkpoint()  # a run that ends normally keeps what it trained, whatever checkpoint_every
         if interrupted is None and self.evals is not None:
             self._finish_evaluations(self.config.sync_timeout_s)  # the one running
             if self.evals.config.at_end:
@@ -380,12 +383,17 @@ class Controller:
         if interrupted is not None:
             log.warning("stopping: %s; finishing at version %d (step %d)", interrupted, self.state.version,
                         self.state.step)
-            if self.run_dir is not None and self.state.step > self.started_at_step:
+            if self._trained_unsaved():
                 checkpoint = self.checkpoint()  # nothing trained since the start (or the resume): nothing to save
         return TrainingEnd(interrupted, str(checkpoint) if checkpoint else None)
 
     def _checkpoint_due(self) -> bool:
         return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)
+
+    def _trained_unsaved(self) -> bool:
+        """Whether the run has a directory and trained since the start (or the resume) without a checkpoint of
+        its current state: the last checkpoint written is of an earlier step."""
+        return self.run_dir is not None and self.state.step > max(self.started_at_step, self.saved_at_step)
 
     def checkpoint(self) -> pathlib.Path:
         queue = self.queue.state_dict()
@@ -393,7 +401,7 @@ class Controller:
         if self.evals is not None:
             extra["evals"] = self.evals.state_dict()
         path = self.trainers.checkpoint(str(self.run_dir), self.state, extra, self.keep)
-        self.final_books = queue
+        self.final_books, self.saved_at_step = queue, self.state.step
         log.info("checkpoint %s written (version %d, step %d, %d queued, %d in flight)", pathlib.Path(path).name,
                  self.state.version, self.state.step, len(queue["queue"]), len(queue["unfinished"]))
         return path

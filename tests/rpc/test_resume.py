@@ -157,7 +157,9 @@ def test_launched_run_resumes_from_its_checkpoint(tmp_path):
     assert summary_b.steps == summary_a.steps + 2  # the learner's step counter came back too
     ledger = summary_b.ledger
     assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
-    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"], ledger
+    # B ends normally, so it writes its final checkpoint (no --checkpoint-every) and carries what is left to it
+    assert ledger.get("carried_to_checkpoint") is True and latest_checkpoint(tmp_path).name == f"step_{summary_b.steps:08d}"
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger["carried"], ledger
     # B's ledger continues A's: A's trained ids plus one batch per new step, none twice (the ledger raises)
     assert ledger["trained"] == trained_a + 2 * 4
     assert ledger["admitted"] >= saved["next_id"]
