@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LoRA vs full fine-tuning on CPU, as in BENCHMARKS.md ("LoRA on one GPU" / learning on CPU):
+# LoRA vs full fine-tuning on CPU, as in docs/benchmarks/lora-cpu-2026-11-26.md:
 #
 #   bash scripts/lora_vs_full.sh OUT [SEEDS...]     # default seeds 0 1 2; one run at a time
 #

@@ -4,7 +4,7 @@
 
 `batch` sequences of `context` random prompt tokens are admitted and prefilled, then `steps` decode steps run
 under `torch.profiler` (CUDA graphs on: the kernels inside each replay are listed); prints the wall time per step
-and the table of kernels. BENCHMARKS.md's decode-attention section reads its numbers from this.
+and the table of kernels. docs/benchmarks/decode-attention-h100-2026-11-26.md reads its numbers from this.
 """
 
 from __future__ import annotations

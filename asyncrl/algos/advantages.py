@@ -7,7 +7,7 @@ of a group need not be contiguous and permuting rows permutes the outputs.
 Every estimator returns `AdvantageResult(advantages, returns)`, both `[B, T]`, exactly 0 at masked
 positions. They are statistics of the data, not of the parameters: call them under `torch.no_grad()`.
 
-Choices where implementations disagree (see the README's algorithm notes):
+Choices where implementations disagree (see docs/algorithms.md):
 * a group of one sequence carries no comparison, so its advantage is 0 for GRPO, Dr.GRPO, RLOO and the
   REINFORCE++ baseline (verl's GRPO loop returns s/(1+ε), its RLOO loop s; its vectorised RLOO returns 0);
 * a group whose rewards are all equal gets an advantage of exactly 0 (not ε-small), so it gives no gradient;

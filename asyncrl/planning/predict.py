@@ -33,16 +33,18 @@ __all__ = ["ModelShape", "Workload", "WORKLOADS", "Rates", "Knobs", "Layout", "P
 GIB = 2**30
 Kind = Literal["split", "shared", "colocated"]
 SYNC_BYTES_PER_S = {"split": 75e9, "shared": 0.55e9, "colocated": 7e9}
-"""A whole publication (BENCHMARKS.md): 0.99 GB of bf16 weights over NCCL from trainer GPU to agent GPU in 13 ms;
-trainer and agent on one GPU through host memory over gloo at 0.52-0.57 GB/s (0.5B, 1.7B, 8B shapes); colocated
-ranks gather from FSDP2 and copy in-process in 87-137 ms."""
+"""A whole publication (docs/benchmarks/: async-2xh200-2026-11-23.md, one-gpu-h100-2026-11-26.md,
+lora-h100-2026-11-26.md): 0.99 GB of bf16 weights over NCCL from trainer GPU to agent GPU in 13 ms; trainer and
+agent on one GPU through host memory over gloo at 0.52-0.57 GB/s (0.5B, 1.7B, 8B shapes); colocated ranks gather
+from FSDP2 and copy in-process in 87-137 ms."""
 GPU_BUSY_LEARNER, GPU_BUSY_ENGINE = 0.56, 0.78
-"""The share of its time each side keeps a GPU busy (both are host-bound): a learner step 47-66 % (README,
-Limits); a decode step ~1 ms of host work in 4.54 ms (BENCHMARKS.md, batch 256). On one shared GPU the two run at
+"""The share of its time each side keeps a GPU busy (both are host-bound): a learner step 47-66 % (docs/limits.md);
+a decode step ~1 ms of host work in 4.54 ms (docs/benchmarks/archive/engine-h100-2026-11-22.md, batch 256). On one shared GPU the two run at
 once, slowed only where their summed demand exceeds the GPU."""
 FSDP_EAGER = 0.55
-"""Per-GPU learner speed of a 2+ rank FSDP2 group, whose layers run eagerly (README, Limits), over a compiled
-single process: eager ran 0.47-0.61 of compiled (BENCHMARKS.md, "What each piece gave")."""
+"""Per-GPU learner speed of a 2+ rank FSDP2 group, whose layers run eagerly (docs/limits.md), over a compiled
+single process: eager ran 0.47-0.61 of compiled (docs/benchmarks/archive/learner-h100-2026-11-24.md, "What each
+piece gave")."""
 ENGINE_OVERHEAD_GIB = 1.25
 """An engine's CUDA graphs, buffers and allocator slack: the 2 x H200 rows peaked at 6.8 GiB where weights, KV
 cache and logits make 5.6."""

@@ -461,7 +461,7 @@ def test_equal_rewards_in_a_group_give_exactly_zero(batch, c):
     for fn in GROUPED:
         adv = fn(rewards, groups, mask).advantages
         assert (adv[constant_rows] == 0).all()  # exactly 0, not eps-small
-    if int(mask.sum()) >= 2:  # REINFORCE++-baseline too (README: no comparison, no signal)
+    if int(mask.sum()) >= 2:  # REINFORCE++-baseline too (docs/algorithms.md: no comparison, no signal)
         adv = reinforce_pp_baseline_advantage(rewards, groups, mask).advantages
         assert (adv[constant_rows] == 0).all()
     # all rows in one constant group: everything is exactly 0 (GRPO would otherwise divide 0 by eps)
