@@ -19,7 +19,8 @@ fork of one process that imported the library once (tests/cli_forks.py), a proce
 The benchmark reports (docs/benchmarks/) are not read: their commands need GPUs or hours.
 
 The same pages' links are checked here too: every relative link and image in README.md, BENCHMARKS.md and docs/
-names a file or folder that exists, and an `#anchor` a heading of the page it points to.
+names a file or folder that exists, and an `#anchor` a heading of the page it points to; BENCHMARKS.md indexes
+every dated report, and docs/benchmarks/archive/README.md every superseded one.
 """
 
 from __future__ import annotations
@@ -183,6 +184,17 @@ def test_every_link_points_to_a_file_that_exists():
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{where} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_benchmark_report_is_indexed():
+    """BENCHMARKS.md lists every dated report of docs/benchmarks/, and the archive's README every superseded one."""
+    reports, archive = ROOT / "docs" / "benchmarks", ROOT / "docs" / "benchmarks" / "archive"
+    for index, folder in ((ROOT / "BENCHMARKS.md", reports), (archive / "README.md", archive)):
+        linked = {(index.parent / target).resolve() for target in re.findall(r"\]\(([^)#\s]+\.md)", index.read_text())}
+        dated = [p for p in sorted(folder.glob("*.md")) if p.name != "README.md"]
+        assert dated, folder
+        missing = [str(p.relative_to(ROOT)) for p in dated if p.resolve() not in linked]
+        assert not missing, f"{missing} are not linked from {index.relative_to(ROOT)}"
 
 
 def test_every_path_the_pages_name_exists():
