@@ -32,6 +32,7 @@ the device's HBM bandwidth), and the bound of the mode: colocated, each device d
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import multiprocessing
@@ -42,8 +43,18 @@ import subprocess
 import threading
 import time
 
+import torch
+import torch.distributed as dist
+
 from asyncrl.config import GRPO, AsyncConfig, DataConfig, ModelConfig, OptimConfig, PlacementConfig, RolloutConfig, \
     RunConfig, TrainerConfig
+from asyncrl.launch.train import train
+from asyncrl.policies.loading import hf_config, load_model
+from asyncrl.policies.model import CausalLM, TransformerConfig
+from asyncrl.rpc.roles import free_port
+from asyncrl_bench.engine import step_bytes
+from asyncrl_bench.flops import body_params, train_flops
+from asyncrl_bench.roofline import peak_bandwidth, peak_flops, unknown_peak_note
 
 __all__ = ["AsyncBenchArgs", "MODES", "variant_config", "summarize", "broadcast_seconds", "bench_async"]
 
@@ -59,42 +70,59 @@ max_version_lag with lag policy "wait")."""
 
 @dataclasses.dataclass
 class AsyncBenchArgs:
+    """Training runs of each mode on the same devices. Every flag that is a run's knob has that knob's default
+    (`RunConfig` and its parts; the run's flag is named beside it), so a variant trains as `asyncrl train`
+    would unless a flag says otherwise; the others choose the variants, the devices and the measurement."""
+
     variants: tuple[str, ...] = ("sync", "one-step-off", "stream", "stale-partial")
     """Modes to run, each optionally with overrides: `mode:key=value,...` (keys: staleness, trigger, partial,
     slots, split, sleep)."""
     devices: tuple[str, ...] = ("cuda:0", "cuda:1")
     """The devices every variant gets (sync: all of them colocated; the others: split, default 1 trainer)."""
     model: str = "random:qwen2.5-0.5b"
-    tokenizer: str | None = None
-    """Tokenizer for a 'random:' model reading --data."""
-    data: str | None = None
-    """Prompt file (verl parquet / JSONL); None = the built-in arithmetic task."""
-    digits: int = 1
-    """Arithmetic task (no --data): digits per operand."""
-    system_prompt: str | None = None
-    n: int = 8
-    mini_batch_size: int = 16
-    """Prompts per learner step."""
-    max_new_tokens: int = 1024
-    max_prompt_length: int = 512
-    temperature: float = 1.0
-    lr: float = 1e-6
-    slots: int = 256
-    """Engine slots (sequences decoded together) per rollout device."""
+    tokenizer: str | None = ModelConfig.tokenizer
+    """Tokenizer for a 'random:' model reading --data (--model.tokenizer)."""
+    data: str | None = DataConfig.path
+    """Prompt file (verl parquet / JSONL); None = the built-in arithmetic task (--data.path)."""
+    digits: int = DataConfig.digits
+    """Arithmetic task (no --data): digits per operand (--data.digits)."""
+    system_prompt: str | None = DataConfig.system_prompt
+    """--data.system-prompt."""
+    n: int = RolloutConfig.n
+    """Responses per prompt (--rollout.n)."""
+    mini_batch_size: int = TrainerConfig.mini_batch_size
+    """Prompts per learner step (--trainer.mini-batch-size)."""
+    max_new_tokens: int = RolloutConfig.max_new_tokens
+    """--rollout.max-new-tokens."""
+    max_prompt_length: int = RolloutConfig.max_prompt_length
+    """--rollout.max-prompt-length."""
+    temperature: float = RolloutConfig.temperature
+    """--rollout.temperature (the learner's too)."""
+    lr: float = OptimConfig.lr
+    """--trainer.optim.lr."""
+    slots: int = RolloutConfig.max_slots
+    """Engine slots (sequences decoded together) per rollout device (--rollout.max-slots)."""
     steps: int = 12
     """Learner steps per variant (versions = steps / trigger, rounded up)."""
-    time_budget_s: float | None = None
-    """Stop each variant after this many seconds instead (reward-vs-wall-clock comparisons)."""
-    trainer_dtype: str = "float32"
-    gradient_checkpointing: bool = True
-    max_tokens_per_micro_batch: int = 16384
-    seed: int = 0
+    time_budget_s: float | None = AsyncConfig.time_budget_s
+    """Stop each variant after this many seconds instead (reward-vs-wall-clock comparisons;
+    --async-training.time-budget-s)."""
+    trainer_dtype: str = TrainerConfig.param_dtype
+    """--trainer.param-dtype."""
+    gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
+    """--trainer.gradient-checkpointing."""
+    max_tokens_per_micro_batch: int = TrainerConfig.max_tokens_per_micro_batch
+    """--trainer.max-tokens-per-micro-batch."""
+    seed: int = RunConfig.seed
+    """--seed (also the model's and the data's)."""
     out: str = "runs/bench-async"
-    sync_timeout_s: float = 300.0
-    """Weight-sync timeout, also the trainer group's collective timeout (a hung collective is reported then)."""
+    sync_timeout_s: float = AsyncConfig.sync_timeout_s
+    """Weight-sync timeout, also the trainer group's collective timeout (a hung collective is reported then;
+    --async-training.sync-timeout-s)."""
     nccl_reference: bool = True
     """Time a bare broadcast of the model's bytes between the first two devices, for the weight-sync ratio."""
-    threads_per_process: int = 4
+    threads_per_process: int = PlacementConfig.threads_per_process
+    """torch intra-op threads per process (--placement.threads-per-process)."""
 
 
 # ----------------------------------------------------------------------------------------- configs
@@ -237,9 +265,6 @@ def summarize(run_dir: str | pathlib.Path, *, n: int, warmup_versions: int = 1) 
 
 
 def _broadcast_member(rank: int, port: int, devices: list[str], numel: int, repeats: int, results) -> None:
-    import datetime
-    import torch
-    import torch.distributed as dist
     device = torch.device(devices[rank])
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -265,10 +290,9 @@ def _broadcast_member(rank: int, port: int, devices: list[str], numel: int, repe
 
 def broadcast_seconds(num_bytes: int, devices: list[str], repeats: int = 10) -> float:
     """Median seconds of one bare torch.distributed broadcast of `num_bytes` (bf16) between two processes."""
-    from asyncrl.rpc.roles import free_port as _free_port
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_broadcast_member, args=(r, port, devices, num_bytes // 2, repeats, results))
              for r in range(2)]
     for p in procs:
@@ -284,8 +308,6 @@ def broadcast_seconds(num_bytes: int, devices: list[str], repeats: int = 10) -> 
 
 def weight_bytes(model: str, dtype: str = "bfloat16") -> int:
     """Bytes a publication moves: every weight (tied lm_head once) in the engine's dtype."""
-    import torch
-    from asyncrl.policies.loading import load_model
     m = load_model(model, dtype=getattr(torch, dtype), device="meta") if model.startswith("random:") else \
         load_model(model, dtype=getattr(torch, dtype))
     tied = getattr(m.config, "tie_word_embeddings", False)
@@ -296,9 +318,6 @@ def weight_bytes(model: str, dtype: str = "bfloat16") -> int:
 def _meta_model(name: str):
     """`name`'s architecture in bf16 on the meta device (no weights read), or None when it is no preset or
     config.json (a GGUF file, a Hub name)."""
-    import torch
-    from asyncrl.policies.loading import hf_config, load_model
-    from asyncrl.policies.model import CausalLM, TransformerConfig
     if name.startswith("random:"):
         return load_model(name, dtype=torch.bfloat16, device="meta")
     try:
@@ -313,9 +332,6 @@ def run_roofline(row: dict, model, *, colocated: bool) -> dict:
     """The trained tokens/s bounds of one variant's row (module docstring): `learner_bound_tok_s`,
     `engine_bound_tok_s`, `roofline_tok_s` and the fraction of it the run reached; null with a note where
     the devices' peaks are unknown or the architecture could not be read."""
-    from asyncrl_bench.engine import step_bytes
-    from asyncrl_bench.learner import body_params, train_flops
-    from asyncrl_bench.roofline import peak_bandwidth, peak_flops, unknown_peak_note
     trainers, agents = row["trainer_devices"], row["agent_devices"]
     flops, bandwidth = peak_flops(trainers[0]), peak_bandwidth(agents[0])
     rows, tokens, response = row["rows_measured"], row["tokens_measured"], row["response_tokens_measured"]
@@ -337,7 +353,7 @@ def run_roofline(row: dict, model, *, colocated: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------ the run
 def bench_async(args: AsyncBenchArgs) -> list[dict]:
-    from asyncrl.launch.train import train
+    """Run every variant (each a real training run), print and write the table, results.json and plots."""
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = [(v, variant_config(args, v)) for v in args.variants]  # every variant parses before any runs

@@ -24,6 +24,9 @@ from typing import Literal
 
 import torch
 
+from asyncrl.launch.device_checks import known_model_config
+from asyncrl.policies.decode_attention import sdpa_decode
+from asyncrl_bench.roofline import peak_bandwidth
 from asyncrl_bench.shared import device_name, write_json
 
 __all__ = ["AttentionBenchArgs", "bench_attention"]
@@ -52,7 +55,6 @@ class AttentionBenchArgs:
 
 
 def _shape(path: str) -> tuple[int, int, int]:
-    from asyncrl.launch.device_checks import known_model_config
     cfg = known_model_config(path)
     if cfg is None:
         raise ValueError(f"--model {path}: not a known preset or config.json")
@@ -74,12 +76,11 @@ def _flex(q, k, v, lengths):
 
 
 def _callable(kernel: Kernel, q, k, v, lengths, context: int):
-    from asyncrl.policies.decode_attention import sdpa_decode
-    from asyncrl.policies.triton_decode import triton_decode_attention
     if kernel == "sdpa":
         positions = lengths - 1
         return lambda: sdpa_decode(q, k, v, positions, context)
     if kernel in ("triton", "triton-tf32"):
+        from asyncrl.policies.triton_decode import triton_decode_attention  # imports Triton: only where it runs
         tf32 = kernel == "triton-tf32"
         return lambda: triton_decode_attention(q, k, v, lengths, attend_len=context, pv_tf32=tf32)
     return _flex(q, k, v, lengths)
@@ -114,7 +115,6 @@ def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: 
     row = {"device": device_name("cuda"), "model": args.model, "batch": batch, "context": context,
            "lengths": args.lengths, "kv_bytes": need, "peak_bandwidth": bandwidth,
            "roofline_us": need / bandwidth * 1e6 if bandwidth else None}
-    from asyncrl.policies.decode_attention import sdpa_decode
     few = min(batch, 8)  # the reference: SDPA in fp32 on the same (rounded) K/V, for the first rows
     reference = sdpa_decode(q[:few].float(), k[:few].float(), v[:few].float(), lengths[:few] - 1, context)
     for kernel in args.kernels:
@@ -133,7 +133,6 @@ def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: 
 
 def bench_attention(args: AttentionBenchArgs) -> list[dict]:
     """Run the decode-attention benchmark; print one JSON row per (batch, context) and return them."""
-    from asyncrl_bench.roofline import peak_bandwidth
     if not torch.cuda.is_available():
         raise ValueError("the attention benchmark needs a CUDA device (the Triton kernel runs there)")
     shape, bandwidth = _shape(args.model), peak_bandwidth("cuda")

@@ -28,20 +28,25 @@ K/V of every row at the mean context (`step_bytes`) at full HBM bandwidth. vLLM'
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import json
+import multiprocessing
 import tempfile
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
+from asyncrl.config import ModelConfig, RolloutConfig, RunConfig, VLLMConfig
+from asyncrl.data.files import load_prompt_file
+from asyncrl.policies import (Engine, EngineConfig, SamplingParams, load_model, load_tokenizer, save_pretrained,
+                              token_logprobs)
+from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm_offline_generate
+from asyncrl_bench.flops import body_params
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
 from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
-
-if TYPE_CHECKING:
-    from asyncrl.policies import SamplingParams
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
 
@@ -51,12 +56,15 @@ Backend = Literal["asyncrl", "vllm", "vllm-llm", "hf"]
 @dataclasses.dataclass
 class EngineBenchArgs:
     """Rollout backends side by side (asyncrl's engine, vLLM, transformers' generate): output tokens/s at each
-    batch size, on random prompts with a forced length or on a prompt file with n samples and real EOS."""
+    batch size, on random prompts with a forced length or on a prompt file with n samples and real EOS. The
+    engine's knobs have a run's names and defaults (`RolloutConfig`, `EngineConfig`, `ModelConfig`)."""
 
     model: str = "random:qwen2.5-0.5b"
     """Model: an HF dir, a .gguf, 'smollm2', or 'random:<preset>'."""
     device: str = "cuda"
-    dtype: str = "bfloat16"
+    dtype: str = ModelConfig.engine_dtype
+    """Weights and activations of every backend (a run's --model.engine-dtype): auto = bfloat16 on CUDA,
+    float32 on CPU; or a torch dtype name."""
     backends: tuple[Backend, ...] = ("asyncrl", "hf")
     """Which backends to time, each on the same prompts and sampling: our engine, vLLM behind our `RolloutEngine`
     adapter (what a run with --rollout.backend vllm gets), vLLM's own offline `LLM.generate` (engine core in its
@@ -66,26 +74,30 @@ class EngineBenchArgs:
     """Prompts per measurement (each sampled --n times)."""
     prompt_len: int = 128
     """Random prompts: tokens per prompt (ignored with --data)."""
-    new_tokens: int = 512
-    """Random prompts: exactly this many tokens per sample (EOS ignored); with --data: at most this many."""
+    new_tokens: int = RolloutConfig.max_new_tokens
+    """Random prompts: exactly this many tokens per sample (EOS ignored); with --data: at most this many (a run's
+    --rollout.max-new-tokens)."""
     data: str | None = None
     """A prompt file (.jsonl / .parquet, verl's format; e.g. GSM8K from `asyncrl data convert-gsm8k`): its first
     prompts, rendered through the tokenizer's chat template, generated until EOS (lengths vary, as in RL)."""
-    tokenizer: str | None = None
+    tokenizer: str | None = ModelConfig.tokenizer
     """Tokenizer for --data (default: the model's)."""
     n: int = 1
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size). 1 by default, unlike a run's --rollout.n: a batch size is then
+    the number of sequences decoded together."""
     seeded: bool = False
     """Give every sample its own seed, as training does (vLLM then samples with a per-request generator)."""
-    cuda_graphs: bool = True
-    decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
+    cuda_graphs: bool = RolloutConfig.cuda_graphs
+    """Our engine captures its decode step in CUDA graphs (`--rollout.cuda-graphs`)."""
+    decode_attention: Literal["auto", "sdpa", "triton"] = RolloutConfig.decode_attention
     """Our engine's decode attention (`--rollout.decode-attention`)."""
-    decode_ahead: bool = True
+    decode_ahead: bool = EngineConfig.decode_ahead
     """Our engine launches each decode step before reading the previous one's tokens (`EngineConfig.decode_ahead`)."""
     vllm_prefix_caching: bool = False
     """Let vLLM's prefix cache serve the timed run the prompts the warm-up run already prefilled (our engine keeps
-    no K/V between requests, so with it on vLLM skips work that ours does)."""
-    seed: int = 0
+    no K/V between requests, so with it on vLLM skips work that ours does). Off by default, unlike a run's
+    --rollout.vllm.enable-prefix-caching, so that both engines prefill the same prompts."""
+    seed: int = RunConfig.seed
     out: str | None = None
     """Write the results as JSON here."""
 
@@ -95,6 +107,16 @@ class EngineBenchArgs:
                              "most once")
         if self.n < 1 or min(self.batch_sizes, default=0) < 1:
             raise ValueError("--n and every --batch-sizes value must be >= 1")
+        self.torch_dtype()
+
+    def torch_dtype(self) -> torch.dtype:
+        """--dtype as a torch dtype (auto: bfloat16 on CUDA, float32 elsewhere, as a run's engine)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"--dtype {self.dtype}: choose auto or a torch dtype (bfloat16, float16, float32)")
+        return dtype
 
 
 def step_bytes(model, batch: int, attend_len: int) -> float:
@@ -112,7 +134,6 @@ def prefill_flops(model, prompt_lens: list[int]) -> float:
     """Model FLOPs of prefilling prompts of these lengths (forward only, 2 per multiply-add): 2 · N_body per
     token, causal attention 2 · layers · (heads · head_dim) · s² per prompt of s tokens (QKᵀ and AV over the
     half of the scores a causal mask keeps), and the LM head once per prompt (its last position's logits)."""
-    from asyncrl_bench.learner import body_params
     cfg = model.config
     n_body, width = body_params(model), cfg.num_heads * cfg.head_dim
     return float(sum(2 * n_body * s + 2 * cfg.num_layers * width * s * s + 2 * cfg.vocab_size * cfg.hidden_size
@@ -124,7 +145,7 @@ class Workload:
     """The prompts and sampling of one measurement, the same for every backend."""
 
     prompts: list[list[int]]
-    params: "SamplingParams"
+    params: SamplingParams
     eos_token_ids: tuple[int, ...]
 
     @property
@@ -141,7 +162,6 @@ class Workload:
 
 
 def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
-    from asyncrl.policies import SamplingParams
     ignore_eos = args.data is None
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=ignore_eos,
                             seed=args.seed if args.seeded else None)
@@ -149,8 +169,6 @@ def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
         gen = torch.Generator().manual_seed(args.seed)
         return [Workload(torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=gen).tolist(),
                          params, ()) for b in args.batch_sizes]
-    from asyncrl.data.files import load_prompt_file
-    from asyncrl.policies import load_tokenizer
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     prompts, _ = load_prompt_file(args.data, tokenizer, max_prompt_length=1024)
     if len(prompts) < max(args.batch_sizes):
@@ -222,16 +240,13 @@ def _time_hf_generate(model, work: Workload, device: str) -> tuple[float, float]
 
 def _in_own_process(function, *args):
     """function(*args) in a fresh process: vLLM changes process-wide torch settings and starts children."""
-    import concurrent.futures
-    import multiprocessing as mp
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(function, *args).result()
 
 
 def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[list, float]]:
     """vLLM behind our adapter, one engine for every workload: (outputs, output tok/s) of each, timed like ours
     (after a warm-up run)."""
-    from asyncrl.policies.vllm_engine import build_vllm_engine
     model = _load(args)
     engine = build_vllm_engine(model, _engine_config(args, *works), agent="bench", options=_vllm_options(args))
     del model
@@ -239,8 +254,7 @@ def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[lis
     return [(outs, _generated(outs)[0] / seconds) for outs, seconds, _ in timed]
 
 
-def _vllm_options(args: EngineBenchArgs):
-    from asyncrl.config import VLLMConfig
+def _vllm_options(args: EngineBenchArgs) -> VLLMConfig:
     return VLLMConfig(enable_prefix_caching=args.vllm_prefix_caching)
 
 
@@ -248,9 +262,8 @@ def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: st
                      kv_bytes: int | None) -> list[tuple[float, float, float]]:
     """vLLM's own `LLM.generate` over the model saved in `model_dir`, one `LLM` for every workload: (output tok/s,
     mean sample length, seconds of the prompts' prefill alone) of each, from the runs after the warm-up."""
-    from asyncrl.policies.vllm_engine import vllm_offline_generate
     batches = [(w.prompts, w.params) for w in works] + [(w.prompts, w.prefill_only().params) for w in works]
-    runs = vllm_offline_generate(model_dir, batches, dtype=getattr(torch, args.dtype), device=str(_load_device(args)),
+    runs = vllm_offline_generate(model_dir, batches, dtype=args.torch_dtype(), device=str(_load_device(args)),
                                  max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
                                  eos_token_ids=works[0].eos_token_ids, options=_vllm_options(args))
     timed = [run[-1] for run in runs]  # (tokens, seconds) of each batch's run after its warm-up
@@ -267,8 +280,6 @@ def _load_device(args: EngineBenchArgs) -> torch.device:
 def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float, float]]:
     """`_vllm_llm_worker` in a process of its own, over a copy of `model` saved once (the child loads no model
     of its own, so the GPU holds one copy of the weights besides vLLM's)."""
-    from asyncrl.policies import save_pretrained
-    from asyncrl.policies.vllm_engine import kv_cache_bytes
     config = _engine_config(args, *works)
     kv_bytes = None if args.device.startswith("cuda") else kv_cache_bytes(model, config.max_slots, config.max_len)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-vllm-") as directory:
@@ -277,13 +288,11 @@ def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[
 
 
 def _load(args: EngineBenchArgs):
-    from asyncrl.policies import load_model
-    return load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed)
+    return load_model(args.model, dtype=args.torch_dtype(), device=args.device, seed=args.seed)
 
 
-def _engine_config(args: EngineBenchArgs, *works: Workload):
+def _engine_config(args: EngineBenchArgs, *works: Workload) -> EngineConfig:
     """Our engine's configuration for these workloads (slots and length of the largest)."""
-    from asyncrl.policies import EngineConfig
     return EngineConfig(max_slots=max(w.sequences for w in works),
                         max_len=max(max(map(len, w.prompts)) for w in works) + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
@@ -295,7 +304,6 @@ def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
     """Engine behaviour log-probs vs a training forward of the same tokens (the first `max_rows` samples): the
     mean and the largest |difference| per token, the largest |logit| they come from (the scale a tolerance
     for rounding differences is relative to; tests/tolerances.py) and a k1 estimate of the KL."""
-    from asyncrl.policies import token_logprobs
     diffs, kls, worst, scale = [], [], 0.0, 0.0
     samples = [(out.prompt_ids, c) for out in outs for c in out.completions if c.token_ids][:max_rows]
     for prompt_ids, c in samples:
@@ -370,9 +378,13 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
     return results
 
 
+def _dtype_name(args: EngineBenchArgs) -> str:
+    return str(args.torch_dtype()).removeprefix("torch.")
+
+
 def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) -> dict:
     """One row's workload, roofline, and the backends that run in this process (ours, transformers')."""
-    row = {"device": device_name(args.device), "model": args.model, "dtype": args.dtype, "batch": batch,
+    row = {"device": device_name(args.device), "model": args.model, "dtype": _dtype_name(args), "batch": batch,
            "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
            "prompt_len": max(map(len, work.prompts)), "prompt_tokens": work.prompt_tokens,
            "new_tokens": args.new_tokens, **_roofline(args, model, work, args.device)}
@@ -394,7 +406,6 @@ def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, ba
     """Our engine on `work`: tok/s, the prompts' prefill alone, the mean decode step without it (the run's time
     less that prefill, over its decode steps) and, where the roofline is known, the fraction of a decode step's
     bandwidth bound it reaches; the behaviour log-probs' mismatch with a training forward."""
-    from asyncrl.policies import Engine
     engine = Engine(model, _engine_config(args, work))
     outs, seconds, steps = _time_engine(engine, work, args.device)
     prefill_s = _time_prefill(engine, work, args.device)

@@ -2,9 +2,9 @@
 the same rows, in one process (the learner benchmark's LoRA branch; `asyncrl_bench.learner` describes the rest).
 
 Both sides: the base model frozen in bf16 on CUDA (fp32 on CPU), adapters of rank R with the same alpha,
-dropout and target layers, in float32, bf16 autocast on CUDA, gradient checkpointing, AdamW over the adapters
-only. peft is timed first, on a Hugging Face copy of the base (its own weights: one base in memory at a time),
-then ours on the base itself.
+dropout and target layers, in float32, bf16 autocast on CUDA, the learner benchmark's knobs (gradient
+checkpointing with `--gradient-checkpointing`), AdamW over the adapters only. peft is timed first, on a
+Hugging Face copy of the base (its own weights: one base in memory at a time), then ours on the base itself.
 
 Useful FLOPs of a LoRA step (`lora_train_flops`): a frozen weight still costs its forward and the gradient of
 its input, 4 FLOPs per multiply-add instead of 6, per token (decoder layers) and per response token (LM
@@ -17,7 +17,19 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.config import LORA_TARGETS
+from asyncrl.policies.lora import apply_lora
+from asyncrl_bench.flops import body_params, row_lengths
+from asyncrl_bench.learner_args import LearnerBenchArgs
+from asyncrl_bench.roofline import flop_roofline, peak_flops
+from asyncrl_bench.shared import hf_copy
+from asyncrl_bench.timing import StepTimes
+from asyncrl_bench.train_steps import time_hf_step, time_our_step, timed_fields
+
 __all__ = ["lora_train_flops", "bench_learner_lora"]
+
+LORA_LR = 1e-5
+"""Both sides' learning rate (adapters train at ~10x full fine-tuning's; the value does not change a step's time)."""
 
 
 def lora_train_flops(config, n_body: int, n_adapter: int, rows: list[tuple[int, int]]) -> float:
@@ -34,15 +46,10 @@ def _base_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def _time_peft_train(args, model, step_groups: list[list]):
+def _time_peft_train(args: LearnerBenchArgs, model, step_groups: list[list]) -> StepTimes:
     """`StepTimes` of a transformers + peft LoRA training step over the same groups (after the warm-up steps): the
-    plain HF step of `asyncrl_bench.learner` (padded micro-batches by our budget rule, `model(...).loss`, backward,
-    clipping, AdamW) on a peft model."""
+    plain HF step of `asyncrl_bench.train_steps` on a peft model."""
     from peft import LoraConfig as PeftLora, get_peft_model
-
-    from asyncrl_bench.learner import _hf_micro_batches
-    from asyncrl_bench.shared import hf_copy
-    from asyncrl_bench.timing import time_steps
     lora = args.lora
     hf = hf_copy(model, _base_dtype(args.device), args.device)
     if args.gradient_checkpointing:
@@ -50,38 +57,19 @@ def _time_peft_train(args, model, step_groups: list[list]):
         hf.enable_input_require_grads()  # the frozen embeddings' output must carry a gradient through checkpoints
     hf = get_peft_model(hf, PeftLora(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                      target_modules=list(lora.target_modules)))
-    hf.train()
-    on_cuda = args.device.startswith("cuda")
-    params = [p for p in hf.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=1e-5, fused=on_cuda and args.fused_optimizer)
-
-    def step(groups: list) -> None:
-        for batch in _hf_micro_batches(groups, args.max_tokens_per_micro_batch, args.device):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
-                loss = hf(**batch).loss
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    return time_steps(args.device, step, step_groups, args.warmup_steps)
+    return time_hf_step(args, hf, step_groups, lr=LORA_LR)
 
 
-def _time_lora_step(args, model, step_groups: list[list]):
+def _time_lora_step(args: LearnerBenchArgs, model, step_groups: list[list]) -> StepTimes:
     """`StepTimes` of our GRPO `train_step` with adapters on `model` (after the warm-up steps)."""
-    from asyncrl_bench.learner import _time_train_step
-    from asyncrl.policies.lora import apply_lora
     lora = args.lora
     apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
-    return _time_train_step(args, model, step_groups, lr=1e-5)
+    return time_our_step(args, model, step_groups, lr=LORA_LR)
 
 
-def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
+def bench_learner_lora(args: LearnerBenchArgs, model, step_groups: list[list], row: dict) -> dict:
     """Fill `row` (the learner benchmark's JSON row) with the LoRA comparison: each side's tok/s, MFU and peak
     memory, the ratio. `model`: the base, loaded in `_base_dtype` (ours trains adapters on it, in place)."""
-    from asyncrl_bench.learner import _timed_fields, body_params, row_lengths
-    from asyncrl_bench.roofline import flop_roofline, peak_flops
-    from asyncrl.policies.lora import LORA_TARGETS
     on_cuda = args.device.startswith("cuda")
     lora = args.lora
     n_body = body_params(model)
@@ -101,13 +89,13 @@ def bench_learner_lora(args, model, step_groups: list[list], row: dict) -> dict:
         if on_cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        row.update(_timed_fields("hf_", _time_peft_train(args, model, step_groups), tokens, flops, peak))
+        row.update(timed_fields("hf_", _time_peft_train(args, model, step_groups), tokens, flops, peak))
         if on_cuda:
             row["hf_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         model.to(args.device)
-    row.update(_timed_fields("ours_", _time_lora_step(args, model, step_groups), tokens, flops, peak))
+    row.update(timed_fields("ours_", _time_lora_step(args, model, step_groups), tokens, flops, peak))
     if on_cuda:
         row["ours_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if args.baseline:

@@ -35,9 +35,9 @@ class BenchRates:
         """A brief `asyncrl bench engine` on --device (our engine only) at 64 sequences and at --slots."""
         print(f"[asyncrl] measuring the engine on {a.device}", flush=True)
         return bench_engine(EngineBenchArgs(
-            model=a.model, device=a.device, dtype="bfloat16" if a.device.startswith("cuda") else "float32",
-            backends=("asyncrl",), batch_sizes=tuple(sorted({min(64, a.slots), a.slots})),
-            prompt_len=round(work.prompt_len), new_tokens=round(work.response_len)))
+            model=a.model, device=a.device, backends=("asyncrl",),
+            batch_sizes=tuple(sorted({min(64, a.slots), a.slots})), prompt_len=round(work.prompt_len),
+            new_tokens=round(work.response_len)))
 
 
 def bench_plan(a: PlanArgs) -> None:

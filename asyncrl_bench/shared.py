@@ -8,6 +8,8 @@ import tempfile
 
 import torch
 
+from asyncrl.policies import save_pretrained
+
 __all__ = ["synchronize", "device_name", "hf_copy", "write_json"]
 
 
@@ -24,8 +26,6 @@ def device_name(device: str) -> str:
 def hf_copy(model, dtype: torch.dtype, device: str):
     """The same weights as a `transformers` model (saved and re-opened through a temporary directory)."""
     import transformers
-
-    from asyncrl.policies import save_pretrained
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The LoRA runs behind BENCHMARKS.md ("LoRA on one GPU"), one stage per call, on one GPU:
 #
-#   bash scripts/gpu_lora.sh bench       OUT   # learner step, Qwen3-8B shape, ragged RL rows, rank 32:
-#                                              #   ours vs transformers + peft (tok/s, MFU, peak GiB)
+#   bash scripts/gpu_lora.sh bench       OUT   # learner step, Qwen3-8B shape, ragged RL rows, rank 32, budget
+#                                              #   8,192 with MLP-only recompute: ours vs transformers + peft
+#                                              #   (tok/s, MFU, peak GiB)
 #   bash scripts/gpu_lora.sh async8b     OUT   # qwen3-8b-lora fully async, trainer and agent sharing cuda:0
 #   bash scripts/gpu_lora.sh offpolicy8b OUT   # the same, one-step-off
 #   bash scripts/gpu_lora.sh pub17b      OUT   # Qwen3-1.7B shape fully async: full weights vs rank-32 adapters
@@ -52,6 +53,7 @@ ASYNC=(--async-training.no-colocated --async-training.staleness-threshold 0.5 --
 case "$STAGE" in
 bench)
   job bench8b bench learner --model random:qwen3-8b --workload ragged --rows 64 --steps "${STEPS:-3}" \
+      --max-tokens-per-micro-batch 8192 --gradient-checkpointing --checkpoint-scope mlp \
       --lora.rank 32 --lora.alpha 32 --out "$OUT/bench8b.json"
   cat "$OUT/bench8b.json" 2>/dev/null
   ;;

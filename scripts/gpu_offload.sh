@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The offload runs behind BENCHMARKS.md ("Offload: full fine-tuning of an 8B shape on one GPU"), one stage per
-# call, on one GPU. The ragged RL workload of the learner benchmark (64 rows, ~86k tokens a step, budget 8,192),
+# call, on one GPU. The ragged RL workload of the learner benchmark (64 rows, ~86k tokens a step, budget 8,192,
+# MLP-only recompute: an 8B shape's activations at the learner's default budget without recompute would not fit),
 # 3 timed steps after two warm-up steps (asyncrl bench learner --warmup-steps), random weights:
 #
 #   bash scripts/gpu_offload.sh small OUT   # Qwen3-1.7B shape, fp32 weights: --offload none / optimizer / params
@@ -15,7 +16,8 @@ OUT=${2:-runs/gpu-offload}
 LIMIT=${LIMIT:-420}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-BENCH=(bench learner --workload ragged --rows 64 --steps 3 --max-tokens-per-micro-batch 8192 --no-baseline)
+BENCH=(bench learner --workload ragged --rows 64 --steps 3 --max-tokens-per-micro-batch 8192 --gradient-checkpointing
+       --checkpoint-scope mlp --no-baseline)
 
 run() {  # run NAME ARGS...: the learner benchmark with ARGS, its log in OUT/NAME.log
   local name=$1; shift

@@ -53,6 +53,9 @@ from asyncrl.config import (
     GRPO, AsyncConfig, DataConfig, ModelConfig, OffPolicyConfig, OptimConfig, PlacementConfig, RolloutConfig,
     RunConfig, TrainerConfig,
 )
+from asyncrl.evaluate import evaluate
+from asyncrl.launch.train import train
+from asyncrl.tracking import read_metrics
 
 __all__ = ["GridArgs", "CELLS", "CORRECTIONS", "cell_config", "run_one", "aggregate", "table", "run_grid"]
 
@@ -86,39 +89,56 @@ the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style maski
 
 @dataclasses.dataclass
 class GridArgs:
-    model: str = "smollm2"
-    tokenizer: str | None = None
-    """Tokenizer for a 'random:' model (smoke runs)."""
+    """The grid's runs. A flag that is a run's knob keeps that knob's default (`RunConfig` and its parts; the
+    run's flag is named beside it) unless it is part of the grid's experiment, which says so: the task (two-digit
+    sums with a system prompt, their lengths), the learning rate, the rollout's slots and a longer sync timeout."""
+
+    model: str = ModelConfig.path
+    """--model.path."""
+    tokenizer: str | None = ModelConfig.tokenizer
+    """Tokenizer for a 'random:' model (smoke runs; --model.tokenizer)."""
     devices: tuple[str, str] = ("cpu", "cpu")
     """Trainer device, rollout device (sync puts both roles on the first)."""
     cells: tuple[str, ...] = tuple(CELLS)
     seeds: tuple[int, ...] = (0, 1, 2)
     digits: int = 2
-    """The built-in arithmetic task: two-digit sums by default."""
+    """The grid's task, the built-in arithmetic: two-digit sums (--data.digits, the grid's own)."""
     system_prompt: str = "Reply with the result only."
-    n: int = 8
-    mini_batch_size: int = 16
-    """Prompts per learner step (a cell of M updates per step trains them as M mini-batches)."""
+    """The grid's task: the model is asked for the number alone (--data.system-prompt, the grid's own)."""
+    n: int = RolloutConfig.n
+    """Responses per prompt (--rollout.n)."""
+    mini_batch_size: int = TrainerConfig.mini_batch_size
+    """Prompts per learner step (a cell of M updates per step trains them as M mini-batches;
+    --trainer.mini-batch-size)."""
     steps: int = 96
     """Learner steps of every run (a multiple of every cell's trigger)."""
     lag: float = 6.0
     """--async-training.staleness-threshold of the lag cells: how many versions the rollout may run ahead."""
     lr: float = 1e-5
-    temperature: float = 1.0
+    """The grid's learning rate (--trainer.optim.lr, the grid's own)."""
+    temperature: float = RolloutConfig.temperature
+    """--rollout.temperature (the learner's and the evaluation's too)."""
     max_new_tokens: int = 32
+    """The grid's task: a sum's answer fits (--rollout.max-new-tokens, the grid's own)."""
     max_prompt_length: int = 96
+    """The grid's task: a sum's prompt fits (--rollout.max-prompt-length, the grid's own)."""
     slots: int = 128
-    """Engine slots of the rollout process."""
-    max_tokens_per_micro_batch: int = 16384
-    """Learner micro-batch token budget (memory only: the loss and gradient do not depend on it)."""
+    """Engine slots of the rollout process: a learner step's --mini-batch-size × --n responses at once with the
+    defaults (--rollout.max-slots, the grid's own)."""
+    max_tokens_per_micro_batch: int = TrainerConfig.max_tokens_per_micro_batch
+    """Learner micro-batch token budget (memory only: the loss and gradient do not depend on it;
+    --trainer.max-tokens-per-micro-batch)."""
     eval_prompts: int = 128
     eval_n: int = 4
     eval_seed: int = 1000
     """Task seed of the evaluation prompts (training uses the run's seed)."""
     parallel: int = 1
     """Runs at once (each is its own set of processes)."""
-    threads_per_process: int = 1
+    threads_per_process: int = PlacementConfig.threads_per_process
+    """--placement.threads-per-process."""
     sync_timeout_s: float = 600.0
+    """--async-training.sync-timeout-s, the grid's own (longer than a run's): --parallel runs share the GPUs, so a
+    weight sync can wait behind another run's work."""
     keep_checkpoints: bool = False
     """Keep each run's final checkpoint after its evaluation (SmolLM2-135M with its optimizer: ~1.6 GB each)."""
     out: str = "runs/learning-grid"
@@ -166,7 +186,6 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
 
 
 def _eval(args: GridArgs, model: str, device: str) -> dict:
-    from asyncrl.evaluate import evaluate
     data = DataConfig(task="arithmetic", digits=args.digits, operators="+", system_prompt=args.system_prompt,
                       seed=args.eval_seed)
     return evaluate(model, data, num_prompts=args.eval_prompts, n=args.eval_n, temperature=args.temperature,
@@ -175,7 +194,6 @@ def _eval(args: GridArgs, model: str, device: str) -> dict:
 
 
 def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
-    from asyncrl.tracking import read_metrics
     rows = read_metrics(run_dir)
     keys = {"reward": "critic/score/mean", "lag_mean": "training/version_lag/mean",
             "lag_max": "training/version_lag/max", "mismatch_kl": "rollout_corr/mismatch_kl",
@@ -186,7 +204,6 @@ def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
 
 def run_one(args: GridArgs, cell: str, seed: int) -> dict:
     """Train one (cell, seed), evaluate its final checkpoint; write and return its result.json."""
-    from asyncrl.launch.train import train
     cfg = cell_config(args, cell, seed)
     cfg.validate()
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # no result.json: whatever is there is an unfinished attempt

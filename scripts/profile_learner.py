@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import asyncrl.learner.forward as learner_forward
-from asyncrl.config import GRPO, OptimConfig, TrainerConfig
+from asyncrl.config import GRPO, TrainerConfig
 from asyncrl.learner import build_learner, train_step
 from asyncrl.policies import load_model
 from asyncrl.policies.attention_layouts import DocumentLayout
@@ -34,16 +34,20 @@ from asyncrl_bench.learner import LearnerBenchArgs, groups_for
 
 
 @dataclasses.dataclass
-class Args:
+class ProfileArgs:
+    """The learner benchmark's workload and the learner's knobs, with their defaults (`TrainerConfig`)."""
+
     model: str = "random:qwen2.5-0.5b"
     rows: int = 64
     workload: str = "ragged"
     """The learner benchmark's workloads (`asyncrl bench learner --help`): fixed or ragged."""
-    max_tokens_per_micro_batch: int = 8192
-    gradient_checkpointing: bool = True
-    """The benchmark's default (MLP-only recompute); off: the learner's own default."""
-    cuda_graphs: bool = False
-    compile_scope: str = "layer"
+    max_tokens_per_micro_batch: int = TrainerConfig.max_tokens_per_micro_batch
+    """--trainer.max-tokens-per-micro-batch."""
+    gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
+    """--trainer.gradient-checkpointing (with the learner's --trainer.checkpoint-scope)."""
+    cuda_graphs: bool = TrainerConfig.cuda_graphs
+    """--trainer.cuda-graphs."""
+    compile_scope: str = TrainerConfig.compile_scope
     """layer or model (`--trainer.compile-scope`)."""
     warmup_steps: int = 3
     layer_tokens: int = 8192
@@ -98,14 +102,13 @@ def _layer_call_ms(model, tokens: int, compiled: bool) -> float:
     return host * 1e3
 
 
-def main(args: Args) -> None:
+def main(args: ProfileArgs) -> None:
     model = load_model(args.model, dtype=torch.float32, device="cuda")
-    bench = LearnerBenchArgs(model=args.model, rows=args.rows, workload=args.workload)
-    cfg = TrainerConfig(mini_batch_size=args.rows // bench.group_size,
-                        gradient_checkpointing=args.gradient_checkpointing,
-                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, cuda_graphs=args.cuda_graphs,
-                        compile_scope=args.compile_scope, optim=OptimConfig(lr=1e-6))
-    state = build_learner(model, cfg, GRPO())
+    bench = LearnerBenchArgs(model=args.model, rows=args.rows, workload=args.workload,
+                             max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                             gradient_checkpointing=args.gradient_checkpointing, cuda_graphs=args.cuda_graphs,
+                             compile_scope=args.compile_scope)
+    state = build_learner(model, bench.trainer_config(), GRPO())
     vocab = model.config.vocab_size
     for seed in range(args.warmup_steps):
         train_step(state, groups_for(bench, vocab, seed))
@@ -149,4 +152,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(ProfileArgs))

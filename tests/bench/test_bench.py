@@ -3,7 +3,6 @@ every entry point's --help runs and tiny-budget runs produce sane rows."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import os
@@ -16,7 +15,8 @@ import torch
 
 from asyncrl.policies import ARCH_PRESETS, random_model, token_logprobs
 from asyncrl_bench.engine import logprob_mismatch, prefill_flops, step_bytes
-from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, body_params, groups_for, row_lengths, train_flops
+from asyncrl_bench.flops import body_params, row_lengths, train_flops
+from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, groups_for
 from tests.cli_forks import cli_forks
 from tests.run_helpers import ROOT, cli
 from tests.timing import limit
@@ -43,19 +43,6 @@ def test_bench_usage_and_help():
     assert out.returncode == 0
     for flag in ("--model", "--backends", "--batch-sizes", "--prompt-len", "--new-tokens", "--data", "--n", "--out"):
         assert flag in out.stdout, flag
-
-
-def test_the_library_never_imports_the_benchmarks():
-    """asyncrl_bench sits beside the library: no module under asyncrl/ imports it (read with `ast`, so
-    function-level imports count too); `asyncrl bench` loads it by name when it runs (asyncrl/cli.py)."""
-    importers = []
-    for path in sorted((ROOT / "asyncrl").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(name.split(".")[0] == "asyncrl_bench" for name in names):
-                importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not importers, f"asyncrl imports asyncrl_bench at {', '.join(importers)}; import it lazily from cli.py"
 
 
 def test_engine_bench_smoke_run(tmp_path):
@@ -345,13 +332,13 @@ def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):
     """`asyncrl bench async` rows: the learner's FLOP bound (its devices at peak over `train_flops` per trained
     token at the run's mean lengths), the engine's bandwidth bound (slots sequences a step, every weight and
     the K/V up to the mean context read once, as trained tokens), and the mode's bound; null on CPU."""
-    import asyncrl_bench.roofline as roofline
+    import asyncrl_bench.async_runs as async_bench
     from asyncrl_bench.async_runs import _meta_model, run_roofline
     model = _meta_model("random:tiny-qwen2")
     row = dict(trainer_devices=["cuda:0", "cuda:1"], agent_devices=["cuda:0", "cuda:1"], slots=2, rows_measured=4,
                tokens_measured=40, response_tokens_measured=24, tokens_per_s=1000.0)
-    monkeypatch.setattr(roofline, "peak_flops", lambda device: 1e15)
-    monkeypatch.setattr(roofline, "peak_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(async_bench, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(async_bench, "peak_bandwidth", lambda device: 1e12)
     colocated = run_roofline(row, model, colocated=True)
     # 4 rows of 4 prompt + 6 response tokens; the engine reads up to 4 + 6/2 = 7 positions of K/V per sequence
     per_token = train_flops(model.config, body_params(model), [(4.0, 6.0)]) / 10
