@@ -216,7 +216,7 @@ def _engine_dtype(cfg: RunConfig, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSpec:
+def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
     """The run `cfg` describes. `cfg` is validated first unless `validated` says the caller did (preflight
     does: `asyncrl train` validates once)."""
     if not validated:
@@ -243,7 +243,7 @@ def build_spec(cfg: RunConfig, *, log_fn=None, validated: bool = False) -> RunSp
                    trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
                    reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                   resume_or_start=cfg.resume_or_start, log_fn=log_fn, placement=cfg.placement, eval=cfg.eval,
+                   resume_or_start=cfg.resume_or_start, placement=cfg.placement, eval=cfg.eval,
                    eval_prompts=EvalPrompts(cfg.eval, cfg.data, tokenizer, cfg.rollout.max_prompt_length, cfg.env.fn)
                    if cfg.evaluates else None,
                    colocate=cfg.async_training.colocated and cfg.placement.launcher != "local")

@@ -1,12 +1,12 @@
 """From a `RunConfig` to a running job: check it, build its spec (`asyncrl.launch.run_spec`), prepare the run
 directory, and train.
 
-    summary = train(PRESETS["cpu-demo"])
+    about, cfg = PRESETS["cpu-demo"]
+    summary = train(cfg)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pathlib
@@ -19,10 +19,10 @@ from asyncrl.launch.hub_run import named_record
 from asyncrl.tracking.console import Console, phase
 from asyncrl.launch.preflight import CheckedRun, preflight
 from asyncrl.launch.resume_check import config_record, run_record
-from asyncrl.rewards.registry import BUILTIN_REWARDS
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.runtime.lifecycle import StopRequest, on_signals
+from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.local import LocalRun
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.supervise import launch
@@ -30,13 +30,9 @@ from asyncrl.rpc.torchrun import run_torchrun
 from asyncrl.launch.run_dir import clear_run_dir, owns_run_dir, run_dir_problem
 from asyncrl.tracking import Tracker, TrackingConfig
 
-__all__ = ["REWARDS", "train"]
+__all__ = ["train"]
 
 log = logging.getLogger(__name__)
-
-REWARDS = BUILTIN_REWARDS
-"""data_source -> built-in reward function (response_text, ground_truth) -> float. Rewards of your own:
---reward.fn (`asyncrl.rewards.plugin`)."""
 
 
 def _prepare_run_dir(cfg: RunConfig, spec: RunSpec, named: dict) -> tuple[pathlib.Path, RunSpec]:
@@ -80,17 +76,13 @@ def train(run: RunConfig | CheckedRun) -> RunSummary | None:
                       run_config=named_record(config_record(cfg), checked.named),
                       console=console)
     _announce(spec, cfg.placement.launcher)
-    spec = dataclasses.replace(spec, log_fn=tracker)
     start = time.time()
-    if cfg.placement.launcher == "rpc":
-        summary = launch(spec)
-    elif cfg.placement.launcher == "torchrun":
-        summary = run_torchrun(spec)
-        if summary is None:  # not rank 0: nothing to report
-            return None
-    else:
-        summary = _train_local(spec, tracker)
-    tracker.close()
+    try:
+        summary = _launch(spec, cfg.placement.launcher, tracker)
+    finally:
+        tracker.close()
+    if summary is None:  # a torchrun rank other than 0: nothing to report
+        return None
     (run_dir / "summary.json").write_text(json.dumps(
         {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
          "dead_agents": summary.dead_agents, "agents": summary.agents, "interrupted": summary.interrupted,
@@ -114,9 +106,17 @@ def _announce(spec: RunSpec, launcher: str) -> None:
     phase(f"starting {count} process{'es' * (count != 1)}: {trainers}; {agents}")
 
 
-def _train_local(spec: RunSpec, tracker) -> RunSummary:
+def _launch(spec: RunSpec, launcher: str, run_log: RunLog) -> RunSummary | None:
+    """Run `spec` with `launcher`, logging to `run_log`; the summary (None on a torchrun rank other than 0)."""
+    if launcher == "rpc":
+        return launch(spec, run_log=run_log)
+    if launcher == "torchrun":
+        return run_torchrun(spec, run_log=run_log)
+    return _train_local(spec, run_log)
+
+
+def _train_local(spec: RunSpec, run_log: RunLog) -> RunSummary:
     torch.set_num_threads(spec.placement.threads_per_process)
     stop = StopRequest()
     on_signals(stop.set)
-    run = LocalRun.from_spec(spec, log_metrics=tracker, on_step=tracker.log_samples, stop=stop)
-    return run.run()
+    return LocalRun.from_spec(spec, run_log=run_log, stop=stop).run()

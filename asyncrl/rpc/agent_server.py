@@ -23,7 +23,7 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.tracking.console import phase
 from asyncrl.learner import memory_metrics
-from asyncrl.runtime.agent import RolloutAgent
+from asyncrl.runtime.agent import RolloutAgent, heartbeat_period
 from asyncrl.rpc.assembly import build_engine, local_device
 from asyncrl.rpc.channels import Layout, WeightChannel, numel, unflatten
 from asyncrl.rpc.membership import leave_rpc
@@ -35,14 +35,9 @@ from asyncrl.rpc.worker_pool import WorkerPool
 USER_CODE_MODULES = ("asyncrl.data.scoring", "asyncrl.envs.isolated")
 """What a user-code worker imports before it takes calls (start-up never counts against a call's deadline)."""
 
-__all__ = ["AgentServer", "RemoteRoster", "heartbeat_period"]
+__all__ = ["AgentServer", "RemoteRoster"]
 
 log = logging.getLogger(__name__)
-
-
-def heartbeat_period(agent_timeout_s: float) -> float:
-    """Agents beat five times per timeout (at most once a second): a busy machine gives no false alarm."""
-    return min(1.0, agent_timeout_s / 5)
 
 
 class RemoteRoster:

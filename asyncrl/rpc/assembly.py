@@ -18,14 +18,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint.repair import ChooseError, choose_checkpoint
+from asyncrl.config import AsyncConfig
+from asyncrl.data.sources import PromptSource
 from asyncrl.learner import LearnerState, build_learner, shard_model
 from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.runtime.controller import CheckpointPolicy
 from asyncrl.runtime.evaluation import EvalBoard
 from asyncrl.runtime.queue import SampleQueue
 from asyncrl.rpc.spec import AgentSpec, RunSpec
 
-__all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "build_engine", "build_evals",
+__all__ = ["local_device", "reference_dtype", "build_learner_state", "build_queue", "sample_queue", "build_engine",
+           "checkpoint_policy", "build_evals",
            "resume_checkpoint", "resolve_resume", "ResumeInfo", "resume_info"]
 
 log = logging.getLogger(__name__)
@@ -66,12 +70,25 @@ def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | N
 
 
 def build_queue(spec: RunSpec, version: int = 0) -> SampleQueue:
-    """The sample queue with verl's admission budget for these knobs."""
-    cfg = spec.async_
-    max_required = verl_max_required_samples(spec.trainer.mini_batch_size, cfg.require_batches,
-                                             cfg.staleness_threshold, cfg.trigger_parameter_sync_step)
-    return SampleQueue(spec.source_factory(), max_required_samples=max_required, version=version, seed=spec.seed,
-                       max_version_lag=cfg.max_version_lag, lag_policy=cfg.lag_policy)
+    """The sample queue of `spec` at `version` (`sample_queue` over its prompt source, for its knobs)."""
+    return sample_queue(spec.source_factory(), spec.trainer.mini_batch_size, spec.async_, seed=spec.seed,
+                        version=version)
+
+
+def sample_queue(source: PromptSource, mini_batch_size: int, config: AsyncConfig, *, seed: int = 0,
+                 version: int = 0) -> SampleQueue:
+    """A sample queue over `source` at `version` that admits within verl's budget: `mini_batch_size` ×
+    `require_batches` × (1 + `staleness_threshold`) × `trigger_parameter_sync_step` samples per version window
+    (`asyncrl.algos.staleness.verl_max_required_samples`), with the version-lag cap and policy of `config`."""
+    max_required = verl_max_required_samples(mini_batch_size, config.require_batches, config.staleness_threshold,
+                                             config.trigger_parameter_sync_step)
+    return SampleQueue(source, max_required_samples=max_required, version=version, seed=seed,
+                       max_version_lag=config.max_version_lag, lag_policy=config.lag_policy)
+
+
+def checkpoint_policy(spec: RunSpec) -> CheckpointPolicy:
+    """Where and how often the run checkpoints (`--run-dir`, `--checkpoint-every`, the newest kept)."""
+    return CheckpointPolicy(spec.run_dir, every=spec.checkpoint_every, keep=spec.keep_checkpoints)
 
 
 def build_evals(spec: RunSpec) -> tuple[EvalBoard | None, int]:

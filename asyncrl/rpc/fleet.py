@@ -101,7 +101,6 @@ class Admissions:
                  trainer_device: str, *, token: RunToken, nonce: str, poll_s: float = 0.2):
         self.spec, self.store, self.fleet, self.roster = spec, store, fleet, roster
         self.token, self.nonce = token, nonce
-        self.payload = dataclasses.replace(spec, log_fn=None)  # what an agent process needs (no open files)
         self.roster_rref, self.trainer_device, self.poll_s = roster_rref, trainer_device, poll_s
         self.failed: dict[str, str] = {}  # agents whose admission failed, and why (start-up reports them)
         self._joins = self._leaves = self._exits = 0
@@ -171,7 +170,7 @@ class Admissions:
                       name)
             return
         try:
-            server = rpc.remote(name, AgentServer, args=(self.payload, record["slot"], name, device, self.roster_rref),
+            server = rpc.remote(name, AgentServer, args=(self.spec, record["slot"], name, device, self.roster_rref),
                                 timeout=self.spec.startup_timeout_s)
             info = server.rpc_sync(timeout=self.spec.startup_timeout_s).ready()
             backend = channel_backend(self.trainer_device, info["device"],

@@ -2,12 +2,12 @@
 roster and the parameter server, creates the other ranks' role objects with `rpc.remote`, admits agents, and
 shuts the run down.
 
-    summary = run_head(spec, store, stop, token, nonce)  # in trainer rank 0, after the trainer group and RPC are up
+    # in trainer rank 0, once the trainer group and RPC are up:
+    summary = run_head(spec, store, stop, token, nonce, run_log=tracker)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pathlib
 import time
@@ -19,18 +19,21 @@ import torch.distributed.rpc as rpc
 from asyncrl.tracking.console import phase
 from asyncrl.planning import layout_of
 from asyncrl.rpc.agent_server import AgentServer
-from asyncrl.rpc.assembly import (build_evals, build_learner_state, build_queue, local_device, resolve_resume,
-                                  resume_info)
+from asyncrl.rpc.assembly import (build_evals, build_learner_state, build_queue, checkpoint_policy, local_device,
+                                  resolve_resume, resume_info)
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
-from asyncrl.runtime.controller import Controller, RunSummary
+from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.fleet import Admissions, Fleet
-from asyncrl.runtime.lifecycle import StopRequest
 from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
-from asyncrl.runtime.roster import Roster
 from asyncrl.rpc.spec import RunSpec
-from asyncrl.rpc.exposure import RunToken
 from asyncrl.rpc.store import RunStore
+from asyncrl.runtime.agent import mean_windows
+from asyncrl.runtime.controller import Controller, RunParts, RunSummary
+from asyncrl.runtime.eval_schedule import EvalSchedule
+from asyncrl.runtime.lifecycle import StopRequest
+from asyncrl.runtime.roster import Roster
+from asyncrl.runtime.run_log import RunLog
 
 __all__ = ["run_head"]
 
@@ -41,8 +44,9 @@ class _Head:
     """What rank 0 builds, in the order it must: followers and the command group (collective with them), its
     own learner shard, the resume, then agents and the publisher."""
 
-    def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str):
-        self.spec, self.store, self.stop = spec, store, stop
+    def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str,
+                 run_log: RunLog | None):
+        self.spec, self.store, self.stop, self.run_log = spec, store, stop, run_log
         self.token, self.nonce = token, nonce
         self.queue = build_queue(spec)
         self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
@@ -51,8 +55,7 @@ class _Head:
                              allow_empty=spec.placement.restart_agents > 0, on_removed=self.fleet.discard,
                              evals=evals, eval_slots=eval_slots)
         self.roster_rref = rpc.RRef(self.roster)
-        payload = dataclasses.replace(spec, log_fn=None)  # what other processes need (no open files)
-        followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(payload, r, self.roster_rref),
+        followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(spec, r, self.roster_rref),
                                 timeout=spec.startup_timeout_s) for r in range(1, spec.num_trainers)]
         group = commands_group(spec)  # collective with the followers' constructors
         self.device = local_device(spec.trainer_devices[0])
@@ -72,15 +75,13 @@ class _Head:
         self.resumed = self._resume()
         self.admissions: Admissions | None = None
         self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
+        schedule = None if evals is None else EvalSchedule(evals, self.roster, resumed=self.resumed_extra.get("evals"),
+                                                            version=self.state.version)
         self.controller = Controller(
-            self.queue, self.roster, self.state, self.publisher, self.trainers, spec.async_,
-            log_metrics=spec.log_fn, on_step=getattr(spec.log_fn, "log_samples", None),
-            agent_metrics=self._agent_metrics, run_dir=spec.run_dir, checkpoint_every=spec.checkpoint_every,
-            keep_checkpoints=spec.keep_checkpoints, stop=stop,
-            window_steps=self.resumed.window_steps if self.resumed else 0,
-            wall_clock=getattr(spec.log_fn, "wall_s", None),
-            layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.colocate), evals=evals,
-            resumed_evals=self.resumed_extra.get("evals"))
+            RunParts(self.queue, self.roster, self.publisher, self.trainers, self._agent_metrics), self.state,
+            spec.async_, run_log=run_log, checkpoints=checkpoint_policy(spec), stop=stop,
+            window_steps=self.resumed.window_steps if self.resumed else 0, evals=schedule,
+            layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.colocate))
 
     def _resume(self):
         chosen = resolve_resume(self.spec).resume_from  # the launcher chose it before spawning this process
@@ -94,8 +95,8 @@ class _Head:
         info = resume_info(path, self.state, extra)
         log.info(info.line())
         print(f"[asyncrl] {info.line()}", flush=True)
-        if hasattr(self.spec.log_fn, "resume"):
-            self.spec.log_fn.resume(info.version, info.wall_s)
+        if self.run_log is not None:
+            self.run_log.resume(info.version, info.wall_s)
         return info
 
     def _engine_dtype(self) -> torch.dtype:
@@ -157,7 +158,7 @@ class _Head:
                     windows.append(future.wait())
                 except Exception as err:  # noqa: BLE001 - a dying agent: the roster will name it
                     log.warning("no metrics from %s: %r", name, err)
-        return {k: sum(w[k] for w in windows) / len(windows) for k in windows[0]} if windows else {}
+        return mean_windows(windows)
 
     def run(self) -> RunSummary:
         self._start_agents()
@@ -199,6 +200,8 @@ class _Head:
         self.store.shut_down()
 
 
-def run_head(spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str) -> RunSummary:
-    """Rank 0's run; agents are admitted when they prove `token` over `nonce` (the nonce of the store's info)."""
-    return _Head(spec, store, stop, token, nonce).run()
+def run_head(spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str, *,
+             run_log: RunLog | None = None) -> RunSummary:
+    """Rank 0's run; agents are admitted when they prove `token` over `nonce` (the nonce of the store's info).
+    `run_log` takes each version's metrics (None: the run logs nowhere)."""
+    return _Head(spec, store, stop, token, nonce, run_log).run()

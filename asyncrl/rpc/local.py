@@ -5,7 +5,7 @@ transport differs: agents call the roster directly and weights are copied tensor
 (`LocalPublisher`). Use it for tests, debugging and single-machine runs where every engine fits in one
 process (several GPUs included: put each engine on its own device).
 
-    run = LocalRun.from_spec(spec, log_metrics=tracker)     # built like the multi-process run (assembly)
+    run = LocalRun.from_spec(spec, run_log=tracker)     # built like the multi-process run (assembly)
     run = LocalRun(state, engines, source, scorer, rollout_cfg, async_cfg)   # or from parts
     summary = run.run()
 """
@@ -16,7 +16,6 @@ import logging
 import pathlib
 from typing import Callable
 
-from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint import load_checkpoint, save_checkpoint
 from asyncrl.config import AsyncConfig, RolloutConfig
 from asyncrl.data.scoring import Scorer
@@ -25,16 +24,17 @@ from asyncrl.envs import EnvRuntime
 from asyncrl.learner import LearnerState, train_step
 from asyncrl.planning import Layout, layout_of
 from asyncrl.policies.protocol import RolloutEngine
-from asyncrl.runtime.agent import RolloutAgent
-from asyncrl.rpc.agent_server import heartbeat_period
-from asyncrl.rpc.assembly import build_engine, build_evals, build_learner_state, resolve_resume, resume_info
-from asyncrl.runtime.controller import Controller, RunSummary
+from asyncrl.rpc.assembly import (build_engine, build_evals, build_learner_state, checkpoint_policy, resolve_resume,
+                                  resume_info, sample_queue)
+from asyncrl.rpc.param_server import LocalPublisher
+from asyncrl.rpc.spec import RunSpec
+from asyncrl.runtime.agent import RolloutAgent, heartbeat_period, mean_windows
+from asyncrl.runtime.controller import CheckpointPolicy, Controller, RunParts, RunSummary
+from asyncrl.runtime.eval_schedule import EvalSchedule
 from asyncrl.runtime.evaluation import EvalBoard
 from asyncrl.runtime.lifecycle import StopRequest
-from asyncrl.rpc.param_server import LocalPublisher
-from asyncrl.runtime.queue import SampleQueue
 from asyncrl.runtime.roster import Roster
-from asyncrl.rpc.spec import RunSpec
+from asyncrl.runtime.run_log import QuietLog, RunLog
 
 __all__ = ["LocalRun", "LocalTrainer"]
 
@@ -55,22 +55,20 @@ class LocalRun:
     """Wire a learner, engines and a prompt source into a run; `run()` trains and returns the summary."""
 
     def __init__(self, state: LearnerState, engines: list[RolloutEngine], source: PromptSource, scorer: Scorer,
-                 rollout: RolloutConfig, config: AsyncConfig, *, seed: int = 0,
-                 log_metrics: Callable[[dict, int], None] | None = None, on_step=None, run_dir: str | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3, resume_extra: dict | None = None,
+                 rollout: RolloutConfig, config: AsyncConfig, *, seed: int = 0, run_log: RunLog | None = None,
+                 checkpoints: CheckpointPolicy = CheckpointPolicy(), resume_extra: dict | None = None,
                  stop: StopRequest | None = None, trainer=None, env_setup: Callable[[], EnvRuntime] | None = None,
                  layout: Layout | None = None, evals: EvalBoard | None = None, eval_slots: int = 0):
+        """`resume_extra`: what a checkpoint holds beside the learner (`state`, restored already): the queue's
+        cursor, queued groups and unfinished prompts, the run's window and the evaluation schedule. `evals`:
+        the held-out evaluation board, of which an agent holds at most `eval_slots` prompts at once."""
         rollout.validate()
         config.validate()
         self.state, self.engines, self.config = state, engines, config
-        max_required = verl_max_required_samples(state.config.mini_batch_size, config.require_batches,
-                                                 config.staleness_threshold, config.trigger_parameter_sync_step)
-        self.queue = SampleQueue(source, max_required_samples=max_required, version=state.version, seed=seed,
-                                 max_version_lag=config.max_version_lag, lag_policy=config.lag_policy)
-        run_state = {}
-        if resume_extra is not None:  # a checkpoint's extra: cursor, queued groups, unfinished prompts
+        self.queue = sample_queue(source, state.config.mini_batch_size, config, seed=seed, version=state.version)
+        if resume_extra is not None:  # cursor, queued groups, unfinished prompts
             self.queue.load_state_dict(resume_extra["queue"])
-            run_state = resume_extra.get("run", {})
+        resumed = resume_extra or {}
         self.roster = Roster(self.queue, agent_timeout_s=config.agent_timeout_s, evals=evals, eval_slots=eval_slots)
         self.agents = [RolloutAgent(f"agent{i}", engine, scorer, rollout, self.roster,
                                     colocated=config.colocated and config.colocated_sleep,
@@ -83,18 +81,19 @@ class LocalRun:
         dtype = getattr(getattr(engines[0], "model", None), "dtype", None)
         self.publisher = LocalPublisher(self.agents, self.roster, partial_rollout=config.partial_rollout,
                                         timeout=config.sync_timeout_s, dtype=dtype)
-        self.controller = Controller(self.queue, self.roster, state, self.publisher, trainer or LocalTrainer(),
-                                     config, log_metrics=log_metrics, on_step=on_step,
-                                     agent_metrics=self._agent_metrics, run_dir=run_dir,
-                                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, stop=stop,
-                                     window_steps=int(run_state.get("window_steps", 0)),
-                                     wall_clock=getattr(log_metrics, "wall_s", None), layout=layout, evals=evals,
-                                     resumed_evals=(resume_extra or {}).get("evals"))
+        schedule = None if evals is None else EvalSchedule(evals, self.roster, resumed=resumed.get("evals"),
+                                                            version=state.version)
+        parts = RunParts(self.queue, self.roster, self.publisher, trainer or LocalTrainer(), self._agent_metrics)
+        self.controller = Controller(parts, state, config, run_log=run_log, checkpoints=checkpoints, stop=stop,
+                                     window_steps=int(resumed.get("run", {}).get("window_steps", 0)),
+                                     evals=schedule, layout=layout)
 
     @classmethod
-    def from_spec(cls, spec: RunSpec, *, log_metrics=None, on_step=None, stop: StopRequest | None = None,
+    def from_spec(cls, spec: RunSpec, *, run_log: RunLog | None = None, stop: StopRequest | None = None,
                   ) -> "LocalRun":
-        """The run a `RunSpec` describes, every agent a thread of this process; resumed when the spec says so."""
+        """The run a `RunSpec` describes, every agent a thread of this process; resumed when the spec says so
+        (`run_log` goes on from the checkpoint's version and wall clock)."""
+        run_log = run_log if run_log is not None else QuietLog()
         chosen = resolve_resume(spec).resume_from
         path = pathlib.Path(chosen) if chosen is not None else None
         state = build_learner_state(spec, spec.trainer_devices[0])
@@ -103,22 +102,17 @@ class LocalRun:
             extra = load_checkpoint(path, state)
             info = resume_info(path, state, extra)
             log.info(info.line())
-            if hasattr(log_metrics, "resume"):
-                log_metrics.resume(info.version, info.wall_s)
+            run_log.resume(info.version, info.wall_s)
         engines = [build_engine(spec, agent, slot, f"agent{slot}") for slot, agent in enumerate(spec.agents)]
         evals, eval_slots = build_evals(spec)
         return cls(state, engines, spec.source_factory(), spec.scorer_factory(), spec.rollout, spec.async_,
-                   seed=spec.seed, log_metrics=log_metrics, on_step=on_step, run_dir=spec.run_dir,
-                   checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
+                   seed=spec.seed, run_log=run_log, checkpoints=checkpoint_policy(spec),
                    resume_extra=extra, stop=stop, env_setup=spec.env_setup,
                    layout=layout_of(spec.trainer_devices, [a.device for a in spec.agents], spec.async_.colocated),
                    evals=evals, eval_slots=eval_slots)
 
     def _agent_metrics(self) -> dict:
-        windows = [a.window_metrics() for a in self.agents if self.roster.is_live(a.name)]
-        if not windows:
-            return {}
-        return {k: sum(w[k] for w in windows) / len(windows) for k in windows[0]}
+        return mean_windows([a.window_metrics() for a in self.agents if self.roster.is_live(a.name)])
 
     def run(self) -> RunSummary:
         if self.state.version > 0:  # resumed: the engines start from the initial weights

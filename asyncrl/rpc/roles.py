@@ -37,6 +37,7 @@ from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, read_token
 from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
@@ -77,10 +78,12 @@ def _setup_logging(role: str) -> None:
 
 # -------------------------------------------------------------------------------------- trainer ranks
 def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
-                parent_pid: int | None = None, token: RunToken | None = None) -> RunSummary | None:
+                parent_pid: int | None = None, token: RunToken | None = None,
+                run_log: RunLog | None = None) -> RunSummary | None:
     """The body of trainer rank `rank`: the trainer group and RPC, then rank 0 runs the head and the others wait
     for the end (their role object, a `FollowerHost`, is created and driven by rank 0). Returns the summary on
-    rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it)."""
+    rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it).
+    `run_log`: where rank 0 logs the metrics; closed when the rank ends."""
     role = f"trainer{rank}"
     _setup_logging(role)
     confine_to_loopback(host)
@@ -124,7 +127,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     summary = None
     try:
         if rank == 0:
-            summary = run_head(spec, store, stop, token, nonce)
+            summary = run_head(spec, store, stop, token, nonce, run_log=run_log)
             _report(results, summary)
         else:
             _wait_for_end(store, poll_s=0.5)
@@ -136,6 +139,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         raise
     finally:
         leave_rpc()
+        if run_log is not None:
+            run_log.close()
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary

@@ -93,7 +93,6 @@ class RunSpec:
     resume_from: str | None = None
     """The checkpoint the run resumes from, once `asyncrl.rpc.assembly.resolve_resume` has chosen it (and
     consumed `resume` / `resume_or_start`); None: a fresh start."""
-    log_fn: Callable[[dict, int], None] | None = None
     rpc_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
     """How long rank 0 waits for the configured agents to build their engines and join."""

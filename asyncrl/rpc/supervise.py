@@ -34,6 +34,7 @@ from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.lifecycle import on_signals
+from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 
@@ -56,9 +57,9 @@ def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, 
 
 
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
-                   parent_pid: int, token: RunToken) -> None:
+                   parent_pid: int, token: RunToken, run_log: RunLog | None) -> None:
     os.setpgid(0, 0)
-    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token)
+    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token, run_log=run_log)
 
 
 @dataclasses.dataclass
@@ -85,8 +86,10 @@ def _listening(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    def __init__(self, spec: RunSpec, *, poll_s: float = 0.2, exit_grace_s: float = 15.0):
+    def __init__(self, spec: RunSpec, *, run_log: RunLog | None = None, poll_s: float = 0.2,
+                 exit_grace_s: float = 15.0):
         self.spec, self.poll_s, self.exit_grace_s = spec, poll_s, exit_grace_s
+        self.run_log = run_log  # travels to trainer rank 0, the process that logs
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
         self.host = spec.placement.master_addr
@@ -110,7 +113,8 @@ class Supervisor:
     def _spawn_trainer(self, rank: int) -> None:
         p = self.ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
                              args=(rank, self.spec, self.host, self.store_port, self.rpc_port,
-                                   self.results if rank == 0 else None, os.getpid(), self.token))
+                                   self.results if rank == 0 else None, os.getpid(), self.token,
+                                   self.run_log if rank == 0 else None))
         p.start()
         self.children.append(_Child(f"trainer{rank}", rank, p))
 
@@ -304,8 +308,9 @@ class Supervisor:
             c.process.join(5.0)
 
 
-def launch(spec: RunSpec) -> RunSummary:
+def launch(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary:
     """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
     return rank 0's summary. Agents that die are tolerated (their work is re-admitted; with `restart_agents`
-    they are restarted); any other failure raises."""
-    return Supervisor(resolve_resume(spec)).run()  # a resume without a checkpoint is refused before any spawn
+    they are restarted); any other failure raises. `run_log` (pickled before it opens anything) logs the
+    metrics in trainer rank 0, which closes its copy at the end."""
+    return Supervisor(resolve_resume(spec), run_log=run_log).run()  # a resume without a checkpoint is refused before any spawn

@@ -34,6 +34,7 @@ from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.runtime.run_log import RunLog
 
 __all__ = ["TorchrunRole", "torchrun_role", "run_torchrun", "keep_agent"]
 
@@ -81,9 +82,9 @@ def torchrun_role(env: Mapping[str, str], num_trainers: int, num_agents: int) ->
     return TorchrunRole("agent", node * (num_agents // nodes) + local - trainers_here)
 
 
-def run_torchrun(spec: RunSpec) -> RunSummary | None:
-    """Entry point under `torchrun`: rank 0 returns the summary, other trainer ranks None; an agent's process
-    keeps its agent (`keep_agent`) and ends with it."""
+def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary | None:
+    """Entry point under `torchrun`: rank 0 returns the summary (and logs the metrics to `run_log`), other
+    trainer ranks None; an agent's process keeps its agent (`keep_agent`) and ends with it."""
     role = torchrun_role(os.environ, spec.num_trainers, spec.num_agent_processes)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     spec = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, master_addr=host))
@@ -96,7 +97,8 @@ def run_torchrun(spec: RunSpec) -> RunSummary | None:
     if role.kind == "trainer":
         if role.index == 0:
             spec = resolve_resume(spec)  # train() settled it already: then the spec comes back as it is
-        return run_trainer(role.index, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token())
+        return run_trainer(role.index, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token(),
+                           run_log=run_log if role.index == 0 else None)
     code = keep_agent(spec, host, port + 1, role.index, token=token, parent_pid=parent)
     os._exit(code)
 

@@ -46,9 +46,20 @@ from asyncrl.runtime.reward_tally import group_reward_info
 from asyncrl.runtime.roster import Fenced
 from asyncrl.types import Completion, GenerationOutput, Group, GroupInfo
 
-__all__ = ["RolloutAgent", "RosterHandle"]
+__all__ = ["RolloutAgent", "RosterHandle", "heartbeat_period", "mean_windows"]
 
 log = logging.getLogger(__name__)
+
+
+def heartbeat_period(agent_timeout_s: float) -> float:
+    """Agents beat five times per timeout (at most once a second): a busy machine gives no false alarm."""
+    return min(1.0, agent_timeout_s / 5)
+
+
+def mean_windows(windows: list[dict]) -> dict:
+    """The agents' window metrics (`RolloutAgent.window_metrics`, one dict per live agent) averaged key by key
+    over the agents ({} without one): what each version's row says of the rollout side."""
+    return {k: sum(w[k] for w in windows) / len(windows) for k in windows[0]} if windows else {}
 
 
 class RosterHandle(Protocol):

@@ -1,6 +1,8 @@
 """The run loop on the trainer: take groups as they stream in, train, publish weights, account, checkpoint.
 
-    controller = Controller(queue, roster, state, publisher, trainers, async_cfg, run_dir=..., stop=stop_event)
+    parts = RunParts(queue, roster, publisher, trainers, agent_metrics)
+    controller = Controller(parts, state, async_cfg, run_log=tracker, checkpoints=CheckpointPolicy(run_dir, every=2),
+                            stop=stop_request, evals=EvalSchedule(board, roster), layout=layout)
     end = controller.train()            # agents must be running (they call the roster)
     ...                                 # stop the agents
     summary = controller.summary(end)   # then close the books: the run's one RunSummary
@@ -15,10 +17,12 @@ agent left) and, when no agent is live but one is waiting for its first weights 
 agent), publishes early so it can start. A stop request (`stop` set by a signal handler, or
 `max_run_time_s`) ends the loop at the next step boundary: the step in progress finishes, a step still
 waiting for samples is abandoned (its groups go back to the queue), and a checkpoint is written.
-Metrics per version use verl's names (`fully_async/*`, `timing_s/*`, `trainer/idle_ratio`, ...). Given the
-run's `layout`, each version also carries the split planner's view of it (`asyncrl.runtime.plan_view`):
-`plan/trainer_idle_predicted` and `plan/rollout_idle_predicted` beside the measured idle ratios, and at most every
-`plan_every` versions a log line when another split of the GPUs is predicted to train faster.
+Metrics per version use verl's names (`fully_async/*`, `timing_s/*`, `trainer/idle_ratio`, ...) and go to the
+run's `RunLog` (`asyncrl.runtime.run_log`). Given the run's `layout`, each version also carries the split
+planner's view of it (`asyncrl.runtime.plan_view.PlanAdvisor`): `plan/trainer_idle_predicted` and
+`plan/rollout_idle_predicted` beside the measured idle ratios, and now and then a log line when another split of
+the GPUs is predicted to train faster. Held-out evaluations are scheduled by `evals`
+(`asyncrl.runtime.eval_schedule`); their metrics join the row of the version at which they ended.
 """
 
 from __future__ import annotations
@@ -33,14 +37,16 @@ from typing import Callable, NamedTuple, Protocol
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
 from asyncrl.planning import Layout
-from asyncrl.runtime.evaluation import EvalBoard
-from asyncrl.runtime.plan_view import runtime_plan
+from asyncrl.runtime.eval_schedule import EvalSchedule
 from asyncrl.runtime.lifecycle import StopRequest
+from asyncrl.runtime.plan_view import PlanAdvisor
 from asyncrl.runtime.queue import QueueTimeout, SampleQueue
 from asyncrl.runtime.roster import Roster
+from asyncrl.runtime.run_log import QuietLog, RunLog
 from asyncrl.types import Group
 
-__all__ = ["Controller", "RunSummary", "TrainingEnd", "Interrupted", "WeightPublisher", "Trainers"]
+__all__ = ["Controller", "RunParts", "CheckpointPolicy", "RunSummary", "TrainingEnd", "Interrupted",
+           "WeightPublisher", "Trainers"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,31 @@ class Trainers(Protocol):
 
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int) -> pathlib.Path:
         """Write a checkpoint of every rank's shard (and `extra`, rank 0's books); keep the newest `keep`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What the loop drives, built by a launcher (`asyncrl.rpc.local`, `asyncrl.rpc.head`)."""
+
+    queue: SampleQueue
+    roster: Roster
+    publisher: WeightPublisher
+    trainers: Trainers
+    agent_metrics: Callable[[], dict] = dict
+    """The live agents' metrics of the version window that ends (idle ratio, busy seconds), averaged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where and when the run checkpoints: into `run_dir` every `every` versions (0: only at the end of a run
+    that ends normally, and when it is stopped), keeping the newest `keep`. No `run_dir`: never."""
+
+    run_dir: str | pathlib.Path | None = None
+    every: int = 0
+    keep: int = 3
+
+    def due(self, version: int) -> bool:
+        return bool(self.every and self.run_dir and version % self.every == 0)
 
 
 class TrainingEnd(NamedTuple):
@@ -120,42 +151,29 @@ class RunSummary:
 
 
 class Controller:
-    def __init__(self, queue: SampleQueue, roster: Roster, state: LearnerState, publisher: WeightPublisher,
-                 trainers: Trainers, config: AsyncConfig, *, log_metrics: Callable[[dict, int], None] | None = None,
-                 on_step: Callable[[list[Group], dict], None] | None = None,
-                 agent_metrics: Callable[[], dict] | None = None, run_dir: str | pathlib.Path | None = None,
-                 checkpoint_every: int = 0, keep_checkpoints: int = 3, stop: StopRequest | None = None,
-                 window_steps: int = 0, wall_clock: Callable[[], float] | None = None, history_limit: int = 1000,
-                 layout: Layout | None = None, plan_every: int = 10, evals: EvalBoard | None = None,
-                 resumed_evals: dict | None = None):
+    def __init__(self, parts: RunParts, state: LearnerState, config: AsyncConfig, *, run_log: RunLog | None = None,
+                 checkpoints: CheckpointPolicy = CheckpointPolicy(), stop: StopRequest | None = None,
+                 window_steps: int = 0, evals: EvalSchedule | None = None, layout: Layout | None = None,
+                 history_limit: int = 1000):
+        """`run_log`: where each version's metrics go, and the run's wall clock (None: nowhere; the clock starts
+        now). `window_steps`: learner steps since the last publication (a resume restores it). `evals`: the
+        held-out evaluations (None: --eval.* off). `layout`: the run's devices, for the planner's view (None:
+        none). `history_limit`: the versions' metrics the summary keeps (every one is in the log)."""
         config.validate()
-        self.queue, self.roster, self.state, self.publisher, self.trainers = queue, roster, state, publisher, trainers
-        self.config = config
-        self.log_metrics = log_metrics or (lambda metrics, step: None)
-        self.on_step = on_step
-        self.agent_metrics = agent_metrics or (lambda: {})
-        self.run_dir, self.checkpoint_every, self.keep = run_dir, checkpoint_every, keep_checkpoints
+        self.queue, self.roster, self.publisher = parts.queue, parts.roster, parts.publisher
+        self.trainers, self.agent_metrics = parts.trainers, parts.agent_metrics
+        self.state, self.config = state, config
+        self.run_log: RunLog = run_log if run_log is not None else QuietLog()
+        self.checkpoints = checkpoints
         self.stop = stop if stop is not None else StopRequest()
-        self.window_steps = window_steps  # learner steps since the last publication (a resume restores it)
-        started = time.monotonic()
-        # the run's wall-clock (the tracker's when there is one: it continues across a resume)
-        self.wall_clock = wall_clock or (lambda: time.monotonic() - started)
-        # the last `history_limit` versions' metrics (for the summary; every version is in the tracker's log)
+        self.window_steps = window_steps
+        self.evals = evals
+        self.plan = None if layout is None else PlanAdvisor(
+            layout, compiled=state.config.compile_layers and state.device.type == "cuda")
         self.history: collections.deque[dict] = collections.deque(maxlen=history_limit)
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
         self.saved_at_step = -1  # the learner step of the last checkpoint this run wrote
         self.started_at_step = state.step
-        self.layout, self.plan_every = layout, plan_every  # the run's devices, for the planner's view (None: none)
-        self._advised_at: int | None = None  # the version of the last advice logged
-        self.evals = evals  # held-out evaluations, pinned to versions (None: --eval.* off)
-        self._postponed: str | None = None  # an evaluation fell due while another ran: the reason it was due
-        if evals is not None and resumed_evals is not None:
-            for version in evals.load_state_dict(resumed_evals):
-                if version == state.version:  # the checkpoint's weights: run it again
-                    self._evaluate(version, "resumed")
-                else:
-                    log.warning("the evaluation of version %d was running at the checkpoint; its weights are gone, "
-                                "so it is not run again", version)
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -212,8 +230,7 @@ class Controller:
         self.state, metrics = self.trainers.step(self.state, groups)
         self.queue.trained(groups)
         self.window_steps += 1
-        if self.on_step is not None:
-            self.on_step(groups, metrics)
+        self.run_log.log_samples(groups, metrics)
         versions = [(g.min_version, g.max_version) for g in groups]
         lags = [self.state.version - lo for lo, _ in versions]
         for lag in set(lags):  # histogram of trained groups' version lag (summed over a window, then a run)
@@ -248,9 +265,7 @@ class Controller:
                 steps.append(metrics)
         sync_start = time.monotonic()
         sync = self.publish(self.state.version + 1)
-        evaluated = self._evaluations()
-        if self.evals is not None and (self.evals.due(self.state.version) or self._postponed is not None):
-            self._evaluate(self.state.version, "every" if self.evals.due(self.state.version) else self._postponed)
+        evaluated = self._evaluated(self.evals.after_publication(self.state.version)) if self.evals else {}
         metrics = _merge(steps)
         total = time.monotonic() - start
         tokens = sum(m["perf/total_num_tokens"] for m in steps)
@@ -258,86 +273,27 @@ class Controller:
             metrics.update(extra)
         metrics.update({"timing_s/step": total, "perf/time_per_step": total, "perf/throughput": tokens / total,
                         "trainer/idle_ratio": sum(m["timing_s/gen"] for m in steps) / total,
-                        "timing_s/param_sync_total": time.monotonic() - sync_start, "time/wall_s": self.wall_clock()})
-        metrics.update(self._plan(metrics))
+                        "timing_s/param_sync_total": time.monotonic() - sync_start,
+                        "time/wall_s": self.run_log.wall_s()})
+        if self.plan is not None:
+            metrics.update(self.plan.view(metrics, self.state.version))
         metrics.update(evaluated)
         return metrics
 
-    # ---------------------------------------------------------------------------------- evaluation
-    def _evaluate(self, version: int, reason: str) -> None:
-        """Open an evaluation of `version`. One due while another runs, or before any live agent holds the
-        version (they were finishing that one: an agent keeps its weights while an evaluation of its version
-        runs), waits for the first publication after which neither holds."""
-        if self.evals is None:
-            return
-        if self.evals.busy() or version not in self.roster.live_versions():
-            if self._postponed is None:
-                log.info("an evaluation fell due at version %d (%s) while the agents finish the last one: it "
-                         "starts at the first version they all can take", version, reason)
-            self._postponed = reason
-            return
-        self._postponed = None
-        if self.evals.schedule(version, reason):
-            log.info("evaluating version %d on %d held-out prompts (%s)", version, len(self.evals.prompts), reason)
-
-    def _evaluations(self) -> dict:
-        """The evaluations that ended since the last call: a log line each; the newest one's metrics for this
-        version's row (an earlier one that ended in the same window gets a row of its own)."""
-        if self.evals is None:
-            return {}
-        outcomes = self.evals.settle(self.roster.live_versions())
-        rows = [{**outcome.metrics(), "val/wall_s": self.wall_clock()} for outcome in outcomes]
-        for outcome in outcomes:
-            log.info(outcome.line())
+    def _evaluated(self, rows: list[dict]) -> dict:
+        """The metrics of evaluations that ended, stamped with the wall clock: the newest one's for this
+        version's row (returned), an earlier one that ended in the same window logged as a row of its own."""
+        rows = [{**row, "val/wall_s": self.run_log.wall_s()} for row in rows]
         for row in rows[:-1]:
-            self.log_metrics(row, self.state.version)
+            self.run_log(row, self.state.version)
         return rows[-1] if rows else {}
 
-    def _bring_agents_to(self, version: int, timeout_s: float) -> None:
-        """Publish `version` again until a live agent holds it (agents that were finishing an evaluation took an
-        older one in the background)."""
-        deadline = time.monotonic() + timeout_s
-        while version not in self.roster.live_versions() and self.roster.live() and time.monotonic() < deadline:
-            self._check()
-            self.publisher.publish(self.state, version)
-            time.sleep(0.05)
-
-    def _finish_evaluations(self, timeout_s: float) -> None:
-        """At the end of training: wait for the open evaluations (the agents still run; no training prompt is
-        admitted any more) and log each as a row of its own."""
-        deadline = time.monotonic() + timeout_s
-        while self.evals is not None and self.evals.busy():
-            self._check()
-            if self.stop.is_set() or time.monotonic() > deadline:
-                log.warning("the run ends with an evaluation unfinished (%s)", self.stop.reason if self.stop.is_set()
-                            else f"not done within {timeout_s:.0f} s")
-                break
-            time.sleep(0.05)
-            metrics = self._evaluations()
-            if metrics:
-                self.log_metrics(metrics, self.state.version)
-                self.history.append({"version": self.state.version, **metrics})
-
-    def _plan(self, metrics: dict) -> dict:
-        """The planner's view of this version from its own busy times: `plan/*` metrics, and (at most every
-        `plan_every` versions) a log line when another split would train faster."""
-        if self.layout is None:
-            return {}
-        estimate = runtime_plan(
-            self.layout, tokens=metrics.get("perf/total_num_tokens", 0), response_tokens=metrics.get(
-                "perf/response_tokens", 0), train_s=metrics.get("timing_s/update_actor", 0.0),
-            gen_s=metrics.get("rollouter/active_time", 0.0), sync_s=metrics.get("timing_s/param_sync_total", 0.0),
-            compiled=self.state.config.compile_layers and self.state.device.type == "cuda")
-        if estimate is None:
-            return {}
-        advice = estimate.advice(self.layout)
-        version = self.state.version
-        if advice and (self._advised_at is None or version - self._advised_at >= self.plan_every):
-            self._advised_at = version
-            log.info("plan: trainer idle %.2f (predicted %.2f), rollout idle %.2f (predicted %.2f): %s "
-                     "(see `asyncrl plan`)", metrics["trainer/idle_ratio"], estimate.trainer_idle,
-                     metrics.get("rollouter/idle_ratio", float("nan")), estimate.rollout_idle, advice)
-        return estimate.metrics()
+    def _record_evaluations(self, rows: list[dict]) -> None:
+        """Evaluations that ended after the last version: a row of their own (and in the summary's history)."""
+        metrics = self._evaluated(rows)
+        if metrics:
+            self.run_log(metrics, self.state.version)
+            self.history.append({"version": self.state.version, **metrics})
 
     def publish(self, version: int) -> dict:
         metrics = self.publisher.publish(self.state, version)
@@ -351,8 +307,8 @@ class Controller:
         more."""
         start, budget = time.monotonic(), self.config.time_budget_s
         interrupted = checkpoint = None
-        if self.evals is not None and self.evals.config.at_start and self.state.version == 0:
-            self._evaluate(0, "start")
+        if self.evals is not None:
+            self.evals.start(self.state.version)
         while self.state.version < self.config.total_versions:
             if self.stop.is_set():
                 interrupted = self.stop.reason
@@ -366,8 +322,8 @@ class Controller:
                 interrupted = str(stop)
                 break
             self.history.append({"version": self.state.version, **metrics})
-            self.log_metrics(metrics, self.state.version)
-            if self._checkpoint_due():
+            self.run_log(metrics, self.state.version)
+            if self.checkpoints.due(self.state.version):
                 if self.state.version >= self.config.total_versions:
                     self.queue.close()  # the last checkpoint is the end of admissions: it carries what is left
                 checkpoint = self.checkpoint()
@@ -375,11 +331,8 @@ class Controller:
         if interrupted is None and self._trained_unsaved():
             checkpoint = self.checkpoint()  # a run that ends normally keeps what it trained, whatever checkpoint_every
         if interrupted is None and self.evals is not None:
-            self._finish_evaluations(self.config.sync_timeout_s)  # the one running
-            if self.evals.config.at_end:
-                self._bring_agents_to(self.state.version, self.config.sync_timeout_s)
-                self._evaluate(self.state.version, "end")
-                self._finish_evaluations(self.config.sync_timeout_s)
+            self.evals.finish(self.state.version, publish=lambda version: self.publisher.publish(self.state, version),
+                              stop=self.stop, timeout_s=self.config.sync_timeout_s, record=self._record_evaluations)
         if interrupted is not None:
             log.warning("stopping: %s; finishing at version %d (step %d)", interrupted, self.state.version,
                         self.state.step)
@@ -387,20 +340,18 @@ class Controller:
                 checkpoint = self.checkpoint()  # nothing trained since the start (or the resume): nothing to save
         return TrainingEnd(interrupted, str(checkpoint) if checkpoint else None)
 
-    def _checkpoint_due(self) -> bool:
-        return bool(self.checkpoint_every and self.run_dir and self.state.version % self.checkpoint_every == 0)
-
     def _trained_unsaved(self) -> bool:
         """Whether the run has a directory and trained since the start (or the resume) without a checkpoint of
         its current state: the last checkpoint written is of an earlier step."""
-        return self.run_dir is not None and self.state.step > max(self.started_at_step, self.saved_at_step)
+        return self.checkpoints.run_dir is not None and self.state.step > max(self.started_at_step,
+                                                                              self.saved_at_step)
 
     def checkpoint(self) -> pathlib.Path:
         queue = self.queue.state_dict()
-        extra = {"queue": queue, "run": {"window_steps": self.window_steps, "wall_s": self.wall_clock()}}
+        extra = {"queue": queue, "run": {"window_steps": self.window_steps, "wall_s": self.run_log.wall_s()}}
         if self.evals is not None:
             extra["evals"] = self.evals.state_dict()
-        path = self.trainers.checkpoint(str(self.run_dir), self.state, extra, self.keep)
+        path = self.trainers.checkpoint(str(self.checkpoints.run_dir), self.state, extra, self.checkpoints.keep)
         self.final_books, self.saved_at_step = queue, self.state.step
         log.info("checkpoint %s written (version %d, step %d, %d queued, %d in flight)", pathlib.Path(path).name,
                  self.state.version, self.state.step, len(queue["queue"]), len(queue["unfinished"]))

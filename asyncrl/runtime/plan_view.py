@@ -1,6 +1,9 @@
 """A running job's version as the split planner sees it (`asyncrl.planning`): the idle fractions its own busy times
 predict, beside the measured `trainer/idle_ratio` and `rollouter/idle_ratio`, and a split of the GPUs predicted to
-train faster, if there is one. The controller calls `runtime_plan` once a version; the math is the planner's.
+train faster, if there is one. The controller asks its `PlanAdvisor` once a version; the math is the planner's.
+
+    advisor = PlanAdvisor(Layout("split", 1, 1), every=10)
+    advisor.view(metrics, version)   # plan/* metrics; at most every 10 versions a log line with a better split
 
     view = runtime_plan(Layout("split", 1, 1), tokens=146_000, response_tokens=130_700, train_s=14.3,
                         gen_s=10.1, sync_s=0.013)
@@ -11,10 +14,13 @@ train faster, if there is one. The controller calls `runtime_plan` once a versio
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from asyncrl.planning import ADVICE_GAIN, Layout, timeline, trainer_scale
 
-__all__ = ["RuntimePlan", "runtime_plan"]
+__all__ = ["RuntimePlan", "runtime_plan", "PlanAdvisor"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +78,32 @@ def runtime_plan(layout: Layout, *, tokens: float, response_tokens: float, train
                 break
     return RuntimePlan(trainer_idle, rollout_idle, tokens / version, tokens / train_s,
                        response_tokens / (layout.agent_gpus * gen_s), better, gain)
+
+
+class PlanAdvisor:
+    """The planner's view of each version of a run on `layout` (`compiled`: its trainer compiles its layers on
+    GPUs): the version's `plan/*` metrics, and, at most every `every` versions, a log line when another split of
+    the GPUs is predicted to train faster."""
+
+    def __init__(self, layout: Layout, *, compiled: bool = False, every: int = 10):
+        self.layout, self.compiled, self.every = layout, compiled, every
+        self._advised_at: int | None = None  # the version of the last advice logged
+
+    def view(self, metrics: dict, version: int) -> dict:
+        """`plan/*` from a version's own busy times in `metrics` (the controller's row: `perf/total_num_tokens`,
+        `perf/response_tokens`, `timing_s/update_actor`, `rollouter/active_time`, `timing_s/param_sync_total`);
+        {} until both sides were busy."""
+        estimate = runtime_plan(
+            self.layout, tokens=metrics.get("perf/total_num_tokens", 0), response_tokens=metrics.get(
+                "perf/response_tokens", 0), train_s=metrics.get("timing_s/update_actor", 0.0),
+            gen_s=metrics.get("rollouter/active_time", 0.0), sync_s=metrics.get("timing_s/param_sync_total", 0.0),
+            compiled=self.compiled)
+        if estimate is None:
+            return {}
+        advice = estimate.advice(self.layout)
+        if advice and (self._advised_at is None or version - self._advised_at >= self.every):
+            self._advised_at = version
+            log.info("plan: trainer idle %.2f (predicted %.2f), rollout idle %.2f (predicted %.2f): %s "
+                     "(see `asyncrl plan`)", metrics["trainer/idle_ratio"], estimate.trainer_idle,
+                     metrics.get("rollouter/idle_ratio", float("nan")), estimate.rollout_idle, advice)
+        return estimate.metrics()

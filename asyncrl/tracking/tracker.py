@@ -1,12 +1,12 @@
 """Experiment tracking: a console line per version, a metrics JSONL in the run directory, and wandb.
 
-    tracker = Tracker(TrackingConfig(run_dir="runs/demo", wandb="auto"), config=run_config)
-    tracker(metrics, step)        # also usable as the controller's `log_metrics`
+    tracker = Tracker(TrackingConfig(run_dir="runs/demo", wandb="auto"), run_config=config_record)
+    tracker(metrics, step)        # the run's `RunLog` (`asyncrl.runtime.run_log`): launch(spec, run_log=tracker)
     tracker.close()
 
 wandb: "auto" logs online when an API key is configured and offline otherwise (sync later with
 `wandb sync`); "off" disables it; "online" / "offline" force a mode. Nothing is opened until the first
-log, so a Tracker pickles cleanly to the process that logs (rank 0).
+log, so a Tracker pickles cleanly to the process that logs (rank 0), which closes its copy at the end.
 """
 
 from __future__ import annotations
@@ -129,13 +129,17 @@ class Tracker:
                                     + "\n")
 
     def close(self) -> None:
+        """Close the files and finish the wandb run; closing again does nothing (a log that is opened again
+        appends)."""
         if self.console is not None:
             self.console.close()
         for f in (self._file, self._samples):
             if f is not None:
                 f.close()
+        self._file = self._samples = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:

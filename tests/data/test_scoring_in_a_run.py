@@ -8,6 +8,7 @@ from asyncrl.data import GeneratedSource, Scorer
 from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, Engine, EngineConfig, random_model
 from asyncrl.rpc.local import LocalRun
+from asyncrl.runtime.run_log import QuietLog
 from asyncrl.types import Prompt
 from tests.timing import limit
 
@@ -19,18 +20,29 @@ def _flaky(text: str, ground_truth: str) -> float:
     return 1.0
 
 
+class _Rows(QuietLog):
+    """The run's log: keeps every version's row."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[dict] = []
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        self.rows.append(metrics)
+
+
 def test_reward_errors_reach_the_run_metrics_and_the_run_continues():
     policy = random_model(dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.1), seed=1)
     engine = Engine(copy.deepcopy(policy), EngineConfig(max_slots=16, max_len=32))
     state = build_learner(policy, TrainerConfig(mini_batch_size=2, optim=OptimConfig(lr=1e-3)), GRPO())
     source = GeneratedSource(lambda i: Prompt([5 + i % 20, 9, 11], data_source="x", index=i))
-    rows = []
+    log = _Rows()
     run = LocalRun(state, [engine], source, Scorer({"x": _flaky}), RolloutConfig(n=4, max_new_tokens=6, max_slots=16),
                    AsyncConfig(staleness_threshold=0.0, total_versions=3, take_timeout_s=limit(60)),
-                   log_metrics=lambda m, v: rows.append(m))
+                   run_log=log)
     summary = run.run()
     assert summary.versions == 3
-    errors = [m["reward/errors"] for m in rows]
+    errors = [m["reward/errors"] for m in log.rows]
     assert errors[-1] > 0, "odd first tokens happen; their rewards raised and must be counted"
     assert errors == sorted(errors)  # cumulative
     # the agent keeps generating after the last trained group was scored, so its count can only be larger

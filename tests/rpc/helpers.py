@@ -21,6 +21,7 @@ from asyncrl.data import GeneratedSource, Scorer
 from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, Engine, EngineConfig, random_model
 from asyncrl.rpc import LocalRun
+from asyncrl.runtime.controller import CheckpointPolicy
 from tests.rpc.faults import SlowEngine
 from asyncrl.types import Group, Prompt
 
@@ -62,9 +63,10 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
               max_slots: int = 16, concurrent_prompts: int | None = None, lr: float = 3e-3, seed: int = 0,
               run_dir: str | None = None, checkpoint_every: int = 0, state=None,
               resume_extra: dict | None = None, reward=even_fraction, env_setup=None, evals=None,
-              eval_slots: int = 0) -> LocalRun:
+              eval_slots: int = 0, layout=None) -> LocalRun:
     """A LocalRun of the toy task: `engines` engines on CPU, each agent keeping `concurrent_prompts` prompts
-    in flight (default max_slots // n); `env_setup` makes every prompt's samples multi-turn episodes."""
+    in flight (default max_slots // n); `env_setup` makes every prompt's samples multi-turn episodes; `layout`
+    gives the controller the planner's view."""
     state = state if state is not None else build_state(mini_batch_size, lr)
     max_len = 8 + max_new_tokens
     engine_list = [Engine(tiny_model(), EngineConfig(max_slots=max_slots, max_len=max_len, attend_bucket=16,
@@ -73,9 +75,9 @@ def local_run(config: AsyncConfig, *, engines: int = 2, step_delays: list[float]
     engine_list = [SlowEngine(e, d) if d else e for e, d in zip(engine_list, delays)]
     rollout = RolloutConfig(n=n, max_new_tokens=max_new_tokens, max_slots=max_slots, max_prompt_length=8,
                             max_concurrent_prompts=concurrent_prompts, kv_on_update=kv_on_update)
-    return LocalRun(state, engine_list, source(), scorer(reward), rollout, config, seed=seed, run_dir=run_dir,
-                    checkpoint_every=checkpoint_every, resume_extra=resume_extra, env_setup=env_setup, evals=evals,
-                    eval_slots=eval_slots)
+    return LocalRun(state, engine_list, source(), scorer(reward), rollout, config, seed=seed,
+                    checkpoints=CheckpointPolicy(run_dir, checkpoint_every), resume_extra=resume_extra,
+                    env_setup=env_setup, evals=evals, eval_slots=eval_slots, layout=layout)
 
 
 class TrainRecorder:

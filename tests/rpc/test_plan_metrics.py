@@ -1,11 +1,10 @@
 """The split planner's view in a running job: every version's metrics carry `plan/*` beside the measured idle
 ratios (in-process run; and through `asyncrl train` with the local and the multi-process launcher, which pass
-the run's layout), and the controller logs a better split at most every `plan_every` versions."""
+the run's layout). How often a better split is logged: tests/runtime/test_plan_view.py."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -20,8 +19,8 @@ PLAN_KEYS = {"plan/trainer_idle_predicted", "plan/rollout_idle_predicted", "plan
 
 
 def test_every_version_carries_the_planners_view_of_its_own_busy_times():
-    run = local_run(AsyncConfig(total_versions=3, trigger_parameter_sync_step=2, take_timeout_s=limit(60)))
-    run.controller.layout = Layout("split", 1, 2)
+    run = local_run(AsyncConfig(total_versions=3, trigger_parameter_sync_step=2, take_timeout_s=limit(60)),
+                    layout=Layout("split", 1, 2))
     rec = TrainRecorder(run)
     summary = run.run()
     assert len(summary.history) == 3
@@ -38,27 +37,10 @@ def test_every_version_carries_the_planners_view_of_its_own_busy_times():
             m["perf/response_tokens"] / (2 * m["rollouter/active_time"]))
 
 
-def test_a_better_split_is_logged_at_most_every_plan_every_versions(caplog):
-    run = local_run(AsyncConfig(total_versions=1, take_timeout_s=limit(60)))
-    controller = run.controller
-    controller.layout, controller.plan_every = Layout("split", 1, 1), 3
-    # the trainer busy 6 s, the agent 3 s: a second trainer GPU is predicted 1.75x (tests/runtime/test_plan_view.py)
-    window = {"perf/total_num_tokens": 1000, "perf/response_tokens": 800, "timing_s/update_actor": 6.0,
-              "rollouter/active_time": 3.0, "timing_s/param_sync_total": 1.0, "trainer/idle_ratio": 0.1,
-              "rollouter/idle_ratio": 0.55}
-    logged = []
-    with caplog.at_level(logging.INFO, logger="asyncrl.runtime.controller"):
-        for version in range(1, 8):
-            controller.state.version = version
-            before = len(caplog.records)
-            assert controller._plan(window)["plan/split_gain_predicted"] == pytest.approx(0.75)
-            logged += [version] * (len(caplog.records) - before)
-    assert logged == [1, 4, 7]
-    assert caplog.records[0].message == (
-        "plan: trainer idle 0.10 (predicted 0.00), rollout idle 0.55 (predicted 0.57): one trainer GPU more "
-        "(1+1 -> 2+1) would raise trained tok/s by ~75% (see `asyncrl plan`)")
-    controller.layout = None  # a run without a layout (e.g. built from parts) logs no plan/* metrics
-    assert controller._plan(window) == {}
+def test_a_run_without_a_layout_logs_no_plan_metrics():
+    run = local_run(AsyncConfig(total_versions=1, take_timeout_s=limit(60)))  # built from parts, no layout
+    assert run.controller.plan is None
+    assert not any(key.startswith("plan/") for m in run.run().history for key in m)
 
 
 def _plan_rows(run_dir) -> list[dict]:

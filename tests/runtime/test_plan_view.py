@@ -1,14 +1,16 @@
 """A running job's version as the split planner sees it (asyncrl.runtime.plan_view): golden values worked by
-hand, the advice line, and properties over random busy times."""
+hand, the advice line and how often the controller's advisor logs it, and properties over random busy times."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.planning.predict import ADVICE_GAIN, FSDP_EAGER, Layout
-from asyncrl.runtime.plan_view import runtime_plan
+from asyncrl.runtime.plan_view import PlanAdvisor, runtime_plan
 
 
 def test_split_golden_values_and_one_trainer_gpu_more():
@@ -22,6 +24,26 @@ def test_split_golden_values_and_one_trainer_gpu_more():
     assert view.advice(Layout("split", 1, 1)) == "one trainer GPU more (1+1 -> 2+1) would raise trained tok/s by ~75%"
     metrics = view.metrics()
     assert metrics["plan/trainer_idle_predicted"] == 0 and metrics["plan/split_gain_predicted"] == pytest.approx(0.75)
+
+
+
+def test_a_better_split_is_logged_at_most_every_plan_every_versions(caplog):
+    advisor = PlanAdvisor(Layout("split", 1, 1), every=3)
+    # the trainer busy 6 s, the agent 3 s: a second trainer GPU is predicted 1.75x (the golden values above)
+    window = {"perf/total_num_tokens": 1000, "perf/response_tokens": 800, "timing_s/update_actor": 6.0,
+              "rollouter/active_time": 3.0, "timing_s/param_sync_total": 1.0, "trainer/idle_ratio": 0.1,
+              "rollouter/idle_ratio": 0.55}
+    logged = []
+    with caplog.at_level(logging.INFO, logger="asyncrl.runtime.plan_view"):
+        for version in range(1, 8):
+            before = len(caplog.records)
+            assert advisor.view(window, version)["plan/split_gain_predicted"] == pytest.approx(0.75)
+            logged += [version] * (len(caplog.records) - before)
+    assert logged == [1, 4, 7]
+    assert caplog.records[0].message == (
+        "plan: trainer idle 0.10 (predicted 0.00), rollout idle 0.55 (predicted 0.57): one trainer GPU more "
+        "(1+1 -> 2+1) would raise trained tok/s by ~75% (see `asyncrl plan`)")
+    assert advisor.view({**window, "rollouter/active_time": 0.0}, 8) == {}  # no busy time on one side: no view
 
 
 def test_a_compiled_trainer_growing_into_an_fsdp2_group_pays_for_its_eager_layers():
