@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from asyncrl.learner.batch import RolloutBatch
@@ -27,7 +28,7 @@ def _autocast(device: torch.device, enabled: bool):
 def _response_hidden(model: CausalLM, micro: MicroBatch) -> Tensor:
     """Final hidden states at the positions that predict the response tokens: [n, H]."""
     hidden = model(micro.tokens, micro.positions, documents=micro.documents)
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.predict_at)
+    return rearrange(hidden, "b t h -> (b t) h").index_select(0, micro.predict_at)  # `predict_at` indexes b·t
 
 
 def _to_rows(micro: MicroBatch, values: Tensor, width: int) -> Tensor:

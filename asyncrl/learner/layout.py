@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from asyncrl.config import TrainerConfig
@@ -178,13 +179,15 @@ def plan_micro_batches(tokens: Tensor, micro_rows: list[list[int]], lengths: Row
     host = [_host_indices(rows, lengths, packed, bucketed and packed) for rows in chosen]
     docs = [tuple(int(n) for n in idx.pop("lengths")) for idx in host] if packed else [None] * len(host)
     layout = BucketedLayout if bucketed else DocumentLayout
-    flat_tokens = tokens.reshape(-1)
+    flat_tokens = rearrange(tokens, "n s -> (n s)")  # what "token_index" and "target_index" index
     out = []
     for rows, given, idx, seq in zip(chosen, micro_rows, _to_device(host, tokens.device), docs):
-        shape = (1, sum(seq)) if packed else (len(rows), max(lengths.total(r) for r in rows))
+        # packed: the rows' sequences end to end, one row of L tokens; else m rows padded to the longest
+        rows_of, axes = ("l -> 1 l", {"l": sum(seq)}) if packed else (
+            "(m s) -> m s", {"m": len(rows), "s": max(lengths.total(r) for r in rows)})
         out.append(MicroBatch(
-            row_list=rows, rows=idx["rows"], tokens=flat_tokens[idx["token_index"]].view(shape),
-            positions=idx["positions"].view(shape) if packed else None,
+            row_list=rows, rows=idx["rows"], tokens=rearrange(flat_tokens[idx["token_index"]], rows_of, **axes),
+            positions=rearrange(idx["positions"], rows_of, **axes) if packed else None,
             documents=layout(seq, idx["cu_seqlens"].to(torch.int32)) if packed else None,
             predict_at=idx["predict_at"], targets=flat_tokens[idx["target_index"]], out_rows=idx["out_rows"],
             out_cols=idx["out_cols"], num_targets=sum(lengths.response[r] for r in rows), empty=not given))

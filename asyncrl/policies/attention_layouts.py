@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 __all__ = ["CacheExtension", "DocumentLayout", "packed_attention_mask"]
@@ -57,9 +58,9 @@ class DocumentLayout:
             dtype = torch.get_autocast_dtype("cuda")
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if self.flash is not None and q.dtype in (torch.bfloat16, torch.float16):
-            out = self.flash(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
-                        self.max_len)
-            return out.transpose(0, 1)[None]
+            tokens_first = (rearrange(t, "1 h l d -> l h d") for t in (q, k, v))  # the varlen kernel's layout
+            out = self.flash(*tokens_first, self.cu_seqlens, self.max_len)
+            return rearrange(out, "l h d -> 1 h l d")
         gqa = q.shape[1] != k.shape[1]
         parts = [F.scaled_dot_product_attention(qd, kd, vd, is_causal=qd.shape[2] > 1, enable_gqa=gqa)
                  for qd, kd, vd in zip(*(t.split(self.lengths, dim=2) for t in (q, k, v)))]

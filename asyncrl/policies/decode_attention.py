@@ -17,6 +17,7 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 __all__ = ["DecodeKernel", "DecodeAttention", "decode_attention", "sdpa_decode"]
@@ -30,13 +31,13 @@ DecodeAttention = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
 def sdpa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, attend_len: int) -> Tensor:
     """SDPA over each row's first `attend_len` cached positions, masked past positions[b]: the H query heads
     viewed as G = H / Hkv queries of each KV head, so every cached K/V is read once (no repeat for GQA)."""
-    b, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    b = q.shape[0]
     seen = torch.arange(attend_len, device=q.device)
     mask = (seen[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(q.view(b, kv_heads, heads // kv_heads, dim), k_cache[:b, :, :attend_len],
-                                         v_cache[:b, :, :attend_len], attn_mask=mask)
-    return out.reshape(b, heads, dim)
+    grouped = rearrange(q, "b (hkv g) d -> b hkv g d", hkv=k_cache.shape[1])  # G queries per KV head
+    out = F.scaled_dot_product_attention(grouped, k_cache[:b, :, :attend_len], v_cache[:b, :, :attend_len],
+                                         attn_mask=mask)
+    return rearrange(out, "b hkv g d -> b (hkv g) d")
 
 
 def _triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, attend_len: int) -> Tensor:

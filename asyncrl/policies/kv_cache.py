@@ -16,6 +16,7 @@ sequence) so short batches do not pay for the full budget.
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from asyncrl.policies.decode_attention import DecodeAttention, sdpa_decode
@@ -69,8 +70,9 @@ class KVCache:
         before a decode step reads it (positions past the slot are clamped to its last, never yet in use)."""
         rows = slots[:, None].expand_as(positions)
         at = positions.clamp(max=self.max_len - 1)
-        self.k[layer][rows, :, at] = k.transpose(1, 2)
-        self.v[layer][rows, :, at] = v.transpose(1, 2)
+        # indexed by [B, S] rows and positions around the head axis, the cache takes [B, S, Hkv, D]
+        self.k[layer][rows, :, at] = rearrange(k, "b h s d -> b s h d")
+        self.v[layer][rows, :, at] = rearrange(v, "b h s d -> b s h d")
         return self.k[layer].index_select(0, slots)[:, :, :span], self.v[layer].index_select(0, slots)[:, :, :span]
 
     def attend_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:

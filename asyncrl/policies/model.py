@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from asyncrl.policies.attention_layouts import CacheExtension, DocumentLayout
@@ -139,8 +140,8 @@ def _norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: fl
                sin: Tensor) -> tuple[Tensor, Tensor]:
     """Qwen3's per-head RMS norms of q [B, S, H, D] and k [B, S, Hkv, D], then RoPE (cos, sin [B, S, D]):
     q and k as [B, H, S, D], read and written once each when compiled."""
-    q = _rms_norm(q, q_weight, eps).transpose(1, 2)
-    k = _rms_norm(k, k_weight, eps).transpose(1, 2)
+    q = rearrange(_rms_norm(q, q_weight, eps), "b s h d -> b h s d")
+    k = rearrange(_rms_norm(k, k_weight, eps), "b s h d -> b h s d")
     return _apply_rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
@@ -293,19 +294,21 @@ class Attention(_UsesKernels, nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor | None, cache: KVCache | None,
                 cache_slots: Tensor | None, positions: Tensor, decode: bool,
                 documents: DocumentLayout | None = None, extension: CacheExtension | None = None) -> Tensor:
-        b, s, _ = x.shape
+        s = x.shape[1]
         if cache is not None and self.qkv is not None:
             q, k, v = self.qkv(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # [B, H, S, D] out
-            q, k = self.kernels.norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        d = self.head_dim
+        if self.qk_norm:  # the norms per head, [B, S, H, D] in; [B, H, S, D] out
+            q, k = self.kernels.norm_rope(rearrange(q, "b s (h d) -> b s h d", d=d),
+                                          rearrange(k, "b s (h d) -> b s h d", d=d),
+                                          self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         else:
-            q, k = self.kernels.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
-        v = v.transpose(1, 2)
+            q, k = self.kernels.apply_rope(rearrange(q, "b s (h d) -> b h s d", d=d),
+                                           rearrange(k, "b s (h d) -> b h s d", d=d), cos.unsqueeze(1),
+                                           sin.unsqueeze(1))
+        v = rearrange(v, "b s (h d) -> b h s d", d=d)
         if decode:
             out = cache.attend_decode(self.layer_idx, q, k, v, positions[:, 0])  # one query per row
         elif documents is not None:
@@ -322,7 +325,7 @@ class Attention(_UsesKernels, nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
 class MLP(_UsesKernels, nn.Module):
