@@ -1,8 +1,10 @@
 """What the rest of asyncrl needs from a generation engine.
 
 Two engines implement it: the embedded `Engine` and `VLLMEngine` (`asyncrl.policies.vllm_engine`, vLLM's
-`LLMEngine` driven step by step). Code outside `asyncrl.policies` types its engine as `RolloutEngine`, never
-as a concrete class. `check_request` is the input check both make before queueing anything.
+`LLMEngine` driven step by step). Code that is handed an engine (the rollout agent, the run's assembly, an
+`EngineFactory`) types it as `RolloutEngine`, so either backend serves; only code that builds the embedded
+engine itself names `Engine` (`asyncrl.evaluate`). `check_request` is the input check both make before
+queueing anything.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Transport: who runs where and how bytes move. The only package that knows processes exist; the run's logic
-(queue, roster, agent loop, controller) is `asyncrl.runtime`.
+"""The launchers and the transport: where the run's parts run and how calls and weights move between them.
+The run's logic (queue, roster, agent loop, controller) is `asyncrl.runtime`, which knows no process; this
+package runs it in one process or in many.
 
-`local` (in-process launcher: agents in threads); the multi-process run: `spec` (what it is made of),
-`assembly` (building it, both launchers), `launch` (process bodies, torchrun), `supervise` (the one-machine
-launcher and its supervision), `head` (rank 0), `commands` (the trainer group), `fleet` (agents' admission),
-`agent_server` (an agent process's RPC face), `param_server` (weight publication), `channels` (weight
-transport; `ipc` its same-GPU path), `store` and `membership` (the run's control plane), `exposure` (loopback
-binding, the run token), `worker_pool` (processes for synchronous user code).
+Both launchers: `spec` (what a run is made of, picklable), `assembly` (building it from the spec, the same for
+both), `param_server` (weight publication). In one process: `local` (the trainer in this thread, each agent in
+a thread of its own, no network). In many: `supervise` (the one-machine launcher and its supervision), `roles`
+(the process bodies), `torchrun` (the same roles under torchrun), `head` (rank 0), `commands` (the trainer
+group), `fleet` (agents' admission), `agent_server` (an agent process's RPC face), `channels` (weight transport;
+`ipc` its same-GPU path), `store` and `membership` (the run's control plane), `exposure` (loopback binding,
+the run token), `worker_pool` (processes for synchronous user code).
 """
 
 import importlib

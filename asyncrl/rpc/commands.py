@@ -1,7 +1,7 @@
 """The trainer group: rank 0 drives ranks 1..T−1 (an FSDP2 group) by broadcasting commands, so that every
 rank enters the same collectives in the same order.
 
-    trainers = TrainerGroup(state, followers, hosted=...)   # rank 0
+    trainers = TrainerGroup(commands_group(spec), hosted=agent_server)   # rank 0 (hosted: colocated only)
     trainers.step(state, groups); trainers.weights(state, dtype); trainers.checkpoint(...); trainers.stop()
 
 Followers are `FollowerHost`s that rank 0 creates in their processes with `rpc.remote`: each builds its
