@@ -1,4 +1,18 @@
-"""Test settings shared by the whole suite."""
+"""Test settings shared by the whole suite.
+
+Two tiers, by rule (tests/e2e_rule.py): tests marked `e2e` start other interpreters, the rest run in the test
+process; a test that starts an interpreter without the mark fails. `make test-fast` runs `-m "not e2e"`,
+`make test-e2e` the rest, `make test` both, the fast tier first.
+
+The order of the files serves both ways of running them. A file's cost is (holds an e2e test, holds a `slow`
+test): in-process files, then slow in-process ones, then e2e files, then slow e2e ones.
+* In one process the files run cheapest first, so a unit test's failure shows in the first minutes and not
+  after half an hour of training runs.
+* In an xdist worker (`-n 2 --dist loadfile --no-loadscope-reorder`: whole files, handed out in this order)
+  they run costliest first: a worker that takes a long file early lets the other work through the short ones
+  meanwhile, and both end together, instead of one worker starting a long file when the queue is almost empty.
+Each file's own tests keep their order (the sort is stable).
+"""
 
 import os
 import pathlib
@@ -6,6 +20,8 @@ import pathlib
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["tests.e2e_rule", "pytester"]
 
 GSM8K_DIR = pathlib.Path(os.environ.get("ASYNCRL_GSM8K_DIR", pathlib.Path(__file__).parent / "fixtures" / "gsm8k"))
 
@@ -22,19 +38,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` took their tests out: a file's cost is what runs of it
 def pytest_collection_modifyitems(config, items):
     """pyproject's hang guard for every test (`timeout = 900`) scaled like every other deadline of the suite
-    (tests/timing.py); tests with their own `timeout` marker keep it (they derive it from timing.py too).
-    Files holding a `slow` test run first (a stable sort, so each file's own order stands): the workers of a
-    parallel run (`-n 2 --dist loadfile`, whole files each) then end on short files instead of one of them
-    waiting on a long one."""
+    (tests/timing.py: the machine's scale and the number of xdist workers); tests with their own `timeout`
+    marker keep it (they derive it from timing.py too). Then the files in the order the module docstring
+    explains."""
     from tests.timing import limit
     ini = float(config.getini("timeout") or 0)
     for item in items:
         if ini > 0 and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit(ini)))
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)
+    cost: dict[pathlib.Path, tuple[bool, bool]] = {}
+    for item in items:
+        e2e, slow = cost.get(item.path, (False, False))
+        cost[item.path] = (e2e or item.get_closest_marker("e2e") is not None,
+                           slow or item.get_closest_marker("slow") is not None)
+    in_worker = hasattr(config, "workerinput")
+    items.sort(key=lambda item: cost[item.path], reverse=in_worker)
 
 
 @pytest.fixture(scope="session")

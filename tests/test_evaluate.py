@@ -83,6 +83,7 @@ def test_eval_from_a_checkpoint_matches_the_same_weights_as_an_hf_dir(tmp_path):
         evaluate(str(hf_dir), DataConfig(task="arithmetic"), **TINY)
 
 
+@pytest.mark.e2e
 def test_eval_from_a_real_runs_checkpoint(tmp_path_factory):
     run_dir = tiny_run(tmp_path_factory)
     checkpoint = run_dir / "checkpoints" / "step_00000003"
@@ -103,6 +104,7 @@ def test_bad_arguments_name_the_field(kwargs, field):
         evaluate("random:tiny-qwen2", TOY, **args)
 
 
+@pytest.mark.e2e
 def test_cli_help_and_smoke_run(tmp_path):
     target, missing = tmp_path / "eval" / "result.json", tmp_path / "run" / "checkpoints" / "step_00000020"
     helped, ran, bad_k, no_checkpoint, out = cli_forks([

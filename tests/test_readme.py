@@ -249,6 +249,7 @@ def _run_in_order(commands: list[tuple[str, list[str]]], cwd: pathlib.Path) -> l
     return outs
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_every_doc_command_runs(workdir):
     commands = []

@@ -36,6 +36,7 @@ TINY_ENGINE = ["--model", "random:tiny-qwen2", "--device", "cpu", "--dtype", "fl
                "--prompt-len", "8", "--new-tokens", "8"]
 
 
+@pytest.mark.e2e
 def test_bench_usage_and_help():
     usage, unknown, out = cli_forks([["bench", "--help"], ["bench", "nope"], ["bench", "engine", "--help"]], cwd=ROOT)
     assert usage.returncode == 0 and "engine" in usage.stdout and "learner" in usage.stdout
@@ -45,6 +46,7 @@ def test_bench_usage_and_help():
         assert flag in out.stdout, flag
 
 
+@pytest.mark.e2e
 def test_engine_bench_smoke_run(tmp_path):
     target = tmp_path / "bench.json"
     out = cli("bench", "engine", *TINY_ENGINE, "--out", str(target))
@@ -67,6 +69,7 @@ def test_engine_bench_smoke_run(tmp_path):
     assert row["max_abs_dlogp"] <= dlogp_tol(row, ARCH_PRESETS["tiny-qwen2"]["hidden_size"]), row
 
 
+@pytest.mark.e2e
 def test_engine_bench_refuses_bad_backends():
     twice, unknown = cli_forks([["bench", "engine", *TINY_ENGINE, "--backends", "asyncrl", "asyncrl"],
                                 ["bench", "engine", *TINY_ENGINE, "--backends", "sglang"]], cwd=ROOT)
@@ -93,6 +96,7 @@ def test_engine_bench_on_a_prompt_file_stops_at_eos(tmp_path, smollm2_tokenizer,
         bench_engine(dataclasses.replace(args, batch_sizes=(5,)))
 
 
+@pytest.mark.e2e
 def test_script_wrappers_keep_working():
     # the documented `PYTHONPATH=. python scripts/bench_engine.py ...` command, and the names other scripts import
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -225,6 +229,7 @@ def test_learner_bench_refuses_bad_shapes_before_loading(change, flag):
         bench_learner(args)
 
 
+@pytest.mark.e2e
 def test_learner_bench_cli_names_the_flag():
     out = cli("bench", "learner", "--device", "cpu", "--workload", "ragged", "--response-len-min", "0")
     assert out.returncode != 0 and "asyncrl bench learner: --response-len-min 0 must be >= 1" in out.stderr
@@ -256,6 +261,7 @@ def test_step_bytes_counts_weights_once_and_the_kv():
     assert model.dtype == torch.float32
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
     """`--backends asyncrl vllm`: vLLM (in a process of its own) generates for the same prompts; its behaviour

@@ -15,6 +15,7 @@ TINY = dict(devices=("cpu", "cpu"), model="random:tiny-qwen2", n=2, mini_batch_s
             max_prompt_length=32, slots=16, steps=4, threads_per_process=1)
 
 
+@pytest.mark.e2e
 def test_sync_and_stale_partial_runs_write_table_results_and_plot(tmp_path):
     args = AsyncBenchArgs(variants=("sync", "stale-partial:trigger=2"), out=str(tmp_path), **TINY)
     results = bench_async(args)

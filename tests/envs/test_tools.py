@@ -90,6 +90,7 @@ CALCULATOR_ATTACKS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("expression, why", CALCULATOR_ATTACKS.values(), ids=CALCULATOR_ATTACKS.keys())
 def test_the_calculator_refuses_anything_else_quickly(bounded_worker, expression, why):
     outcome = bounded_worker.call(calculator, expression)  # in a child: a hang fails this test, not the suite

@@ -13,6 +13,8 @@ import pytest
 from tests.cli_forks import cli_forks
 from tests.timing import limit
 
+pytestmark = pytest.mark.e2e
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

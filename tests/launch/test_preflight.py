@@ -112,6 +112,7 @@ def refusals(tmp_path_factory) -> dict:
     return {case: (out, runs[case]) for case, out in zip(cases, outs)} | {"missing": root / "missing"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", range(len(REFUSED)))
 @pytest.mark.skipif(not NO_CUDA, reason="the device case assumes a machine without CUDA")
 def test_the_command_exits_before_spawning_anything(refusals, case):
@@ -121,6 +122,7 @@ def test_the_command_exits_before_spawning_anything(refusals, case):
     assert expected in err.rstrip().splitlines()[-1]  # the one line it exits with
 
 
+@pytest.mark.e2e
 def test_every_problem_is_listed_at_once(refusals):
     (out, run_dir), missing = refusals["both"], refusals["missing"]
     err = refused(out, run_dir)
@@ -153,6 +155,7 @@ def text_commands(tmp_path_factory, smollm2_tokenizer) -> dict:
     return {case: (out, runs[case], data.get(case)) for case, out in zip(commands, outs)}
 
 
+@pytest.mark.e2e
 def test_data_problems_name_the_file_and_row(tmp_path, text_commands):
     out, run_dir, unknown = text_commands["unknown"]
     refused(out, run_dir,
@@ -176,6 +179,7 @@ def test_data_problems_name_the_file_and_row(tmp_path, text_commands):
     assert problem.startswith("--rollout.max-prompt-length 8 is invalid: the arithmetic task's prompts take")
 
 
+@pytest.mark.e2e
 def test_dry_run_prints_a_command_that_gives_the_same_config_and_starts_nothing(text_commands):
     import shlex
 
@@ -254,6 +258,7 @@ def test_checks_as_functions(tmp_path):
     assert report.ok and any(f.startswith("reward of 'toy'") for f in report.facts)
 
 
+@pytest.mark.e2e
 def test_eval_on_a_missing_path_says_so(text_commands):
     out, run_dir, _ = text_commands["eval"]
     missing = run_dir / "checkpoints" / "step_00000020"

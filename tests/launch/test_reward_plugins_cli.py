@@ -15,6 +15,8 @@ import pytest
 from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
+pytestmark = pytest.mark.e2e
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smollm2", "--wandb", "off",
         "--rollout.n", "2", "--rollout.max-new-tokens", "4", "--trainer.mini-batch-size", "6",

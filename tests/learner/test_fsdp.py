@@ -27,7 +27,7 @@ from tests.dist_helpers import (
 )
 from tests.timing import limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 2
 MODES = ["token-mean", "seq-mean-token-mean"]

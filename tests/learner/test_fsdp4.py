@@ -20,7 +20,7 @@ from tests.dist_helpers import build, max_diff, run_distributed, sample_groups
 from tests.lora_helpers import build_lora, trained
 from tests.timing import limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 4
 STEPS = 3

@@ -30,6 +30,7 @@ print("ok")
 """
 
 
+@pytest.mark.e2e
 def test_one_pass_statistics_equal_the_pytorch_ones():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)

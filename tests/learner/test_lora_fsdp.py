@@ -18,7 +18,7 @@ from tests.dist_helpers import max_diff, run_distributed, sample_groups
 from tests.lora_helpers import build_lora, lora_fsdp_worker, trained
 from tests.timing import limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 2
 

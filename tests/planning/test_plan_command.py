@@ -144,6 +144,7 @@ def test_bench_plan_without_files_measures_briefly(tmp_path, capsys):
     assert written["recommended"] in {p["placement"] for p in written["placements"]}
 
 
+@pytest.mark.e2e
 def test_the_command_is_registered():
     out, usage = cli_forks([["plan", "--gpus", "0"], ["--help"]], cwd=ROOT)
     assert out.returncode == 1 and "asyncrl plan: --gpus 0 must be >= 1" in out.stderr, out.stderr

@@ -31,6 +31,7 @@ def _cases() -> list[dict]:
     return cases
 
 
+@pytest.mark.e2e
 def test_triton_kernel_matches_sdpa():
     """Under Triton's interpreter on CPU; compiled where a GPU is."""
     results = run_kernel_cases("tests.policies.decode_kernel_cases", _cases())

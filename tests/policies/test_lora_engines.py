@@ -210,6 +210,7 @@ def vllm_hosts(smollm2_cache):
             host.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["merge", "adapter"])
 def test_vllm_serves_the_lora_learners_logprobs(vllm_hosts, mode):

@@ -46,14 +46,17 @@ def results() -> list[dict]:
     return out
 
 
+@pytest.mark.e2e
 def test_each_token_is_where_its_uniform_falls_in_the_fp64_cdf_and_logprobs_match(results):
     assert [(r["case"], r["problems"]) for r in results if r["problems"]] == []
 
 
+@pytest.mark.e2e
 def test_a_row_samples_the_same_alone_or_in_a_batch(results):
     assert all(r["batch_free"] for r in results), [r["case"] for r in results if not r["batch_free"]]
 
 
+@pytest.mark.e2e
 def test_tokens_agree_with_the_torch_sampler(results):
     """The same rule; only a uniform within rounding of a boundary may pick the neighbour (none in these cases)."""
     assert [(r["case"], r["tokens_as_eager"]) for r in results if r["tokens_as_eager"] != r["rows"]] == []

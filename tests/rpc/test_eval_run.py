@@ -92,6 +92,7 @@ def test_a_launched_run_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_p
             assert r["val/complete"] == 1.0 and "val-core/toy/reward/mean@2" in r and "val-aux/toy/reward/pass@2" in r
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(limit(400))
 def test_an_agent_killed_mid_evaluation_hands_its_prompts_to_one_holding_the_same_version(tmp_path, jobs):

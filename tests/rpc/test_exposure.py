@@ -109,6 +109,7 @@ def test_the_reader_sees_a_socket_listening_on_every_interface():
     assert not _is_loopback_address("0.0.0.0") and _is_loopback_address("::ffff:127.0.0.1")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(limit(600))
 def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wrong_token_is_refused(
@@ -144,6 +145,7 @@ def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wro
     assert refused not in job.summary()["agents"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(limit(360))
 def test_a_run_on_a_network_address_needs_the_token_its_join_line_shows(tmp_path, jobs, monkeypatch):

@@ -14,7 +14,7 @@ from asyncrl.rpc.supervise import launch
 from tests.rpc.test_rpc_run import MODES, assert_books_balance, assert_reward_rose, make_spec, place
 from tests.timing import limit
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(300))]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(limit(300))]
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 VERSIONS, LR, N = 12, 2e-2, 8  # 8 samples a prompt: the toy task's reward per version is noisy at 4

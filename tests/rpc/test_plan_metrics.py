@@ -47,6 +47,7 @@ def _plan_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
+@pytest.mark.e2e
 def test_the_launchers_give_the_controller_the_runs_layout(tmp_path, tmp_path_factory):
     out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--placement.launcher",
               "local", "--async-training.total-versions", "2", "--wandb", "off", *NO_EVAL, "--run-dir", str(tmp_path / "local"),

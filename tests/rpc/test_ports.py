@@ -7,10 +7,13 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 
+import pytest
 import torch.distributed as dist
 
 from asyncrl.rpc.roles import free_port, reserve_port
 from tests.timing import limit
+
+pytestmark = pytest.mark.e2e
 
 
 def _serve(port: int, ready, done) -> None:

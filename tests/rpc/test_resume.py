@@ -131,6 +131,7 @@ def _check_unfinished_came_back_first(handed_out, saved) -> None:
     assert all(t.prompt_id >= saved["next_id"] for t in handed_out[len(unfinished):])
 
 
+@pytest.mark.e2e
 def test_launched_run_resumes_from_its_checkpoint(tmp_path):
     from tests.rpc.test_rpc_run import make_spec
 

@@ -21,7 +21,7 @@ from tests.rpc.faults import FaultyEngines
 from tests.rpc.helpers import MODEL_CONFIG, MODEL_SEED, scorer, source
 from tests.timing import agent_timeout, detection_margin, limit
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(300))]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(limit(300))]
 
 MINI = 4
 

@@ -19,7 +19,7 @@ from asyncrl.rpc.param_server import late_after
 from tests.rpc.jobs import TOY, Job, alive, wait_until
 from tests.timing import agent_timeout, detection_margin, limit
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(limit(400))]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(limit(400))]
 
 TWO_AGENTS = ("--placement.agent-devices", "cpu", "cpu")
 ENDLESS = ("--async-training.total-versions", "1000000")

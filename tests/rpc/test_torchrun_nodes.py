@@ -90,6 +90,7 @@ def _children(pid: int) -> list[str]:
     return sorted(names)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(limit(600))
 def test_two_torchrun_nodes_train_one_job_and_restart_a_killed_agent(tmp_path):

@@ -43,6 +43,7 @@ def _completion(ids: list[int]) -> Completion:
     return Completion(token_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop")
 
 
+@pytest.mark.e2e
 def test_a_sync_reward_that_hangs_scores_0_is_counted_and_named_once_and_the_rest_is_scored(workers, caplog):
     scorer = Scorer(RewardTable.from_specs([REWARD]), timeout_s=1.0, workers=workers)
     prompt = Prompt([1, 2], data_source="toy", index=5)
@@ -58,6 +59,7 @@ def test_a_sync_reward_that_hangs_scores_0_is_counted_and_named_once_and_the_res
     assert workers.killed == 2
 
 
+@pytest.mark.e2e
 def test_an_environment_of_your_own_lives_in_a_worker_and_a_hung_step_ends_only_its_episodes(workers, caplog):
     factory = load_env(ENV)
     assert runs_isolated(ENV, factory) and not runs_isolated("retry", load_env("retry"))
@@ -96,6 +98,7 @@ def test_a_coroutine_that_blocks_the_event_loop_is_named(caplog):
     assert "stalls (" in message and "test_user_code_isolation.py" in message
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_run_whose_reward_hangs_on_some_responses_trains_on_with_its_agent_alive(tmp_path, monkeypatch):
     monkeypatch.setenv("HOSTILE_REWARD_COUNT", str(tmp_path / "hangs"))

@@ -11,7 +11,7 @@ import pytest
 from tests.run_helpers import cli
 from tests.timing import limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_a_fully_async_run_with_vllm_learns_the_arithmetic_task(tmp_path, smollm2_cache):

@@ -17,7 +17,7 @@ from tests.rpc import pool_calls as calls
 from tests.rpc.jobs import alive, wait_until
 from tests.timing import limit
 
-pytestmark = pytest.mark.timeout(limit(300))
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(limit(300))]
 
 PRELOAD = ("tests.rpc.pool_calls",)
 

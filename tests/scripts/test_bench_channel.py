@@ -15,6 +15,8 @@ from tests.timing import limit
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_channel  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.timeout(limit(240))
 def test_a_tiny_bench_publishes_over_each_backend(capsys, tmp_path):

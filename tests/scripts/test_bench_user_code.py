@@ -12,6 +12,8 @@ from tests.timing import limit
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_user_code  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.timeout(limit(240))
 def test_a_tiny_bench_measures_both_ways_and_their_ratio(capsys):

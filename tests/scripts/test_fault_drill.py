@@ -12,7 +12,7 @@ import pytest
 from tests.run_helpers import ROOT
 from tests.timing import limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_fault_drill_smoke_run(tmp_path):

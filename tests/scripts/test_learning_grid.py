@@ -101,6 +101,7 @@ def test_clip_fraction_and_mismatch_kl_are_means_over_steps_then_seeds():
     assert table(rows, None).splitlines()[2].endswith("| 0.0300 | 0.2000 |")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_tiny_grid_runs_end_to_end(tmp_path):
     out = tmp_path / "grid"

@@ -16,6 +16,8 @@ from tests.rpc.jobs import TOY
 from tests.run_helpers import ROOT, torchrun_port
 from tests.timing import limit
 
+pytestmark = pytest.mark.e2e
+
 SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
 
 FAKE_SRUN = """#!/bin/bash

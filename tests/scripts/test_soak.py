@@ -25,6 +25,7 @@ def test_summary_measures_growth_from_the_end_of_the_warmup_with_medians():
     assert soak.slope_mb_per_hour([(0, 1.0), (60, 3.0)]) == pytest.approx(2.0)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_soak_smoke_run_samples_every_process(tmp_path):
     out = tmp_path / "soak"

@@ -12,6 +12,8 @@ from tests.cli_forks import cli_forks
 from tests.run_helpers import NO_EVAL, tiny_run, torchrun_port
 from tests.timing import limit
 
+pytestmark = pytest.mark.e2e
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

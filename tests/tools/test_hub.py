@@ -161,6 +161,7 @@ def test_a_run_trains_from_a_named_model_and_dataset_and_records_the_commits(hub
     assert not (tmp_path / "x").exists()  # refused before anything started
 
 
+@pytest.mark.e2e
 def test_the_gsm8k_converter_and_the_data_commands_read_a_hub_split(hub_home, tmp_path):
     env = {"HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     converted, inspected, out = cli_forks([

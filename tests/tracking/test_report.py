@@ -49,6 +49,7 @@ def write_rows(run_dir: pathlib.Path, rows: list[dict]) -> pathlib.Path:
     return run_dir
 
 
+@pytest.mark.e2e
 def test_real_run_renders_every_figure(run_dir, tmp_path):
     out = tmp_path / "figures"
     paths = write_report(run_dir, out)
@@ -66,6 +67,7 @@ def test_real_run_renders_every_figure(run_dir, tmp_path):
     assert "mean timing_s/param_sync" in text and "total wall time" in text
 
 
+@pytest.mark.e2e
 def test_default_out_dir_is_the_run_dir_report_folder(run_dir):
     paths = write_report(run_dir)
     assert {p.name for p in paths[:-1]} == ALL_FIGURES
@@ -121,6 +123,7 @@ def test_bad_run_dir_errors_name_the_file(tmp_path):
         write_report(tmp_path / "empty")
 
 
+@pytest.mark.e2e
 def test_cli_help_run_and_bad_dir(run_dir, tmp_path):
     helped, out, missing = cli_forks([["report", "--help"], ["report", str(run_dir), "--out", str(tmp_path / "cli")],
                                       ["report", str(tmp_path / "missing-run")]], cwd=ROOT)
