@@ -49,13 +49,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if ini > 0 and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit(ini)))
+    order_files_by_cost(items, costliest_first=hasattr(config, "workerinput"))  # an xdist worker's config
+
+
+def order_files_by_cost(items: list, *, costliest_first: bool) -> None:
+    """Sort `items` in place by their file's cost, (holds an e2e test, holds a slow test); each file's tests keep
+    their order (a stable sort, stable reversed too)."""
     cost: dict[pathlib.Path, tuple[bool, bool]] = {}
     for item in items:
         e2e, slow = cost.get(item.path, (False, False))
         cost[item.path] = (e2e or item.get_closest_marker("e2e") is not None,
                            slow or item.get_closest_marker("slow") is not None)
-    in_worker = hasattr(config, "workerinput")
-    items.sort(key=lambda item: cost[item.path], reverse=in_worker)
+    items.sort(key=lambda item: cost[item.path], reverse=costliest_first)
 
 
 @pytest.fixture(scope="session")
