@@ -29,24 +29,23 @@ ends; the library is never changed.
 
 from __future__ import annotations
 
+import _posixsubprocess
 import contextlib
 import functools
+import multiprocessing.process
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import threading
-
-import _posixsubprocess
-import multiprocessing.process
-import subprocess
 
 import pytest
 
 MARKER = "e2e: starts another interpreter (training runs, launchers, torchrun, worker pools, vLLM hosts, CLI " \
          "subprocesses); enforced by tests/e2e_rule.py; `make test-e2e` runs these, `make test-fast` the rest"
 
-_SHELLS = {"sh", "bash", "dash", "zsh", "ksh"}
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 _ONCE_PER_PROCESS = ("multiprocessing.resource_tracker", "torch._inductor.cpu_vec_isa")
 
 
