@@ -3,7 +3,7 @@ flag helpers every check uses to name what the user typed. This is the floor und
 only `asyncrl.algos` (the algorithm dataclasses call its pure functions) and nothing else of the library.
 
     from asyncrl.config import RunConfig, PRESETS
-    cfg = PRESETS["cpu-demo"]
+    about, cfg = PRESETS["cpu-demo"]      # what the preset is for, and its RunConfig
 """
 
 from asyncrl.config.presets import PRESETS

@@ -67,7 +67,7 @@ def _small_jsonl(path, n=12) -> str:
 def test_source_factory_loads_a_prompt_file(tmp_path, smollm2_tokenizer, caplog):
     path = _small_jsonl(tmp_path / "small.jsonl")
     data = DataConfig(path=path, seed=5, system_prompt="Answer with the number only.")
-    with caplog.at_level(logging.INFO, logger="asyncrl.launch.train"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.launch.run_spec"):
         source = SourceFactory(data, "smollm2", max_prompt_length=128)()
     assert isinstance(source, DatasetSource) and len(source.prompts) == 11
     assert "12 rows, 11 kept, 1 filtered (longer than 128 tokens), 0 truncated, 0 empty dropped" in caplog.text

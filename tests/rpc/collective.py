@@ -72,7 +72,7 @@ def ipc_member(rank: int, port: int, device: str, results) -> None:
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     handler.setLevel(logging.WARNING)
-    logging.getLogger("asyncrl.channels").addHandler(handler)
+    logging.getLogger("asyncrl.rpc.channels").addHandler(handler)
     store = RunStore("127.0.0.1", port, serve=rank == 0, timeout_s=limit(30))
     channel = WeightChannel(store.raw, "agent", rank, backend="cuda_ipc", device=torch.device(device),
                             timeout_s=limit(30))
