@@ -276,6 +276,12 @@ class PlacementConfig:
     max_run_time_s: float | None = None
     """Wall-clock cap of the whole job: when it passes, the job stops as on SIGTERM (a checkpoint, then exit
     with status 124). None: no cap (bound the training itself with --async-training.time-budget-s)."""
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
+    """How the rpc launcher starts its processes: forkserver forks each (restarted agents too) from one server
+    process that imported torch and asyncrl once, at the launch (a process starts in a fraction of a second);
+    spawn starts a fresh interpreter per process (seconds of imports each). Either way a process gets the
+    launcher's environment and working directory as of its start (with forkserver, the few variables torch
+    reads when it loads, such as TORCH_CPP_LOG_LEVEL, as of the launch). Elsewhere than on Linux, spawn."""
     user_code_workers: int = 2
     """Processes per rollout agent that run your synchronous code (--reward.fn plug-ins, --env.fn steps), so that
     a call past its timeout (--reward.timeout-s, --env.step-timeout-s) is cut off by killing its process while

@@ -10,9 +10,15 @@ a process behind, and returns rank 0's summary.
 * Restarts: an agent process that exits, or that rank 0 declares dead while its process still exists (a hung
   one), is ended and started again after a back-off (`restart_backoff_s`, doubling per slot), up to
   `restart_agents` restarts in all; the new process joins the running job under the next incarnation name.
+  An agent that had joined the run is restarted only once rank 0 has declared it dead (and so evicts it from
+  the RPC group): a replacement that joined before would wait on the dead member.
 * A trainer rank that exits ends the run (its checkpoint needs every rank): resume from the last checkpoint.
 * `max_run_time_s`: when it passes, the run is stopped as by a SIGTERM (checkpoint, then exit).
 * `run_dir/processes.json` lists every process of the run (role, pid), for operators.
+* Start method (`--placement.start-method`): forkserver (the default) forks every rank, restarted agents
+  included, from one server process that imported torch and the role modules once per launch; spawn starts a
+  fresh interpreter per process (`asyncrl.rpc.forkserver`: what each way keeps, and how the guarantees above
+  hold for forks).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import pickle
 import queue as queue_mod
 import signal
 import socket
+import sys
 import time
 
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
+from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.lifecycle import on_signals
 from asyncrl.runtime.run_log import RunLog
@@ -66,7 +74,7 @@ def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_por
 class _Child:
     role: str
     slot: int
-    process: multiprocessing.Process
+    process: RoleProcess
     restarts: int = 0
 
 
@@ -102,27 +110,28 @@ class Supervisor:
         self.rpc_port = ports.pop()
         self.children: list[_Child] = []
         self.restarts_left = spec.placement.restart_agents
-        self.pending_restarts: list[tuple[float, int, int]] = []  # (when, slot, restarts so far)
+        # (when, slot, restarts so far, the pid rank 0 must declare dead first or None)
+        self.pending_restarts: list[tuple[float, int, int, int | None]] = []
+        self._declared: set[int] = set()  # pids of agents rank 0 declared dead
         self.signals: list[str] = []
         self.store: RunStore | None = None
         self._dead_seen = 0
         self._stopping = False
         self.stop_reason: str | None = None  # a limit the launcher enforced (max_run_time_s)
+        self.starter = _starter(spec, self.results)  # last: a fork server is a process, ended by run()
 
     # ------------------------------------------------------------------------------------ processes
     def _spawn_trainer(self, rank: int) -> None:
-        p = self.ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
-                             args=(rank, self.spec, self.host, self.store_port, self.rpc_port,
-                                   self.results if rank == 0 else None, os.getpid(), self.token,
-                                   self.run_log if rank == 0 else None))
-        p.start()
+        p = self.starter.start(_trainer_entry, (rank, self.spec, self.host, self.store_port, self.rpc_port,
+                                                self.results if rank == 0 else None, self.starter.parent_pid,
+                                                self.token, self.run_log if rank == 0 else None),
+                               name=f"asyncrl-trainer{rank}")
         self.children.append(_Child(f"trainer{rank}", rank, p))
 
     def _spawn_agent(self, slot: int, restarts: int = 0) -> None:
         device = self.spec.agent_spec(slot).device
-        p = self.ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
-                             args=(self.host, self.store_port, device, slot, os.getpid(), self.token))
-        p.start()
+        p = self.starter.start(_agent_entry, (self.host, self.store_port, device, slot, self.starter.parent_pid,
+                                              self.token), name=f"asyncrl-agent{slot}")
         self.children.append(_Child(f"agent{slot}", slot, p, restarts))
         self._write_processes()
 
@@ -133,7 +142,8 @@ class Supervisor:
         path.mkdir(parents=True, exist_ok=True)
         rows = [{"role": c.role, "slot": c.slot, "pid": c.process.pid, "restarts": c.restarts,
                  "alive": c.process.is_alive()} for c in self.children]
-        (path / "processes.json").write_text(json.dumps({"launcher": os.getpid(), "processes": rows}, indent=2))
+        (path / "processes.json").write_text(json.dumps({"launcher": os.getpid(), "forkserver": self.starter.server_pid,
+                                                         "processes": rows}, indent=2))
 
     def _signal_all(self, sig: int) -> None:
         for c in self.children:
@@ -162,9 +172,6 @@ class Supervisor:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)} \
             if installed else {}
         start = time.monotonic()
-        # torch's C++ warnings (RRef leaks at exit, closed pipes of agents that ended) are noise in a run's log:
-        # the run names its faults itself. Set TORCH_CPP_LOG_LEVEL=INFO (or WARNING) to see them.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         try:
             for rank in range(self.spec.num_trainers):
                 self._spawn_trainer(rank)
@@ -221,7 +228,8 @@ class Supervisor:
                 if self.restarts_left > 0 and not self.signals:
                     self.restarts_left -= 1
                     delay = self.spec.placement.restart_backoff_s * 2 ** c.restarts
-                    self.pending_restarts.append((time.monotonic() + delay, c.slot, c.restarts + 1))
+                    waits_for = c.process.pid if self._joined(c.process.pid) else None
+                    self.pending_restarts.append((time.monotonic() + delay, c.slot, c.restarts + 1, waits_for))
                     log.warning("agent slot %d (pid %d) exited with code %s; restarting it in %.1f s (%d restarts "
                                 "left)", c.slot, c.process.pid, c.process.exitcode, delay, self.restarts_left)
                     self._tell_restarts_left()
@@ -239,6 +247,7 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
             return
         self._dead_seen += len(reports)
+        self._declared.update(report.get("pid") for report in reports)
         pids = {c.process.pid: c for c in self.children}
         for report in reports:
             child = pids.get(report.get("pid"))
@@ -250,8 +259,8 @@ class Supervisor:
     def _restart_due(self) -> None:
         now = time.monotonic()
         for entry in list(self.pending_restarts):
-            when, slot, restarts = entry
-            if now >= when and not self.signals and not self._stopping:
+            when, slot, restarts, waits_for = entry
+            if now >= when and waits_for in (None, *self._declared) and not self.signals and not self._stopping:
                 self.pending_restarts.remove(entry)
                 self._spawn_agent(slot, restarts)
 
@@ -264,6 +273,14 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - rank 0 has not served it yet
                 return None
         return self.store
+
+    def _joined(self, pid: int) -> bool:
+        """Whether the agent process `pid` joined the run (announced itself to rank 0)."""
+        store = self._store()
+        try:
+            return store is not None and any(a.get("pid") == pid for a in store.announcements(0))
+        except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
+            return False
 
     def _tell_exit(self, child: _Child) -> None:
         """Rank 0 declares the agent dead at once, instead of after agent_timeout_s of silence."""
@@ -296,6 +313,7 @@ class Supervisor:
             c.process.join(max(0.1, deadline - time.monotonic()))
         self._kill_all()
         self._write_processes()
+        self.starter.close()
         for s in self.reserved:
             s.close()
 
@@ -308,9 +326,21 @@ class Supervisor:
             c.process.join(5.0)
 
 
+def _starter(spec: RunSpec, results) -> ProcessStarter:
+    """How the ranks start (--placement.start-method): forks of a server that imports this module (and with it
+    the role bodies) once, which holds the results queue they report on; or fresh interpreters."""
+    if spec.placement.start_method == "spawn" or not sys.platform.startswith("linux"):
+        return SpawnStarter()  # elsewhere, forking a process that loaded torch is not safe
+    return ForkServer(preload=(__name__,), inherited=(results,), start_timeout_s=spec.startup_timeout_s)
+
+
 def launch(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary:
     """Spawn one process per role on this machine, supervise them (signals, restarts, the wall-clock cap) and
     return rank 0's summary. Agents that die are tolerated (their work is re-admitted; with `restart_agents`
     they are restarted); any other failure raises. `run_log` (pickled before it opens anything) logs the
     metrics in trainer rank 0, which closes its copy at the end."""
+    # torch's C++ warnings (RRef leaks at exit, closed pipes of agents that ended) are noise in a run's log: the
+    # run names its faults itself. Set TORCH_CPP_LOG_LEVEL=INFO (or WARNING) to see them. Set before the fork
+    # server starts: torch reads it when it loads.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return Supervisor(resolve_resume(spec), run_log=run_log).run()  # a resume without a checkpoint is refused before any spawn
