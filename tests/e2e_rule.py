@@ -18,10 +18,12 @@ What counts as starting an interpreter, watched where every way of doing it pass
   `asyncrl` and `torchrun`). Other programs (a C compiler, ldconfig) are not interpreters and do not count;
 * `os.fork`/`os.forkpty` (a fork of the test process is another interpreter) and `os.system` (a shell).
 
-Two helpers that a library starts once per process, for whichever test first needs them, are no test's (which
+Helpers that a library starts once per process, for whichever test first needs them, are no test's (which
 test starts them depends only on which ran before it in the same process): multiprocessing's resource tracker
-(a test that starts a worker process is still caught by that start) and inductor's probe of the CPU's vector
-instruction sets (a bare Python per instruction set that loads a test library, run by the first compilation).
+(a test that starts a worker process is still caught by that start), inductor's probe of the CPU's vector
+instruction sets (a bare Python per instruction set that loads a test library, run by the first compilation) and
+inductor's pool of compile workers (started by the first compilation where the machine has the cores for it, as
+on a GPU host).
 
 The wrapping exists only inside the test session: installed when the session is configured, removed when it
 ends; the library is never changed.
@@ -46,7 +48,8 @@ MARKER = "e2e: starts another interpreter (training runs, launchers, torchrun, w
          "subprocesses); enforced by tests/e2e_rule.py; `make test-e2e` runs these, `make test-fast` the rest"
 
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
-_ONCE_PER_PROCESS = ("multiprocessing.resource_tracker", "torch._inductor.cpu_vec_isa")
+_ONCE_PER_PROCESS = ("multiprocessing.resource_tracker", "torch._inductor.cpu_vec_isa",
+                     "torch._inductor.compile_worker.subproc_pool")
 
 
 def _started_by_a_once_per_process_helper() -> bool:
