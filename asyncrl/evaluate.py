@@ -1,12 +1,14 @@
 """Evaluate a policy on a task: mean reward, pass@k and response length (`asyncrl eval ...`).
 
     asyncrl eval --model smollm2 --data.task arithmetic --num-prompts 32 --n 4 --k 1 4
+    asyncrl eval runs/cpu-demo --data.task arithmetic          # the run's newest checkpoint (or --model RUN_DIR)
     asyncrl eval --model runs/cpu-demo/checkpoints/step_00000012 --data.task arithmetic --out eval.json
 
     result = evaluate("smollm2", DataConfig(task="arithmetic"), num_prompts=32, n=4, k=(1, 4))
 
 `model` is anything `load_model` opens (an HF directory, a .gguf, 'smollm2', 'random:<preset>'; an
-`asyncrl export --merged` directory too) or a checkpoint directory `RUN/checkpoints/step_XXXXXXXX`, which is
+`asyncrl export --merged` directory too), a run directory (`--run-dir` of `asyncrl train`: its newest
+checkpoint is taken, and a line says which) or a checkpoint directory `RUN/checkpoints/step_XXXXXXXX`, which is
 exported to a temporary HF directory first (a LoRA checkpoint merged with its base: the run's --model.path,
 or `base`); its tokenizer comes from the run's config.json (the model path it trained from) unless
 `tokenizer` is given. The toy task uses no tokenizer (its prompts and rewards are token ids).
@@ -28,12 +30,13 @@ import json
 import pathlib
 import tempfile
 import time
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence
 
 import torch
+import tyro
 from tqdm import tqdm
 
-from asyncrl.checkpoint import export_hf, run_hub, run_model
+from asyncrl.checkpoint import export_hf, list_checkpoints, run_hub, run_model
 from asyncrl.config import DataConfig
 from asyncrl.tools.hub import dataset_name, local_model_path, resolve_dataset
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
@@ -41,12 +44,45 @@ from asyncrl.launch.preflight import check_devices, check_model_path
 from asyncrl.launch.run_spec import ScorerFactory, SourceFactory
 from asyncrl.runtime.evaluation import pass_at_k
 from asyncrl.tools.seeding import derive_seed
+from asyncrl.tracking.console import phase
 
-__all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint"]
+__all__ = ["pass_at_k", "evaluate", "EvalArgs", "eval_main", "is_checkpoint", "is_run_dir", "resolve_checkpoint"]
+
+_RUN_MARKS = ("checkpoints", "metrics.jsonl", "summary.json", "processes.json")
+"""What only a run directory holds (an HF model directory has a config.json too)."""
 
 
 def is_checkpoint(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path) / "learner.pt").is_file()
+
+
+def is_run_dir(path: str | pathlib.Path) -> bool:
+    """Whether `path` is a run directory (`asyncrl train --run-dir`): it holds checkpoints/, a run's metrics,
+    summary or process list, or a config.json that is a run's."""
+    path = pathlib.Path(path)
+    if not path.is_dir() or is_checkpoint(path):
+        return False
+    if any((path / name).exists() for name in _RUN_MARKS):
+        return True
+    try:
+        return "async_training" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_checkpoint(path: str, argument: str) -> tuple[str, str | None]:
+    """What a command reads from `path`: a run directory's newest checkpoint, with a line saying which; anything
+    else as it is (None). A run directory without a checkpoint raises ValueError naming `argument` (the
+    command-line argument `path` came from) and the fix."""
+    if not is_run_dir(path):
+        return path, None
+    found = list_checkpoints(path)
+    if not found:
+        raise ValueError(f"{argument} {path}: the run directory holds no checkpoint yet (a run writes one every "
+                         "--checkpoint-every versions and when it ends); give a run directory that holds one, or a "
+                         "checkpoint directory RUN/checkpoints/step_XXXXXXXX")
+    return str(found[-1]), (f"{argument} {path}: taking its newest checkpoint, {found[-1].name} "
+                            f"({len(found)} in the run)")
 
 
 def _run_model_path(checkpoint: pathlib.Path) -> str | None:
@@ -142,6 +178,9 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
             shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
             raise ValueError(f"--{name.replace('_', '-')} {shown} is invalid: must be {want}")
     model = local_model_path(model, "--model")  # a Hub name: its snapshot in the local cache
+    model, taken = resolve_checkpoint(model, "--model")
+    if taken is not None:
+        phase(taken)
     if dataset_name(data.path) is not None:
         data = dataclasses.replace(data, path=resolve_dataset(data.path, "--data.path").path)
     _check_model(model)
@@ -192,8 +231,11 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
 class EvalArgs:
     """Evaluate a model or a checkpoint on a task: mean reward, pass@k, response length."""
 
+    run_dir: Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="[RUN_DIR]")] = None
+    """A run directory to evaluate: its newest checkpoint (the same as --model RUN_DIR)."""
     model: str = "smollm2"
-    """An HF directory, a .gguf, 'smollm2', 'random:<preset>', or a checkpoint RUN/checkpoints/step_XXXXXXXX."""
+    """An HF directory, a .gguf, 'smollm2', 'random:<preset>', a run directory (its newest checkpoint) or a
+    checkpoint RUN/checkpoints/step_XXXXXXXX."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tokenizer: str | None = None
     """Tokenizer source (default: the model; for a checkpoint, the model path in the run's config.json)."""
@@ -225,13 +267,25 @@ class EvalArgs:
     """Also write the result as JSON here."""
 
 
+def _run_dir_checkpoint(run_dir: str, model: str) -> str:
+    """RUN_DIR's newest checkpoint (saying which), refusing anything but a run directory and a --model beside it."""
+    if model != EvalArgs.model:
+        raise ValueError(f"RUN_DIR {run_dir} and --model {model} both name what to evaluate; give one of them")
+    if not is_run_dir(run_dir):
+        raise ValueError(f"RUN_DIR {run_dir}: not a run directory (it holds no checkpoints/, metrics.jsonl or run "
+                         "config.json); give the --run-dir of a run, or --model for a model or a checkpoint")
+    checkpoint, taken = resolve_checkpoint(run_dir, "RUN_DIR")
+    phase(taken)
+    return checkpoint
+
+
 def eval_main(args: list[str]) -> None:
-    """`asyncrl eval [...]`: print the result as one JSON line (and write --out)."""
-    import tyro
+    """`asyncrl eval [RUN_DIR] [...]`: print the result as one JSON line (and write --out)."""
     a = tyro.cli(EvalArgs, args=args, prog="asyncrl eval")
     try:
-        result = evaluate(a.model, a.data, num_prompts=a.num_prompts, n=a.n, k=a.k, temperature=a.temperature,
-                          max_new_tokens=a.max_new_tokens, max_slots=a.max_slots, seed=a.seed, device=a.device,
+        model = a.model if a.run_dir is None else _run_dir_checkpoint(a.run_dir, a.model)
+        result = evaluate(model, a.data, num_prompts=a.num_prompts, n=a.n, k=a.k,
+                          temperature=a.temperature, max_new_tokens=a.max_new_tokens, max_slots=a.max_slots, seed=a.seed, device=a.device,
                           tokenizer=a.tokenizer, dtype=a.dtype, first_prompt=a.first_prompt,
                           max_prompt_length=a.max_prompt_length, success_threshold=a.success_threshold,
                           cuda_graphs=a.cuda_graphs, base=a.base)

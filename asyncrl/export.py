@@ -1,9 +1,11 @@
-"""`asyncrl export CHECKPOINT OUT [--merged]`: a checkpoint as a directory other tools open.
+"""`asyncrl export RUN_DIR|CHECKPOINT OUT [--merged]`: a checkpoint as a directory other tools open.
 
+    asyncrl export runs/cpu-demo out/policy                                    # the run's newest checkpoint
     asyncrl export runs/cpu-demo/checkpoints/step_00000020 out/policy          # full weights: an HF model dir
     asyncrl export runs/lora/checkpoints/step_00000020 out/adapter             # LoRA: a peft adapter dir
     asyncrl export runs/lora/checkpoints/step_00000020 out/merged --merged     # LoRA: base + s·B·A, an HF dir
 
+* A run directory stands for its newest checkpoint (a line says which); one without a checkpoint is refused.
 * A full-weight checkpoint becomes a Hugging Face model directory (config.json, model.safetensors, tokenizer
   files): `transformers.AutoModelForCausalLM.from_pretrained(OUT)` opens it (`export_hf`).
 * A LoRA checkpoint with `--merged` becomes the same, its weights W + (alpha / rank)·B·A over the base it
@@ -29,9 +31,10 @@ import tyro
 from safetensors.torch import save_file
 
 from asyncrl.checkpoint.save_load import describe_checkpoint, export_hf, read_learner_file, run_hub, run_model
-from asyncrl.evaluate import is_checkpoint
+from asyncrl.evaluate import is_checkpoint, is_run_dir, resolve_checkpoint
 from asyncrl.tools.hub import local_model_path
 from asyncrl.launch.run_spec import run_tokenizer
+from asyncrl.tracking.console import phase
 
 __all__ = ["ExportArgs", "export_main", "export_adapters"]
 
@@ -67,8 +70,8 @@ class ExportArgs:
     """Write a checkpoint as a Hugging Face model directory, or a LoRA checkpoint's adapters in peft's format
     (merged with its base: --merged)."""
 
-    checkpoint: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="CHECKPOINT")]
-    """A checkpoint directory RUN/checkpoints/step_XXXXXXXX."""
+    checkpoint: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR|CHECKPOINT")]
+    """A run directory (its newest checkpoint) or a checkpoint directory RUN/checkpoints/step_XXXXXXXX."""
     out: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="OUT")]
     """The directory to write (new, or empty)."""
     merged: bool = False
@@ -92,13 +95,18 @@ def _tokenizer(args: ExportArgs):
 
 
 def export(args: ExportArgs) -> tuple[pathlib.Path, str]:
-    """Write `args.out` as `args` says; returns it and what was written (for the one line the command prints)."""
-    if not is_checkpoint(args.checkpoint):
-        raise ValueError(f"{args.checkpoint}: not a checkpoint directory (no learner.pt); give "
-                         "RUN/checkpoints/step_XXXXXXXX")
+    """Write `args.out` as `args` says; returns it and what was written (for the one line the command prints).
+    A run directory's newest checkpoint is written, and a line on stderr says which."""
+    checkpoint, taken = resolve_checkpoint(args.checkpoint, "RUN_DIR" if is_run_dir(args.checkpoint) else "CHECKPOINT")
+    if not is_checkpoint(checkpoint):
+        raise ValueError(f"CHECKPOINT {args.checkpoint}: not a checkpoint directory (no learner.pt) nor a run "
+                         "directory; give a run directory (its newest checkpoint) or RUN/checkpoints/step_XXXXXXXX")
     out = pathlib.Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; give a new OUT")
+    if taken is not None:
+        phase(taken)
+    args = dataclasses.replace(args, checkpoint=checkpoint)
     lora = describe_checkpoint(args.checkpoint).get("lora")
     if lora is not None and not args.merged:
         return export_adapters(args.checkpoint, out, base_name=args.base), (
@@ -109,7 +117,7 @@ def export(args: ExportArgs) -> tuple[pathlib.Path, str]:
 
 
 def export_main(argv: list[str]) -> None:
-    """`asyncrl export CHECKPOINT OUT [--merged] [--base PATH] [--dtype ...]`."""
+    """`asyncrl export RUN_DIR|CHECKPOINT OUT [--merged] [--base PATH] [--dtype ...]`."""
     args = tyro.cli(ExportArgs, args=argv, prog="asyncrl export")
     try:
         out, what = export(args)

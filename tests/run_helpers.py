@@ -26,6 +26,20 @@ def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> sub
                           timeout=timeout, cwd=ROOT, env=env)
 
 
+def train_here(*args: str) -> None:
+    """`asyncrl train ARGS --placement.launcher local` in this process: the command as it runs (its checks, its
+    stdout and stderr lines, its exit as SystemExit), the trainer and the agents as threads of this process,
+    for tests whose subject is not processes. The run's signal handlers are taken down afterwards."""
+    import signal
+    from asyncrl.launch.train_command import train_main
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        train_main([*args, "--placement.launcher", "local"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def torchrun_port() -> int:
     """A loopback port p with p + 1 and p + 2 free too, for a torchrun job: its rendezvous, the run's store and
     RPC."""

@@ -1,16 +1,19 @@
 """`asyncrl eval`: the pass@k estimator, a smoke eval of a tiny random model on the toy task, eval from
-checkpoint directories (a hand-made one and a real run's), argument errors, and the CLI."""
+checkpoint directories (a hand-made one and a real run's) and from a run directory (its newest checkpoint),
+argument errors, and the CLI."""
 
 from __future__ import annotations
 
 import json
 import math
+import pathlib
+import re
 
 import pytest
 
 from asyncrl.checkpoint import save_checkpoint
 from asyncrl.config import GRPO, DataConfig, TrainerConfig
-from asyncrl.evaluate import evaluate, pass_at_k
+from asyncrl.evaluate import eval_main, evaluate, pass_at_k
 from asyncrl.learner import build_learner
 from asyncrl.policies import ARCH_PRESETS, random_model, save_pretrained
 from tests.cli_forks import cli_forks
@@ -81,6 +84,51 @@ def test_eval_from_a_checkpoint_matches_the_same_weights_as_an_hf_dir(tmp_path):
     # an HF directory without tokenizer files, likewise (transformers would build an empty tokenizer)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         evaluate(str(hf_dir), DataConfig(task="arithmetic"), **TINY)
+
+
+def _run_with_two_checkpoints(run: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """A run directory holding step 1 and step 2 of different weights (step 2's unlike `random:tiny-qwen2`)."""
+    older = build_learner(random_model(ARCH_PRESETS["tiny-qwen2"], seed=1), TrainerConfig(mini_batch_size=1), GRPO())
+    newer = build_learner(random_model(dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.2), seed=3),
+                          TrainerConfig(mini_batch_size=1), GRPO())
+    older.step, newer.step = 1, 2
+    return save_checkpoint(run, older), save_checkpoint(run, newer)
+
+
+def test_a_run_directory_is_evaluated_at_its_newest_checkpoint_saying_which(tmp_path, capsys):
+    run = tmp_path / "run"
+    _, newest = _run_with_two_checkpoints(run)
+    from_run = evaluate(str(run), TOY, k=(1, 4), success_threshold=0.5, **TINY)
+    assert f"--model {run}: taking its newest checkpoint, step_00000002 (2 in the run)" in capsys.readouterr().err
+    assert from_run["model"] == str(newest)
+    assert same_numbers(from_run, evaluate(str(newest), TOY, k=(1, 4), success_threshold=0.5, **TINY))
+    # the command: RUN_DIR as its argument (or --model RUN_DIR), not both
+    eval_main([str(run), "--data.task", "toy", "--num-prompts", "2", "--n", "1", "--max-new-tokens", "2"])
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["model"] == str(newest)
+    assert f"RUN_DIR {run}: taking its newest checkpoint, step_00000002 (2 in the run)" in out.err
+    both = f"RUN_DIR {run} and --model smollm2x both name what to evaluate"
+    with pytest.raises(SystemExit, match=re.escape(both)):
+        eval_main([str(run), "--model", "smollm2x", "--data.task", "toy"])
+    with pytest.raises(SystemExit, match=re.escape(f"RUN_DIR {newest}: not a run directory")):
+        eval_main([str(newest), "--data.task", "toy"])  # a checkpoint goes to --model
+
+
+def test_a_run_directory_without_a_checkpoint_is_refused_naming_the_argument_and_the_fix(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"async_training": {}, "model": {"path": "random:tiny-qwen2"}}))
+    with pytest.raises(ValueError) as err:
+        evaluate(str(run), TOY, **TINY)
+    assert str(err.value) == (
+        f"--model {run}: the run directory holds no checkpoint yet (a run writes one every --checkpoint-every "
+        "versions and when it ends); give a run directory that holds one, or a checkpoint directory "
+        "RUN/checkpoints/step_XXXXXXXX")
+    (run / "metrics.jsonl").write_text("")
+    (run / "config.json").unlink()  # a run's files other than its config tell a run directory too
+    refused = f"asyncrl eval: RUN_DIR {run}: the run directory holds no checkpoint yet"
+    with pytest.raises(SystemExit, match=re.escape(refused)):
+        eval_main([str(run), "--data.task", "toy"])
 
 
 @pytest.mark.e2e

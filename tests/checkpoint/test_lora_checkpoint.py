@@ -3,7 +3,8 @@
 A LoRA checkpoint holds the trained tensors (adapters; a critic's adapters and value head) with their optimizer
 states and the LoRA settings, never the frozen base; it resumes exactly. `asyncrl export --merged` writes base
 + s·B·A as a directory transformers opens (logits equal to the LoRA model's); without --merged, peft's adapter
-format. `asyncrl eval` takes the checkpoint or the merged directory alike.
+format. `asyncrl eval` takes the checkpoint or the merged directory alike; both commands take a run directory
+for its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -128,8 +129,33 @@ def test_export_refusals_name_the_fix(tmp_path):
     (tmp_path / "used" / "x").write_text("")
     with pytest.raises(ValueError, match="not an empty directory"):
         export(ExportArgs(str(path), str(tmp_path / "used")))
-    with pytest.raises(ValueError, match="not a checkpoint"):
-        export(ExportArgs(str(tmp_path), str(tmp_path / "out")))
+    with pytest.raises(ValueError) as err:
+        export(ExportArgs(str(tmp_path / "used"), str(tmp_path / "out")))
+    assert str(err.value) == (
+        f"CHECKPOINT {tmp_path / 'used'}: not a checkpoint directory (no learner.pt) nor a run directory; give a run "
+        "directory (its newest checkpoint) or RUN/checkpoints/step_XXXXXXXX")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")  # a run that has not written a checkpoint yet
+    with pytest.raises(ValueError) as err:
+        export(ExportArgs(str(run), str(tmp_path / "out")))
+    assert str(err.value).startswith(f"RUN_DIR {run}: the run directory holds no checkpoint yet (a run writes one "
+                                     "every --checkpoint-every versions and when it ends)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_run_directory_writes_its_newest_checkpoint_saying_which(tmp_path, capsys):
+    state, _ = _trained()
+    run = _run_dir(tmp_path)
+    older = save_checkpoint(run, state)
+    state.step += 1
+    newest = save_checkpoint(run, state)
+    out, what = export(ExportArgs(str(run), str(tmp_path / "adapter")))
+    assert f"RUN_DIR {run}: taking its newest checkpoint, {newest.name} (2 in the run)" in capsys.readouterr().err
+    assert what.startswith("LoRA adapters (rank 4, alpha 8)") and older.name != newest.name
+    from safetensors.torch import load_file
+    assert load_file(out / "adapter_model.safetensors").keys() == {
+        f"base_model.model.{k}" for k in params(state.policy, adapters=True)}
 
 
 def test_eval_takes_a_lora_checkpoint_or_its_merged_export_alike(tmp_path):
@@ -204,18 +230,19 @@ def test_the_preflight_states_what_lora_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_lora_run_publishes_adapters_resumes_and_exports(tmp_path):
-    """`asyncrl train --lora.rank 4` (trainer process, rollout agent, adapter publications, checkpoint), then
-    `--resume` for two more versions, then `asyncrl export --merged` of its last checkpoint."""
+def test_a_short_lora_run_publishes_adapters_resumes_and_exports(tmp_path, caplog, capsys):
+    """`asyncrl train --lora.rank 4` (in this process, the local launcher: adapter publications, checkpoint), then
+    `--resume` for two more versions, then `asyncrl export RUN_DIR --merged`: the run's newest checkpoint."""
+    import logging
     import transformers
-    from tests.run_helpers import cli
+    from asyncrl.export import export_main
+    from tests.run_helpers import train_here
     run_dir = tmp_path / "lora"
-    common = ["train", "cpu-demo", *TINY, "--lora.rank", "4", "--run-dir", str(run_dir)]
-    out = cli(*common, "--async-training.total-versions", "3", "--checkpoint-every", "3")
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = cli(*common, "--async-training.total-versions", "5", "--checkpoint-every", "5", "--resume")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming from step_00000003" in out.stderr
+    common = ["cpu-demo", *TINY, "--lora.rank", "4", "--run-dir", str(run_dir)]
+    train_here(*common, "--async-training.total-versions", "3", "--checkpoint-every", "3")
+    with caplog.at_level(logging.INFO, logger="asyncrl"):
+        train_here(*common, "--async-training.total-versions", "5", "--checkpoint-every", "5", "--resume")
+    assert "resuming from step_00000003" in caplog.text
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     # a publication is the adapters: 2 layers × rank 4 × (in + out summed over the 7 layers: 1024) fp32 numbers
@@ -226,6 +253,9 @@ def test_a_short_lora_run_publishes_adapters_resumes_and_exports(tmp_path):
     saved = torch.load(last / "learner.pt", weights_only=True)["policy"]
     assert saved.keys() == first.keys() and all(is_adapter_name(k) for k in saved)
     assert any(not torch.equal(saved[k], first[k]) for k in saved)  # the resumed run trained on
-    out = cli("export", str(last), str(tmp_path / "merged"), "--merged")
-    assert out.returncode == 0, out.stderr[-3000:]
+    capsys.readouterr()
+    export_main([str(run_dir), str(tmp_path / "merged"), "--merged"])
+    out = capsys.readouterr()
+    assert f"RUN_DIR {run_dir}: taking its newest checkpoint, step_00000005 (2 in the run)" in out.err
+    assert "asyncrl export: wrote the policy merged with its base" in out.out
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").config.model_type == "qwen2"
