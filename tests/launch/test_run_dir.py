@@ -1,12 +1,14 @@
 """Runs never mix (`asyncrl.launch.run_dir`): a new run into a run directory that holds one is refused before anything
 starts, by `asyncrl train` and by `train()`, naming the directory, what is in it and the fixes (--resume,
 --overwrite, another --run-dir); --overwrite deletes exactly asyncrl's files (refused when there is more, and
-with --resume; --dry-run deletes nothing); and, through the command with real processes, a resume that
-changes the lr lists it and trains with it, falling back from a damaged newer checkpoint."""
+with --resume; --dry-run deletes nothing); and, through the command (run in this process, with the local
+launcher), a resume that changes the lr lists it and trains with it, falling back from a damaged newer
+checkpoint."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -17,9 +19,8 @@ import torch
 from asyncrl.launch.preflight import preflight
 from asyncrl.launch.train import train
 from asyncrl.launch.run_dir import RUN_FILES, clear_run_dir
-from tests.run_helpers import cli
+from tests.run_helpers import train_here
 from tests.launch.test_resume_check import TINY, _cfg
-from tests.timing import limit
 
 
 def _used(run_dir: pathlib.Path, *, checkpoints: int = 0) -> dict[str, float]:
@@ -111,49 +112,50 @@ def _lr_in(checkpoint: pathlib.Path) -> list[float]:
     return [group["lr"] for group in saved["optimizer"]["param_groups"]]
 
 
-def test_through_the_command_refused_then_resumed_with_a_new_lr_then_overwritten(tmp_path):
+def test_through_the_command_refused_then_resumed_with_a_new_lr_then_overwritten(tmp_path, capsys, caplog):
     run = tmp_path / "run"
-    common = ["train", "cpu-demo", *TINY, "--run-dir", str(run)]
-    first = cli(*common, "--async-training.total-versions", "2", "--checkpoint-every", "2", timeout=limit(240))
-    assert first.returncode == 0, first.stderr[-3000:]
+    common = ["cpu-demo", *TINY, "--run-dir", str(run)]
+    train_here(*common, "--async-training.total-versions", "2", "--checkpoint-every", "2")
     assert _lr_in(run / "checkpoints" / "step_00000002") == [2e-5]
     before = _stamps(run)
 
-    again = cli(*common, "--async-training.total-versions", "2", timeout=limit(120))
-    assert again.returncode == 1 and "Traceback" not in again.stderr
-    assert again.stderr.strip().splitlines()[-1] == (
+    with pytest.raises(SystemExit) as again:  # the command prints the message alone, no traceback
+        train_here(*common, "--async-training.total-versions", "2")
+    assert isinstance(again.value.code, str) and again.value.code.strip().splitlines()[-1] == (
         f"asyncrl train: --run-dir {run} already holds a run (checkpoints/ with 1 checkpoint, newest step_00000002, "
-        "config.json, metrics.jsonl, processes.json, samples.jsonl, summary.json); a new run would mix with it: pass "
-        "--resume to continue it, --overwrite to delete it and start over, or another --run-dir")
+        "config.json, metrics.jsonl, samples.jsonl, summary.json); a new run would mix with it: pass --resume to "
+        "continue it, --overwrite to delete it and start over, or another --run-dir")
     assert _stamps(run) == before
 
     # a newer checkpoint that a power loss cut short: the resume falls back to step 2, saying why in one line
     damaged = run / "checkpoints" / "step_00000009"
     shutil.copytree(run / "checkpoints" / "step_00000002", damaged)
     os.truncate(damaged / "learner.pt", 1000)
-    resumed = cli(*common, "--resume", "--async-training.total-versions", "3", "--checkpoint-every", "3",
-                  "--trainer.optim.lr", "1e-4", timeout=limit(240))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    [line] = [line for line in resumed.stderr.splitlines() if "does not load" in line]
-    assert line.endswith("WARNING step_00000009 does not load: learner.pt is damaged (File is not a zip file); "
-                         "resuming from step_00000002 instead"), line
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="asyncrl"):
+        train_here(*common, "--resume", "--async-training.total-versions", "3", "--checkpoint-every", "3",
+                   "--trainer.optim.lr", "1e-4")
+    [line] = [r for r in caplog.records if "does not load" in r.getMessage()]
+    assert line.levelname == "WARNING" and line.getMessage().endswith(
+        "step_00000009 does not load: learner.pt is damaged (File is not a zip file); resuming from step_00000002 "
+        "instead"), line.getMessage()
     assert (run / "checkpoints" / "step_00000009.corrupt").is_dir()
     assert ("[asyncrl] note: resume from step_00000002 changes applied from here: --trainer.optim.lr 2e-05 -> "
-            "0.0001; harmless: --async-training.total-versions 2 -> 3, --checkpoint-every 2 -> 3") in resumed.stderr
+            "0.0001; harmless: --async-training.total-versions 2 -> 3, --checkpoint-every 2 -> 3") in \
+        capsys.readouterr().err
     assert _lr_in(run / "checkpoints" / "step_00000003") == [1e-4]  # trained with the new lr, not the saved one
     assert [r["fully_async/count/current_param_version"] for r in _rows(run)][-1] >= 2
     saved = json.loads((run / "checkpoints" / "step_00000003" / "run_config.json").read_text())
     assert saved["trainer"]["optim"]["lr"] == 1e-4 and saved["_data_fingerprint"]["task"] == "toy"
 
-    dry = cli(*common, "--overwrite", "--dry-run", timeout=limit(120))
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    assert "note  --overwrite: the run starts by deleting checkpoints/ with 2 checkpoints" in dry.stdout
-    assert "(not with --dry-run: nothing is deleted now)" in dry.stdout and (run / "checkpoints").is_dir()
+    train_here(*common, "--overwrite", "--dry-run")
+    dry = capsys.readouterr().out
+    assert "note  --overwrite: the run starts by deleting checkpoints/ with 2 checkpoints" in dry
+    assert "(not with --dry-run: nothing is deleted now)" in dry and (run / "checkpoints").is_dir()
 
-    fresh = cli(*common, "--overwrite", "--async-training.total-versions", "1", "--placement.launcher", "local",
-                timeout=limit(240))
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert "[asyncrl] --overwrite: deleted checkpoints/, config.json, metrics.jsonl, processes.json" in fresh.stderr
-    assert len(_rows(run)) == 1 and not (run / "checkpoints").exists()  # only the new run's version
+    train_here(*common, "--overwrite", "--async-training.total-versions", "1")
+    assert "[asyncrl] --overwrite: deleted checkpoints/, config.json, metrics.jsonl, samples.jsonl, summary.json" \
+        in capsys.readouterr().err
+    assert len(_rows(run)) == 1 and [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001"]
     assert json.loads((run / "config.json").read_text())["placement"]["launcher"] == "local"
     assert os.listdir(run)  # the new run's files

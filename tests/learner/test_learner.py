@@ -35,7 +35,7 @@ from tests.learner_helpers import (
     ALGORITHM_CASES, VOCAB, frozen_copy, max_rel_diff, on_policy, reward_even_fraction, seq_mean_logprobs, synthetic_groups,
     tiny_policy, trainer_config, weights,
 )
-from tests.run_helpers import NO_EVAL, cli
+from tests.run_helpers import NO_EVAL, train_here
 from tests.tolerances import FORWARD_DEPTH, close_tol, forward_tol
 
 NAN = float("nan")
@@ -889,14 +889,13 @@ def test_bf16_weights_apply_a_step_at_the_default_learning_rate():
 
 @pytest.mark.slow
 def test_a_short_run_with_bf16_weights_trains_and_checkpoints_bf16_weights(tmp_path):
-    """`asyncrl train` with `--trainer.param-dtype bfloat16` (trainer process, rollout agent, weight publication,
-    checkpoint) on the toy task: every version trains with finite metrics and no skipped update, and the
-    checkpoint holds bf16 weights."""
+    """`asyncrl train` with `--trainer.param-dtype bfloat16` (in this process, the local launcher: trainer, rollout
+    agent, weight publication, checkpoint) on the toy task: every version trains with finite metrics and no
+    skipped update, and the checkpoint holds bf16 weights."""
     run_dir = tmp_path / "bf16"
-    out = cli("train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
-              *NO_EVAL, "--trainer.param-dtype", "bfloat16", "--async-training.total-versions", "3", "--checkpoint-every", "3",
-              "--run-dir", str(run_dir))
-    assert out.returncode == 0, out.stderr[-3000:]
+    train_here("cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL,
+               "--trainer.param-dtype", "bfloat16", "--async-training.total-versions", "3", "--checkpoint-every", "3",
+               "--run-dir", str(run_dir))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:

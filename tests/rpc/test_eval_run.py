@@ -15,7 +15,7 @@ from asyncrl.config import AsyncConfig, EvalConfig
 from asyncrl.runtime.evaluation import EvalBoard
 from tests.rpc.helpers import local_run, make_prompt
 from tests.rpc.jobs import Job, wait_until
-from tests.run_helpers import cli
+from tests.run_helpers import train_here
 from tests.timing import agent_timeout, limit
 
 VERSIONS = 6
@@ -69,20 +69,20 @@ def test_evaluations_are_pinned_to_their_version_while_training_goes_on(caplog):
 
 
 @pytest.mark.slow
-def test_a_launched_run_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_path):
-    """`asyncrl train` (trainer and two agents in processes): metrics.jsonl holds the evaluations under verl's
-    names; a run stopped at a checkpoint and resumed evaluates no version twice, and the resumed part evaluates
-    too."""
+def test_a_run_through_the_command_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_path, capsys, caplog):
+    """`asyncrl train` (in this process, the local launcher: the trainer and two agents): metrics.jsonl holds the
+    evaluations under verl's names; a run stopped at a checkpoint and resumed evaluates no version twice, and the
+    resumed part evaluates too."""
     run_dir = tmp_path / "run"
-    base = ["train", "cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
+    base = ["cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off",
             "--run-dir", str(run_dir), "--placement.agent-devices", "cpu", "cpu", "--checkpoint-every", "2",
             "--eval.every-versions", "2", "--eval.at-start", "--eval.at-end", "--eval.max-prompts", "8",
             "--eval.n", "2", "--eval.temperature", "1.0"]
-    first = cli(*base, "--async-training.total-versions", "4", timeout=limit(300))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "eval v0: toy" in first.stdout + first.stderr
-    second = cli(*base, "--async-training.total-versions", "8", "--resume", timeout=limit(300))
-    assert second.returncode == 0, second.stderr[-3000:]
+    with caplog.at_level(logging.INFO, logger="asyncrl"):
+        train_here(*base, "--async-training.total-versions", "4")
+    printed = capsys.readouterr()
+    assert "eval v0: toy" in printed.out + printed.err + caplog.text
+    train_here(*base, "--async-training.total-versions", "8", "--resume")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [int(r["val/version"]) for r in rows if "val/version" in r]
     assert len(evaluated) == len(set(evaluated)), evaluated  # none twice, across the resume
