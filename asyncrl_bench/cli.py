@@ -1,6 +1,6 @@
-"""`asyncrl bench engine|learner|async|attention|plan [...]`: picks the benchmark and parses its flags. The `bench`
-command reaches `asyncrl`'s command line through the `asyncrl.commands` entry point this package declares
-(pyproject.toml): the library never names this package.
+"""`asyncrl bench engine|learner|async|attention|plan|launch [...]`: picks the benchmark and parses its flags.
+The `bench` command reaches `asyncrl`'s command line through the `asyncrl.commands` entry point this package
+declares (pyproject.toml): the library never names this package.
 
     asyncrl bench --help                  # the benchmarks
     asyncrl bench learner --help          # one benchmark's flags
@@ -11,6 +11,7 @@ from __future__ import annotations
 from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async
 from asyncrl_bench.attention import AttentionBenchArgs, bench_attention
 from asyncrl_bench.engine import EngineBenchArgs, bench_engine
+from asyncrl_bench.launch import LaunchBenchArgs, bench_launch
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
 from asyncrl_bench.plan import PlanArgs, bench_plan
 
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "async": (AsyncBenchArgs, bench_async, "colocated sync vs one-step-off / stream / stale+partial training runs"),
     "attention": (AttentionBenchArgs, bench_attention, "decode attention kernels on a KV cache vs the HBM roofline"),
     "plan": (PlanArgs, bench_plan, "`asyncrl plan`, measuring briefly the learner and engine rates no JSON file gives"),
+    "launch": (LaunchBenchArgs, bench_launch, "a tiny job's launch to first version and exit, spawn vs forkserver"),
 }
 
 
@@ -33,7 +35,7 @@ def _usage() -> str:
 
 
 def bench_main(args: list[str]) -> None:
-    """`asyncrl bench engine|learner|async|attention|plan [...]`."""
+    """`asyncrl bench engine|learner|async|attention|plan|launch [...]`."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         raise SystemExit(0 if args else 2)

@@ -96,7 +96,7 @@ OWN: dict[str, set[str]] = {
     "GridArgs": {"devices", "cells", "seeds", "steps", "lag", "eval_prompts", "eval_n", "eval_seed", "parallel",
                "keep_checkpoints", "out"},
     "ProfileArgs": {"rows", "workload", "warmup_steps", "layer_tokens", "top"},
-    "LaunchBenchArgs": {"repeats", "restart", "timeout_s", "out"},
+    "LaunchBenchArgs": {"repeats", "agents", "restart", "timeout_s", "out"},
 }
 
 ARGS_CLASSES = [args for name, (args, _, _) in BENCHMARKS.items() if name != "plan"] + [GridArgs, ProfileArgs]
