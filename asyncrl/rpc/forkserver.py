@@ -6,10 +6,10 @@ A fresh interpreter spends seconds of CPU importing torch and asyncrl before its
 it. `ForkServer` spawns one server process per launch, which imports the role modules, then forks one process
 per request: a role starts from there in a fraction of a second.
 
-    starter = ForkServer(preload=("asyncrl.rpc.supervise",), inherited=(results,))   # or SpawnStarter()
-    child = starter.start(target, args, name="asyncrl-agent0")   # .pid, .exitcode, is_alive(), join(), kill()
-    die_with_parent(starter.parent_pid)                           # in the child: its parent is the server
-    starter.close()                                               # once every started process has ended
+    starter = ForkServer(preload=("asyncrl.rpc.supervise",), inherited=(results,))  # or SpawnStarter()
+    child = starter.start(target, args, name="asyncrl-agent0")  # .pid, .exitcode, is_alive(), join(), kill()
+    starter.parent_pid    # each started process's parent: the server (a fork dies with it), or this process
+    starter.close()       # once every started process has ended
 
 * Environment and working directory: a process gets the launcher's as of its own start (an agent restarted
   mid-run sees what the launcher has then; torch reads OMP_NUM_THREADS when a process first uses threads, so

@@ -64,10 +64,19 @@ def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, 
     run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token)
 
 
+END_LINGER_S = 1.0
+"""Seconds trainer rank 0 keeps its process, and with it the run's store, after the run has ended: an agent
+reads the store every 0.2 s and ends when it finds the end marked there, or when rank 0's request to exit ends
+it 0.2 s after it was asked; a store that vanished first would have it report the run's store gone (exit 1). A
+fork ends at once when its body returns (a fresh interpreter's teardown used to take about this long)."""
+
+
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
                    parent_pid: int, token: RunToken, run_log: RunLog | None) -> None:
     os.setpgid(0, 0)
     run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token, run_log=run_log)
+    if rank == 0:
+        time.sleep(END_LINGER_S)
 
 
 @dataclasses.dataclass

@@ -166,7 +166,7 @@ def test_a_run_on_a_network_address_needs_the_token_its_join_line_shows(tmp_path
     monkeypatch.setenv("ASYNCRL_RUN_TOKEN", line.group(1))
     member = Job(tmp_path, "--join", f"{address}:{port}", name="member", command="agent", preset=None)
     jobs.append(member)
-    job.wait_for(r"agent agent\d+ is live", timeout=limit(180))
+    job.wait_for(r"agent agent1 is live", timeout=limit(180))  # the member (the run's own agent is agent0)
     job.signal(signal.SIGTERM)
     assert job.finish() == 128 + signal.SIGTERM, job.tail()
     assert member.finish() == 0, member.tail()
