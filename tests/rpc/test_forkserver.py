@@ -32,8 +32,8 @@ def report(queue, tag: str) -> None:
     import torch
     queue.put({"tag": tag, "pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(),
                "env": os.environ.get("FORKSERVER_TEST"), "threads": torch.get_num_threads(),
-               "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-               "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler})
+               "signals": {sig.name: repr(signal.getsignal(sig)) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                                             signal.SIGHUP)}})
 
 
 def exit_with(code: int) -> None:
@@ -68,7 +68,9 @@ def test_a_forked_process_sees_the_launcher_as_of_its_own_start(server, tmp_path
     monkeypatch.chdir(tmp_path)
     second = starter.start(report, (queue, "second"), name="second")
     second.join(limit(60))
-    seen = {r["tag"]: r for r in (queue.get(timeout=limit(30)) for _ in range(2))}
+    fresh = SpawnStarter().start(report, (queue, "fresh"), name="fresh")  # a fresh interpreter, for comparison
+    fresh.join(limit(120))
+    seen = {r["tag"]: r for r in (queue.get(timeout=limit(30)) for _ in range(3))}
     assert seen["first"]["env"] == "first" and seen["first"]["cwd"] == home
     assert seen["second"]["env"] == "second" and seen["second"]["cwd"] == str(tmp_path)
     # torch sizes its thread pool from OMP_NUM_THREADS (at most one per core) when a process first uses it: each
@@ -76,7 +78,7 @@ def test_a_forked_process_sees_the_launcher_as_of_its_own_start(server, tmp_path
     assert seen["first"]["threads"] == 1 and seen["second"]["threads"] == min(2, os.cpu_count())
     for r, child in ((seen["first"], first), (seen["second"], second)):
         assert r["pid"] == child.pid and r["ppid"] == starter.parent_pid == starter.server_pid
-        assert r["sigterm"] and r["sigint"]  # not the server's ignored signals
+        assert r["signals"] == seen["fresh"]["signals"]  # a fresh interpreter's, not the server's ignored ones
         assert child.exitcode == 0 and not child.is_alive()
 
 
