@@ -6,7 +6,8 @@ says of them (`command_kinds`; the page states each count, and a test holds it t
   `algorithm:NAME` too, where flags may follow it) — the plain `asyncrl train cpu-demo` (its final checkpoint
   is what the commands page's `asyncrl eval` reads), the worked examples of a task and an environment of your
   own, DAPO, and `cpu-demo-lora` (whose checkpoint `export` and the LoRA `eval` read) — and every command of
-  RUN_FOR_REAL (`eval` with a smaller budget appended);
+  RUN_FOR_REAL (`eval` with a smaller budget appended). `eval` and `export` name a run directory (its newest
+  checkpoint), so every training runs 2 versions;
 - dry-run: the other `asyncrl train` commands, with `--dry-run` (every up-front check: config, devices, model,
   rewards, data; nothing starts);
 - refused: commands naming a model you download (`/models/…`) run until they are refused up front, naming
@@ -44,7 +45,7 @@ TINY_TRAIN = ["--model.path", "random:tiny-smollm2", "--model.tokenizer", "smoll
               "--rollout.max-new-tokens", "2"]
 TINY_TOY = ["--model.path", "random:tiny-qwen2", "--data.task", "toy"]
 TRAINED_FOR_REAL = {
-    "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "20"],
+    "asyncrl train cpu-demo": TINY_TRAIN + ["--async-training.total-versions", "2"],
     "asyncrl train cpu-demo --data.path examples/word_length/data.jsonl --reward.fn examples/word_length/reward.py:score"
     " --run-dir runs/word_length": TINY_TRAIN + ["--async-training.total-versions", "2"],
     "asyncrl train cpu-retry --data.path examples/guess_number/data.jsonl --env.fn examples/guess_number/env.py:Guess"
@@ -55,8 +56,8 @@ TRAINED_FOR_REAL = {
     # flags on both sides of algorithm:dapo, the run's included (`--wandb off`), as a user appends them
     "asyncrl train cpu-demo --run-dir runs/dapo algorithm:dapo --algorithm.kl-loss-coef 0.001 --wandb off":
         TINY_TOY + ["--async-training.total-versions", "2"],
-    # its last checkpoint is what the LoRA page's `asyncrl export` and `eval` read
-    "asyncrl train cpu-demo-lora --run-dir runs/cpu-demo-lora": TINY_TRAIN + ["--async-training.total-versions", "20"],
+    # its final checkpoint is what the LoRA page's `asyncrl export` and `eval` read (given the run directory)
+    "asyncrl train cpu-demo-lora --run-dir runs/cpu-demo-lora": TINY_TRAIN + ["--async-training.total-versions", "2"],
 }
 RUN_FOR_REAL = ("eval", "export", "data", "report", "plan")  # the subcommands that run for real, whatever their flags
 SMALLER = {"eval": ["--num-prompts", "4", "--max-new-tokens", "4"]}
@@ -65,6 +66,8 @@ NOT_RUN = {
     "asyncrl bench engine [--batch-sizes 64 256]": "a GPU benchmark (tests/bench/test_bench.py runs it small on CPU)",
     "asyncrl bench learner": "a benchmark of minutes (tests/bench/test_bench.py runs it small)",
     "asyncrl bench async --devices cuda:0 cuda:1": "needs two GPUs (tests/bench/test_bench_async.py runs it on CPU)",
+    "asyncrl bench launch --repeats 3": "a benchmark of minutes, 8 training jobs (tests/bench/test_bench_launch.py "
+                                        "runs it small)",
     "asyncrl agent --join 127.0.0.1:29511 --device cpu": "joins a running job (tests/rpc/test_supervision.py "
                                                          "runs the pair)",
 }
@@ -275,7 +278,7 @@ def test_every_doc_command_runs(workdir):
         else:
             assert out.returncode == 0, (command, out.stdout[-2000:], out.stderr[-3000:])
         ran.append(command)
-    assert (workdir / "runs" / "cpu-demo" / "checkpoints" / "step_00000020").is_dir()
+    assert (workdir / "runs" / "cpu-demo" / "checkpoints" / "step_00000002").is_dir()  # the final one (d813b06)
     assert (workdir / "runs" / "cpu-demo" / "report.md").is_file()
     assert (workdir / "runs" / "word_length" / "summary.json").is_file()
     assert (workdir / "runs" / "cpu-demo-lora" / "merged" / "config.json").is_file()
