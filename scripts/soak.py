@@ -70,19 +70,21 @@ def slope_mb_per_hour(points: list[tuple[float, float]]) -> float:
 
 
 def summarize(samples: list[dict], warmup_min: float, window_min: float) -> dict[str, dict]:
-    """Per role: median RSS (MB) in the window after the warm-up and in the last window, growth, slope."""
+    """Per role: median RSS (MB) in the window after the warm-up and in the last window, growth, slope. A role's
+    warm-up starts when it was first sampled (the launcher lists a process once it has started it)."""
     out = {}
     end = max(s["minute"] for s in samples)
     for role in sorted({s["role"] for s in samples}):
         points = [(s["minute"], s["rss_kb"] / 1024) for s in samples if s["role"] == role]
-        after = [mb for m, mb in points if warmup_min <= m < warmup_min + window_min]
+        warm = min(m for m, _ in points) + warmup_min
+        after = [mb for m, mb in points if warm <= m < warm + window_min]
         last = [mb for m, mb in points if m > end - window_min]
         if not after or not last:
             continue
         start_mb, end_mb = statistics.median(after), statistics.median(last)
         out[role] = {"rss_after_warmup_mb": round(start_mb, 1), "rss_end_mb": round(end_mb, 1),
                      "growth_pct": round(100 * (end_mb / start_mb - 1), 2),
-                     "slope_mb_per_hour": round(slope_mb_per_hour([p for p in points if p[0] >= warmup_min]), 1),
+                     "slope_mb_per_hour": round(slope_mb_per_hour([p for p in points if p[0] >= warm]), 1),
                      "samples": len(points)}
     return out
 
