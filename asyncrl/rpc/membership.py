@@ -31,13 +31,19 @@ log = logging.getLogger(__name__)
 
 _WORKERS_KEY = "names/_ALL_WORKER_INFOS"  # "name-id,name-id," in the group's store (TensorPipe agent)
 _TOKEN_KEY = "RpcGroupManagementToken"
+TRANSPORTS = ["uv"]
+"""TensorPipe's transports for the run's RPC messages: TCP through libuv's event loop, which sleeps until a message
+comes. TensorPipe's default adds its shared-memory transport between processes of one host, whose reactor thread
+busy-polls its ring buffer: each process of a run burnt ~0.6 of a core doing nothing (mostly in the kernel), on
+a 2-core machine more than the training itself. The RPC messages are control calls and samples (weights go over
+gloo or NCCL), for which loopback TCP's tens of microseconds are no cost."""
 
 
 def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, threads: int = 16) -> None:
     """Join the run's RPC group as `name` (rank 0 first: it serves the group's store). A join that fails
     releases the membership token it may hold, so the next one can proceed."""
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", rpc_timeout=timeout_s,
-                                              num_worker_threads=threads)
+                                              num_worker_threads=threads, _transports=TRANSPORTS)
     # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does
     # not listen on this port): the group's store is served by rank 0 here
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
