@@ -1,10 +1,11 @@
-"""`asyncrl` commands that start no process of their own (`--dry-run`, `--help`, refusals, `eval`, `export`,
-`data`, `plan`, `report`), run in order by one Python process that imported the library and the commands'
-modules once and forks a child per command. Each child is a process of its own, as `python -m asyncrl.cli
-ARGS` would be (its exit status, stdout, stderr and global state are its own), without the seconds of imports
-a fresh interpreter pays per command. A child leaves as multiprocessing's children do: the atexit handlers
-(logging's flush among them), then os._exit, without tearing the parent's modules down again (~1.5 s). Commands
-that spawn processes (a real `asyncrl train`) keep their own interpreter.
+"""`asyncrl` commands run in order by one Python process that imported the library and the commands' modules once
+and forks a child per command. Each child is a process of its own, as `python -m asyncrl.cli ARGS` would be
+(its exit status, stdout, stderr and global state are its own), without the seconds of imports a fresh
+interpreter pays per command. A child leaves as multiprocessing's children do: the atexit handlers (logging's
+flush among them), then os._exit, without tearing the parent's modules down again (~1.5 s). A real `asyncrl
+train` runs this way too: its launcher, the fork, starts the run's processes as it always does (a fork server
+that is a fresh interpreter, or fresh interpreters with `--placement.start-method spawn`). The prepared process
+never runs torch's thread pools, so a fork starts them as a fresh interpreter would.
 
     outs = cli_forks([["train", "cpu-demo", "--dry-run"], ["data", "--help"]], cwd=tmp_path)
     assert outs[0].returncode == 0 and "checks:" in outs[0].stdout
@@ -94,6 +95,8 @@ def _preload(requests: list[dict]) -> None:
         importlib.import_module(COMMANDS[name].split(":")[0])
     if names & {"train", "eval", "data", "export"}:
         from transformers import AutoTokenizer  # noqa: F401  (transformers loads its modules lazily)
+    if "train" in names:
+        importlib.import_module("asyncrl.launch.train")  # the launch path: preflight, launchers, supervision
 
 
 def main(path: str) -> int:

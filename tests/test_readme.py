@@ -15,8 +15,9 @@ says of them (`command_kinds`; the page states each count, and a test holds it t
 - not run: NOT_RUN, with the reason (GPUs, minutes, a second running job, a synopsis).
 
 A command that fits none of these (a new subcommand, say) fails `test_every_command_has_a_kind`: put it in one.
-A real training runs in an interpreter of its own (it spawns its processes); every other command runs in a
-fork of one process that imported the library once (tests/cli_forks.py), a process of its own all the same.
+Every command runs, in order, in a fork of one process that imported the library once (tests/cli_forks.py): a
+process of its own, as `asyncrl ARGS` would be, without the seconds of imports a fresh interpreter pays; a real
+training's launcher starts its role processes as it always does.
 The benchmark reports (docs/benchmarks/) are not read: their commands need GPUs or hours.
 
 The same pages' links are checked here too: every relative link and image in README.md, BENCHMARKS.md and docs/
@@ -27,13 +28,10 @@ every dated report, and docs/benchmarks/archive/README.md every superseded one.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -227,29 +225,7 @@ def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
 
 
 def _env(cwd: pathlib.Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_OFFLINE": "1"}
-
-
-def _run(args: list[str], cwd: pathlib.Path, timeout: float = limit(600)):
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=_env(cwd))
-
-
-def _run_in_order(commands: list[tuple[str, list[str]]], cwd: pathlib.Path) -> list[subprocess.CompletedProcess]:
-    """Each (command, args) in order: a real `asyncrl train` in an interpreter of its own (it spawns its
-    processes), each run of the others between two trainings in a fork of one prepared process
-    (tests/cli_forks.py: ~2 s a command instead of ~8)."""
-    outs, batch = [], []
-    for command, args in [*commands, (None, None)]:
-        if command is not None and (args[0] != "train" or "--dry-run" in args):
-            batch.append(args)
-            continue
-        if batch:
-            outs += cli_forks(batch, cwd=cwd, env=_env(cwd), timeout=limit(300))
-            batch = []
-        if command is not None:
-            outs.append(_run(args, cwd))
-    return outs
+    return {"PYTHONPATH": str(ROOT), "HF_HOME": str(cwd / "hf-home"), "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.mark.e2e
@@ -270,7 +246,8 @@ def test_every_doc_command_runs(workdir):
         args += SMALLER.get(args[0], [])
         commands.append((command, args))
     ran = []
-    for (command, args), out in zip(commands, _run_in_order(commands, workdir), strict=True):
+    outs = cli_forks([args for _, args in commands], cwd=workdir, env=_env(workdir), timeout=limit(600))
+    for (command, args), out in zip(commands, outs, strict=True):
         if NEEDS_DOWNLOAD in command:
             path = next(a for a in args if a.startswith(NEEDS_DOWNLOAD))
             assert out.returncode != 0 and f"{path}: does not exist" in out.stderr, (command, out.stderr[-3000:])
