@@ -14,6 +14,10 @@ test): in-process files, then slow in-process ones, then e2e files, then slow e2
 Each file's own tests keep their order (the sort is stable).
 """
 
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
 import os
 import pathlib
 
@@ -64,13 +68,41 @@ def order_files_by_cost(items: list, *, costliest_first: bool) -> None:
 
 
 @pytest.fixture(scope="session")
-def smollm2_cache(tmp_path_factory):
-    """ASYNCRL_CACHE pointed at one fresh directory for the whole session (subprocesses inherit it): the
-    packaged SmolLM2 GGUF is converted once per run, and the tests never touch ~/.cache."""
-    root = tmp_path_factory.mktemp("asyncrl-cache")
+def smollm2_cache(pytestconfig, tmp_path_factory):
+    """ASYNCRL_CACHE pointed at the suite's own cache (subprocesses inherit it; the tests never touch ~/.cache),
+    with the packaged SmolLM2 GGUF converted into it. The cache lives in pytest's cache directory (.pytest_cache,
+    which `make clean` removes) under a key of the converter's source (asyncrl/policies/loading.py) and the
+    versions of transformers and gguf: both tiers of `make test` and every xdist worker share one conversion
+    (~15 s of CPU each), one worker converting while the others wait on a file lock; a changed converter gets a
+    fresh cache."""
+    from asyncrl.policies.loading import resolve_model_dir, smollm2_gguf_path
+    source = (pathlib.Path(__file__).parents[1] / "asyncrl" / "policies" / "loading.py").read_bytes()
+    versions = ",".join(_version(name) for name in ("transformers", "gguf"))
+    key = hashlib.sha1(source + versions.encode()).hexdigest()[:12]
+    cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider: a private one then
+    root = cache.mkdir(f"asyncrl-cache-{key}") if cache is not None else tmp_path_factory.mktemp("asyncrl-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASYNCRL_CACHE", str(root))
+        with _locked(root / ".lock"):
+            resolve_model_dir(smollm2_gguf_path())
         yield root
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    with open(path, "w") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +113,7 @@ def gsm8k_test_file() -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_cache):
-    """SmolLM2-135M-Instruct's tokenizer (the first load converts the GGUF into the session cache: ~20-40 s;
+    """SmolLM2-135M-Instruct's tokenizer (from the GGUF's converted copy in the suite's cache, smollm2_cache;
     subprocesses inherit ASYNCRL_CACHE and find it there)."""
     from asyncrl.policies import load_tokenizer, smollm2_gguf_path
     return load_tokenizer(smollm2_gguf_path())

