@@ -1,23 +1,29 @@
-"""`asyncrl` commands run in order by one Python process that imported the library and the commands' modules once
-and forks a child per command. Each child is a process of its own, as `python -m asyncrl.cli ARGS` would be
-(its exit status, stdout, stderr and global state are its own), without the seconds of imports a fresh
-interpreter pays per command. A child leaves as multiprocessing's children do: the atexit handlers (logging's
-flush among them), then os._exit, without tearing the parent's modules down again (~1.5 s). A real `asyncrl
-train` runs this way too: its launcher, the fork, starts the run's processes as it always does (a fork server
-that is a fresh interpreter, or fresh interpreters with `--placement.start-method spawn`). The prepared process
-never runs torch's thread pools, so a fork starts them as a fresh interpreter would.
+"""`asyncrl` commands as forks of one prepared process.
 
+A fresh `python -m asyncrl.cli ARGS` spends seconds of CPU importing torch, transformers and the library before
+the command does anything. The tests start a few hundred commands; each test process (pytest, or an xdist
+worker) instead keeps one server process, started on first use, that imported the commands' modules once and
+forks a child per command. A child is a process of its own, as `python -m asyncrl.cli ARGS` would be: its
+working directory, environment, stdin (/dev/null), stdout, stderr, exit status and global state are its own,
+and its pid takes signals. A real `asyncrl train` runs this way too: its launcher, the fork, starts the run's
+processes as it always does (a fork server that is a fresh interpreter, or fresh interpreters with
+`--placement.start-method spawn`). The server never runs torch's thread pools, so a fork starts them as a fresh
+interpreter would (with the OMP_NUM_THREADS of its own environment). A child leaves as multiprocessing's children
+do: the atexit handlers (logging's flush among them), then os._exit, without tearing the modules down (~1.5 s).
+
+    proc = start(["train", "cpu-demo", ...], cwd=ROOT, env=env, stdout=log)   # Popen-like: pid, poll, wait, kill
+    out = run(["eval", "--help"], cwd=tmp_path)                               # subprocess.run-like
     outs = cli_forks([["train", "cpu-demo", "--dry-run"], ["data", "--help"]], cwd=tmp_path)
-    assert outs[0].returncode == 0 and "checks:" in outs[0].stdout
 
-`python -m tests.cli_forks REQUESTS` runs them: REQUESTS is a JSON file of {"args", "stdout", "stderr"} (the
-two files a command's output goes to) and "timeout" (seconds per command, after which the command's process
-group is killed and its status is -9).
+The protocol is one JSON line each way on the server's stdin and stdout: {"start": {"args", "cwd", "env",
+"stdout", "stderr"}} -> {"pid"}, {"poll": pid} -> {"code": exit status or null}. The server ends when its stdin
+closes (the test process ended); the commands it started are the tests' to end.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import pathlib
@@ -25,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -32,35 +39,124 @@ from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+PRELOAD = ("asyncrl.launch.train",)
+"""Imported by the server beside every built-in command's module: the launch path (preflight, launchers,
+supervision), which a real `asyncrl train` imports when it starts its run."""
+
+
+class _Server:
+    """The test process's prepared process (see the module's docstring)."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_forks"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.lock = threading.Lock()
+
+    def ask(self, request: dict) -> dict:
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the command server (tests/cli_forks.py) ended with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(limit(30))
+
+
+@functools.cache
+def _server() -> _Server:
+    server = _Server()
+    atexit.register(server.close)
+    return server
+
+
+class Command:
+    """A started command, as much of `subprocess.Popen` as the tests use."""
+
+    def __init__(self, args: list[str], pid: int):
+        self.args, self.pid, self.returncode = ["asyncrl", *args], pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _server().ask({"poll": self.pid})["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start(args: list[str], *, cwd: str | os.PathLike = ROOT, env: dict | None = None,
+          stdout: str | os.PathLike, stderr: str | os.PathLike | None = None) -> Command:
+    """`asyncrl ARGS` started in a fork (in `cwd`, with this environment and `env`'s variables), its output to
+    the file `stdout` and its errors to `stderr` (None: the same file)."""
+    args = list(map(str, args))
+    request = {"args": args, "cwd": str(cwd), "env": {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)},
+               "stdout": str(stdout), "stderr": str(stderr if stderr is not None else stdout)}
+    for path in {request["stdout"], request["stderr"]}:
+        open(path, "w").close()  # there, and empty, when this returns (the fork opens them when it runs)
+    return Command(args, _server().ask({"start": request})["pid"])
+
+
+def run(args: list[str], *, cwd: str | os.PathLike = ROOT, env: dict | None = None,
+        timeout: float = limit(180)) -> subprocess.CompletedProcess:
+    """`asyncrl ARGS` run to its end in a fork; what `subprocess.run(..., capture_output=True, text=True)`
+    returns, and subprocess.TimeoutExpired after `timeout` seconds (the command killed)."""
+    with tempfile.TemporaryDirectory(prefix="cli-fork-") as tmp:
+        out, err = pathlib.Path(tmp) / "out", pathlib.Path(tmp) / "err"
+        command = start(args, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            code = command.wait(timeout)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            command.wait()
+            raise
+        return subprocess.CompletedProcess(command.args, code, out.read_text(), err.read_text())
+
 
 def cli_forks(commands: list[list[str]], *, cwd: str | os.PathLike, env: dict | None = None,
               timeout: float = limit(180)) -> list[subprocess.CompletedProcess]:
-    """Run `asyncrl ARGS` for each ARGS in order (in `cwd`, in this environment with `env`'s variables set),
-    each in a fork of one prepared process; `timeout` applies to each command. Returns what subprocess.run
-    would."""
-    with tempfile.TemporaryDirectory(prefix="cli-forks-") as tmp:
-        tmp = pathlib.Path(tmp)
-        requests = [{"args": list(map(str, args)), "stdout": str(tmp / f"{i}.out"), "stderr": str(tmp / f"{i}.err"),
-                     "timeout": timeout} for i, args in enumerate(commands)]
-        (tmp / "requests.json").write_text(json.dumps(requests))
-        env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
-        done = subprocess.run([sys.executable, "-m", "tests.cli_forks", str(tmp / "requests.json")], cwd=cwd,
-                              env=env, capture_output=True, text=True, timeout=limit(60) + timeout * len(commands))
-        codes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
-        assert done.returncode == 0 and codes, f"tests.cli_forks failed:\n{done.stdout}\n{done.stderr[-3000:]}"
-        return [subprocess.CompletedProcess(["asyncrl", *r["args"]], code, pathlib.Path(r["stdout"]).read_text(),
-                                            pathlib.Path(r["stderr"]).read_text())
-                for r, code in zip(requests, codes[0])]
+    """Run `asyncrl ARGS` for each ARGS in order, each in a fork; `timeout` applies to each command, after which
+    it is killed and its status is -9."""
+    outs = []
+    for args in commands:
+        try:
+            outs.append(run(args, cwd=cwd, env=env, timeout=timeout))
+        except subprocess.TimeoutExpired as expired:
+            outs.append(subprocess.CompletedProcess(expired.cmd, -signal.SIGKILL, "", f"timed out after {timeout} s"))
+    return outs
 
 
-def _child(args: list[str], stdout: str, stderr: str) -> int:
-    """In the fork: output to the two files, the command as `python -m asyncrl.cli` runs it; its exit status."""
-    for fd, path in ((1, stdout), (2, stderr)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.argv = ["asyncrl", *args]
+# ---------------------------------------------------------------------------------------------- the server
+def _child(request: dict) -> int:
+    """In the fork: the command as `python -m asyncrl.cli` runs it, in its directory and environment, with its
+    output to its files; its exit status."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    out = os.open(request["stdout"], os.O_WRONLY)
+    err = out if request["stderr"] == request["stdout"] else os.open(request["stderr"], os.O_WRONLY)
+    os.dup2(out, 1), os.dup2(err, 2)
+    sys.argv = ["asyncrl", *request["args"]]
     from asyncrl.cli import main
     try:
-        main(args)
+        main(request["args"])
         return 0
     except SystemExit as exc:  # what the interpreter does with it at the top level
         if exc.code is None or isinstance(exc.code, int):
@@ -72,57 +168,49 @@ def _child(args: list[str], stdout: str, stderr: str) -> int:
         return 1
 
 
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        time.sleep(0.05)
+def _fork(request: dict) -> int:
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _child(request)
+        finally:  # the atexit handlers (logging's flush among them), then out without tearing down the
+            atexit._run_exitfuncs()  # modules the server imported (~1-2 s for torch and transformers)
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    return pid
 
 
-def _preload(requests: list[dict]) -> None:
-    """Import, once and before the forks, the modules of the commands asked for (and transformers, which the
-    commands that read a model or a tokenizer import when they run)."""
+def _preload() -> None:
+    """Import, once and before the forks, every built-in command's module, the launch path, and transformers'
+    tokenizers (which the commands that read a model or a tokenizer import when they run)."""
     import importlib
 
     from asyncrl.cli import COMMANDS
-    names = {r["args"][0] for r in requests if r["args"] and r["args"][0] in COMMANDS}
-    for name in names:
-        importlib.import_module(COMMANDS[name].split(":")[0])
-    if names & {"train", "eval", "data", "export"}:
-        from transformers import AutoTokenizer  # noqa: F401  (transformers loads its modules lazily)
-    if "train" in names:
-        importlib.import_module("asyncrl.launch.train")  # the launch path: preflight, launchers, supervision
+    for module in {target.split(":")[0] for target in COMMANDS.values()} | set(PRELOAD):
+        importlib.import_module(module)
+    from transformers import AutoTokenizer  # noqa: F401  (transformers loads its modules lazily)
 
 
-def main(path: str) -> int:
-    requests = json.loads(pathlib.Path(path).read_text())
-    _preload(requests)
-    codes = []
-    for request in requests:
-        sys.stdout.flush(), sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.setpgid(0, 0)  # a group of its own: a timeout kills whatever it started
-            code = 1
-            try:
-                code = _child(request["args"], request["stdout"], request["stderr"])
-            finally:  # the atexit handlers (logging's flush among them), then out without tearing down the
-                atexit._run_exitfuncs()  # modules the parent imported (~1-2 s for torch and transformers)
-                sys.stdout.flush(), sys.stderr.flush()
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)  # here too, so that a kill never races the child's own call
-        except OSError:
-            pass
-        codes.append(_wait(pid, request["timeout"]))
-    print(json.dumps(codes), flush=True)
+def serve() -> int:
+    _preload()
+    codes: dict[int, int] = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "start" in request:
+            reply = {"pid": _fork(request["start"])}
+        else:
+            pid = request["poll"]
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+            reply = {"code": codes.get(pid)}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    raise SystemExit(serve())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -121,9 +120,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 # -------------------------------------------------------------------------------------- the launcher
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.run_helpers import free_ports
+    return free_ports()
 
 
 def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tuple) -> None:

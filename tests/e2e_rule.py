@@ -16,7 +16,9 @@ What counts as starting an interpreter, watched where every way of doing it pass
   torchrun, tests.cli_forks) and multiprocessing's own helper processes (its forkserver, its resource tracker),
   when the program is an interpreter: Python, a shell, or a script with a `#!` line (console scripts such as
   `asyncrl` and `torchrun`). Other programs (a C compiler, ldconfig) are not interpreters and do not count;
-* `os.fork`/`os.forkpty` (a fork of the test process is another interpreter) and `os.system` (a shell).
+* `os.fork`/`os.forkpty` (a fork of the test process is another interpreter) and `os.system` (a shell);
+* a command started by the test process's command server (tests/cli_forks.py: a fork of a prepared process,
+  started once for the whole session, so the first start is not what makes each command an interpreter).
 
 Helpers that a library starts once per process, for whichever test first needs them, are no test's (which
 test starts them depends only on which ran before it in the same process): multiprocessing's resource tracker
@@ -115,6 +117,8 @@ class StartWatch:
             if hasattr(os, name):
                 self._wrap(os, name, self._fork)
         self._wrap(os, "system", self._system)
+        from tests import cli_forks
+        self._wrap(cli_forks._Server, "ask", self._server_ask)
 
     def uninstall(self) -> None:
         while self._restore:
@@ -174,6 +178,15 @@ class StartWatch:
             self._record(f"a shell: os.system({command!r})")
             return original(command)
         return system
+
+
+    def _server_ask(self, original):
+        def ask(server, request):
+            if "start" in request:
+                self._record(f"`asyncrl {_command(request['start']['args'])}` (a fork of tests/cli_forks.py's "
+                             "command server)")
+            return original(server, request)
+        return ask
 
 
 def unmarked_start_message(item: pytest.Item, phase: str, started: list[str]) -> str:

@@ -1,7 +1,8 @@
 """The e2e rule (tests/e2e_rule.py) on planted tests, run by a pytest of their own in a fresh process: a test
 that starts an interpreter without the `e2e` mark fails, and the failure says what it started and how to mark
 it; a marked one passes, and so do one that starts nothing, one that runs a program that is no interpreter and
-one that only wakes a once-per-process helper."""
+one that only wakes a once-per-process helper. A command of the tests' command server (tests/cli_forks.py) counts
+in every test that starts one, not only in the first, which starts the server."""
 
 from __future__ import annotations
 
@@ -69,6 +70,17 @@ def test_first_user_of_a_module_fixture(started_once):
 
 def test_second_user_of_a_module_fixture(started_once):
     pass
+
+
+@pytest.mark.e2e
+def test_marked_command_starts_the_command_server():
+    from tests.cli_forks import run
+    assert run(["--help"]).returncode == 0
+
+
+def test_unmarked_command_on_the_running_command_server():
+    from tests.cli_forks import run
+    assert run(["--help"]).returncode == 0
 '''
 
 
@@ -77,15 +89,17 @@ def test_an_unmarked_test_that_starts_an_interpreter_fails_and_says_how_to_mark_
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     result = pytester.runpytest_subprocess("-p", "tests.e2e_rule", "--strict-markers", "-p", "no:cacheprovider",
                                            "-rfEp")
-    result.assert_outcomes(passed=5, failed=3, errors=1)
+    result.assert_outcomes(passed=6, failed=4, errors=1)
     summary = [line for line in result.outlines if line.startswith(("PASSED", "FAILED", "ERROR"))]
     assert sorted(line.split(" ")[0] + " " + line.split(" ")[1].split("::")[1] for line in summary) == [
         "ERROR test_first_user_of_a_module_fixture",
+        "FAILED test_unmarked_command_on_the_running_command_server",
         "FAILED test_unmarked_fork",
         "FAILED test_unmarked_spawned_process_from_a_thread",
         "FAILED test_unmarked_subprocess",
         "PASSED test_a_lock_wakes_only_the_resource_tracker",
         "PASSED test_in_process",
+        "PASSED test_marked_command_starts_the_command_server",
         "PASSED test_marked_subprocess",
         "PASSED test_not_an_interpreter",
         "PASSED test_second_user_of_a_module_fixture",
@@ -98,5 +112,6 @@ def test_an_unmarked_test_that_starts_an_interpreter_fails_and_says_how_to_mark_
     result.stdout.fnmatch_lines(["*a SpawnProcess (multiprocessing) named 'planted' running getpid "
                                  "(from thread 'starter')"])
     result.stdout.fnmatch_lines(["*a ForkProcess (multiprocessing) named 'forked' running getpid"])
+    result.stdout.fnmatch_lines(["*`asyncrl --help` (a fork of tests/cli_forks.py's command server)"])
     result.stdout.fnmatch_lines(["*test_first_user_of_a_module_fixture started another interpreter during "
                                  "its setup*"])

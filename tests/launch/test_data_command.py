@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from tests.cli_forks import cli_forks
+from tests.cli_forks import cli_forks, run
 from tests.timing import limit
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _asyncrl(*args, timeout=limit(120)):
     # the environment (ASYNCRL_CACHE from the session fixture) is inherited
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return run(list(args), cwd=ROOT, timeout=timeout)
 
 
 def _help(capsys, *args) -> str:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import pathlib
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.cli_forks import Command, start
 from tests.run_helpers import NO_EVAL
 from tests.timing import limit
 
@@ -69,11 +69,11 @@ def _setup(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
     return data, specs
 
 
-def _start(tmp_path: pathlib.Path, name: str, *args) -> subprocess.Popen:
-    """`asyncrl train cpu-demo ARGS` started in the background, its output to NAME.out and NAME.err."""
-    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *map(str, args)],
-                                stdout=out, stderr=err, cwd=ROOT)
+def _start(tmp_path: pathlib.Path, name: str, *args) -> Command:
+    """`asyncrl train cpu-demo ARGS` started in the background (tests/cli_forks.py), its output to NAME.out and
+    NAME.err."""
+    return start(["train", "cpu-demo", *args], cwd=ROOT, stdout=tmp_path / f"{name}.out",
+                 stderr=tmp_path / f"{name}.err")
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,5 @@ def _run_members(target, member_args: list[tuple], *, expected: int, join_s: flo
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.run_helpers import free_ports
+    return free_ports()

@@ -12,7 +12,6 @@ spawned processes of `launch()`.
 from __future__ import annotations
 
 import collections
-import math
 
 import torch
 
