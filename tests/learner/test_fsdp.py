@@ -22,7 +22,7 @@ from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoin
 from asyncrl.learner import policy_gradients, split_rows, train_step
 from asyncrl.policies import load_pretrained
 from tests.dist_helpers import (
-    build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, sample_groups, tiny_policy,
+    build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, tiny_policy,
     trainer_config, weights,
 )
 from tests.timing import limit
@@ -31,17 +31,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 2
 MODES = ["token-mean", "seq-mean-token-mean"]
-
-
-@pytest.fixture(scope="module")
-def groups():
-    """5 groups (odd) of 3 responses of varied lengths, sampled from the initial policy."""
-    return sample_groups(5, seed=0, n=3)
-
-
-@pytest.fixture(scope="module")
-def next_groups():
-    return sample_groups(5, seed=0, n=3, first_id=100)
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,13 @@ from asyncrl.checkpoint import list_checkpoints
 from asyncrl.learner import train_step
 from asyncrl.policies import load_pretrained
 from asyncrl.policies.lora import is_adapter_name, merged_weights
-from tests.dist_helpers import max_diff, run_distributed, sample_groups
+from tests.dist_helpers import max_diff, run_distributed
 from tests.lora_helpers import build_lora, lora_fsdp_worker, trained
 from tests.timing import limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def groups():
-    return sample_groups(5, seed=0, n=3)
-
-
-@pytest.fixture(scope="module")
-def next_groups():
-    return sample_groups(5, seed=0, n=3, first_id=100)
 
 
 @pytest.fixture(scope="module")
