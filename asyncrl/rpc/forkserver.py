@@ -87,7 +87,7 @@ class SpawnStarter:
         return process
 
     def close(self) -> None:
-        pass
+        """Nothing to release: no server; each process is this one's child, which the launcher joins."""
 
 
 @dataclasses.dataclass(frozen=True)
