@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import os
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -85,6 +86,10 @@ def smollm2_cache(pytestconfig, tmp_path_factory):
         mp.setenv("ASYNCRL_CACHE", str(root))
         with _locked(root / ".lock"):
             resolve_model_dir(smollm2_gguf_path())
+            if cache is not None:  # an older converter's copy (~0.5 GB) is never read again
+                for stale in root.parent.glob("asyncrl-cache-*"):
+                    if stale != root:
+                        shutil.rmtree(stale, ignore_errors=True)
         yield root
 
 
