@@ -23,6 +23,7 @@ from asyncrl.config import GRPO, PPO, CriticConfig, OptimConfig, TrainerConfig
 from asyncrl.learner import build_learner, full_weights, grad_norm_, policy_gradients, shard_model, train_step
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.types import Group
+from tests.run_helpers import free_ports
 from tests.timing import limit
 
 VOCAB = ARCH_PRESETS["tiny-qwen2"]["vocab_size"]  # 256
@@ -119,11 +120,6 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 # -------------------------------------------------------------------------------------- the launcher
-def free_port() -> int:
-    from tests.run_helpers import free_ports
-    return free_ports()
-
-
 def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -141,7 +137,7 @@ def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tu
 def run_distributed(worker, out_dir: str | os.PathLike, *args, world_size: int = 2, timeout: float = limit(60)) -> None:
     """Run `worker(rank, world_size, out_dir, *args)` on `world_size` spawned CPU processes joined in a gloo
     process group. Raises the first worker's exception; kills the workers and fails after `timeout` s."""
-    ctx = mp.spawn(_entry, args=(worker, world_size, free_port(), str(out_dir), args), nprocs=world_size,
+    ctx = mp.spawn(_entry, args=(worker, world_size, free_ports(), str(out_dir), args), nprocs=world_size,
                    join=False)
     deadline = time.monotonic() + timeout
     try:
@@ -238,6 +234,6 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
 
 __all__ = [
     "VOCAB", "tiny_policy", "prompt_for", "reward_of", "sampling_params", "small_engine", "rollout",
-    "sample_groups", "trainer_config", "ppo", "make_algorithm", "build", "weights", "max_diff", "free_port",
+    "sample_groups", "trainer_config", "ppo", "make_algorithm", "build", "weights", "max_diff",
     "run_distributed", "known_grads", "clipped_grads", "fsdp_worker",
 ]

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from tests.run_helpers import free_ports
 from tests.timing import limit
 
 
@@ -96,7 +97,7 @@ def ipc_member(rank: int, port: int, device: str, results) -> None:
 
 def run_ipc_pair(device: str) -> dict:
     """Run `ipc_member` in two spawned processes; {rank: (backend, equal per bucket, staging sizes, warnings)}."""
-    port = _free_port()
+    port = free_ports()
     reports = _run_members(ipc_member, [(rank, port, device) for rank in (0, 1)], expected=2, join_s=limit(10),
                            silent="the channel's ends did not report in time")
     return {rank: tuple(outcome) for rank, *outcome in reports}
@@ -105,7 +106,7 @@ def run_ipc_pair(device: str) -> dict:
 def run_channel_drill(backend: str = "gloo", device: str = "cpu") -> dict:
     """Run `channel_member` in three spawned processes; {case: (outcome, seconds, detail)} of rank 0's
     broadcasts to the gone peer and to the hung one."""
-    port = _free_port()
+    port = free_ports()
     reports = _run_members(channel_member, [(r, port) for r in range(3)], expected=2, join_s=2,
                            silent="rank 0 neither raised nor returned in time (a broadcast hung)", extra=(backend, device))
     return {case: (outcome, seconds, detail) for case, outcome, seconds, detail in reports}
@@ -137,8 +138,3 @@ def _run_members(target, member_args: list[tuple], *, expected: int, join_s: flo
                 p.kill()
                 p.join(5)
     return reports
-
-
-def _free_port() -> int:
-    from tests.run_helpers import free_ports
-    return free_ports()

@@ -163,12 +163,8 @@ def test_a_hung_agent_is_ended_and_restarted_and_rejoins_with_the_current_weight
     books_balance(summary)
 
 
-def _free_port() -> int:
-    return free_ports()
-
-
 def test_a_new_agent_joins_a_running_job_gets_prompts_and_leaves_cleanly(tmp_path, jobs):
-    port = _free_port()
+    port = free_ports()
     job = Job(tmp_path, *TOY, *ENDLESS, "--placement.join-port", str(port))
     jobs.append(job)
     job.wait_for(rf"asyncrl agent --join 127.0.0.1:{port}")
