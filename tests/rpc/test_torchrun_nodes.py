@@ -60,15 +60,15 @@ def test_a_layout_that_does_not_fit_names_the_flags():
 
 
 # ----------------------------------------------------------------------------------- two nodes, one host
-def _named(name: str) -> list[int]:
-    """The live processes named `name` (asyncrl names its processes: asyncrl-trainer1, asyncrl-agent1, and
-    asyncrl-keep1 for the keeper of agent slot 1)."""
+def _named(name: str, parent: int) -> list[int]:
+    """The live children of `parent` named `name` (asyncrl names its processes: asyncrl-trainer1, asyncrl-agent1,
+    and asyncrl-keep1 for the keeper of agent slot 1); a job of another test may run processes of the same names."""
     found = []
     for comm in pathlib.Path("/proc").glob("[0-9]*/comm"):
         try:
-            if comm.read_text().strip() == name:
+            if comm.read_text().strip() == name and _parent(int(comm.parent.name)) == parent:
                 found.append(int(comm.parent.name))
-        except OSError:
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
             pass
     return [pid for pid in found if alive(pid)]
 
@@ -124,8 +124,8 @@ def test_two_torchrun_nodes_train_one_job_and_restart_a_killed_agent(tmp_path):
         # is kept there, as a child of its keeper)
         assert _children(node0.pid) == ["asyncrl-keep0", "asyncrl-trainer"]
         assert _children(node1.pid) == ["asyncrl-keep1", "asyncrl-trainer"]
-        [victim] = wait_until(lambda: _named("asyncrl-agent1"), limit(60), "agent slot 1's process")
-        assert _parent(victim) == _named("asyncrl-keep1")[0]
+        [keeper] = _named("asyncrl-keep1", node1.pid)
+        [victim] = wait_until(lambda: _named("asyncrl-agent1", keeper), limit(60), "agent slot 1's process")
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: "agent agent1_r1 is live" in text(0), limit(240),
                    "the restarted agent to be live (rank 0's log)")
