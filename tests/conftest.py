@@ -122,3 +122,19 @@ def smollm2_tokenizer(smollm2_cache):
     subprocesses inherit ASYNCRL_CACHE and find it there)."""
     from asyncrl.policies import load_tokenizer, smollm2_gguf_path
     return load_tokenizer(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def hf_zoo(tmp_path_factory):
+    """`hf_zoo("gemma3_text")`: the directory of the zoo's tiny random model of that type (tests/hf_zoo.py), saved
+    once per session (per xdist worker)."""
+    from tests.hf_zoo import save_tiny
+    root = tmp_path_factory.mktemp("hf-zoo")
+    made: dict[str, pathlib.Path] = {}
+
+    def get(model_type: str) -> pathlib.Path:
+        if model_type not in made:
+            made[model_type] = save_tiny(model_type, root / model_type)
+        return made[model_type]
+
+    return get

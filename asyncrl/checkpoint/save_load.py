@@ -59,6 +59,7 @@ from asyncrl.learner import LearnerState
 from asyncrl.learner.state import apply_optim_config
 from asyncrl.policies.loading import load_model, save_pretrained
 from asyncrl.policies.lora import LORA_TARGETS, lora_modules, merge_adapters
+from asyncrl.policies.hf_model import HFModelConfig, save_transformers
 from asyncrl.policies.model import CausalLM, TransformerConfig
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
@@ -108,7 +109,8 @@ def _plain(value):
 
 
 def _model_config(model) -> dict | None:
-    """The policy's `TransformerConfig` as a plain dict, for `export_hf` from a checkpoint."""
+    """The policy's config (`TransformerConfig`, or an HF-path model's `HFModelConfig`, whose `impl` is "hf") as a
+    plain dict, for `export_hf` from a checkpoint."""
     config = getattr(model, "config", None)
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
 
@@ -315,8 +317,9 @@ def describe_checkpoint(path: str | pathlib.Path) -> dict:
 
 
 def _config_from_dict(fields: dict):
-    """The `TransformerConfig` that `_model_config` stored as a dict."""
-    return TransformerConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    """The `TransformerConfig` (or, with impl "hf", `HFModelConfig`) that `_model_config` stored as a dict."""
+    kind = HFModelConfig if fields.get("impl") == "hf" else TransformerConfig
+    return kind(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
 
 
 def run_model(checkpoint: str | pathlib.Path) -> dict | None:
@@ -389,6 +392,8 @@ def export_hf(source: LearnerState | str | pathlib.Path, out_dir: str | pathlib.
             weights = {**lora_base_weights(source, config, base), **weights}
     if lora is not None:
         weights, dtype = merge_adapters(weights, lora), dtype or torch.float32
+    if isinstance(config, HFModelConfig):
+        return save_transformers(config, weights, out_dir, tokenizer=tokenizer, dtype=dtype)
     with torch.device("meta"):
         model = CausalLM(config)
     model.load_state_dict(weights, strict=False, assign=True)

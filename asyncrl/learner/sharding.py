@@ -76,18 +76,22 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, o
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh is not None and mesh.device_type == "cuda")
-    for layer in model.model.layers:
+    for layer in model.blocks():
         fully_shard(layer, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 
 def full_weights(model: nn.Module, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, full tensor) of every weight, gathering FSDP2 shards one parameter at a time (every rank
-    of the trainer group must iterate together). The tied lm_head is left out, as in `named_weights`."""
+    """(checkpoint name, full tensor) of every weight, gathering FSDP2 shards one parameter at a time (every rank
+    of the trainer group must iterate together). The tied lm_head is left out, as in `named_weights`. An HF-path
+    model's weights are renamed (and split) into its checkpoint's format one tensor at a time
+    (`HFCausalLM.checkpoint_tensors`: transformers fuses MoE experts in memory)."""
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    to_checkpoint = getattr(model, "checkpoint_tensors", None)
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
             continue
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, full.detach() if dtype is None else full.detach().to(dtype)
+        full = full.detach() if dtype is None else full.detach().to(dtype)
+        yield from (to_checkpoint(name, full) if to_checkpoint is not None else [(name, full)])

@@ -135,7 +135,7 @@ def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
         if config.compile_scope == "model":
             model.compile(dynamic=True, options=options)
         else:
-            for layer in model.model.layers:
+            for layer in model.blocks():
                 layer.compile(dynamic=True, options=options)
         if config.cuda_graphs:  # gradients accumulate in place into stable buffers, never into graph memory
             for p in params:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from asyncrl.policies.model import CausalLM, TransformerConfig
+from asyncrl.policies.model_configs import ARCH_PRESETS, hf_config
 
 __all__ = [
     "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
@@ -36,61 +37,15 @@ _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 _DROP_ON_SAVE = ("quantization_config", "_name_or_path", "_commit_hash", "transformers_version", "torch_dtype",
                  "dtype")
 
-ARCH_PRESETS: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
-    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
-    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, attention_bias=False, bos_token_id=151643, eos_token_id=151645),
-    "qwen3-4b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=True, attention_bias=False, bos_token_id=151643, eos_token_id=151645),
-    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False, attention_bias=False, bos_token_id=151643, eos_token_id=151645),
-    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "tiny-qwen2": dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "tiny-smollm2": dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-}
-"""Architecture shapes by name, for random-weight models (benchmarks, tests, demos)."""
-
-
-def hf_config(config: str | dict) -> dict:
-    """The Hugging Face config dict of a preset name, a config.json, or a model directory."""
-    if isinstance(config, dict):
-        return dict(config)
-    if config in ARCH_PRESETS:
-        return dict(ARCH_PRESETS[config])
-    path = pathlib.Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model config {config!r}: not a preset ({', '.join(ARCH_PRESETS)}) and no config.json "
-                         "there; pass a preset name, a config.json, or a model directory")
-    return json.loads(path.read_text())
-
-
 def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> CausalLM:
-    """A model with random weights (normal(0, initializer_range), biases 0, norms 1), as HF initialises."""
+                 device: str | torch.device = "cpu", impl: str = "auto") -> CausalLM:
+    """A model with random weights (normal(0, initializer_range), biases 0, norms 1), as HF initialises. `impl`
+    as --model.impl: an HF-path model (`asyncrl.policies.hf_model.random_hf`) for types asyncrl does not
+    implement, or with impl "hf"."""
+    from asyncrl.policies.implementations import resolve_impl
+    if resolve_impl("random:config", impl, config=hf_config(config)) == "hf":
+        from asyncrl.policies.hf_model import random_hf
+        return random_hf(hf_config(config), seed=seed, dtype=dtype, device=device)
     cfg = TransformerConfig.from_hf(hf_config(config))
     gen = torch.Generator().manual_seed(seed)  # on the CPU whatever the device: the same weights everywhere
     with torch.device(device):  # built where it runs, in its dtype: an 8B shape never exists in fp32 on the host
@@ -258,13 +213,15 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> CausalLM:
+               seed: int = 0, impl: str = "auto") -> CausalLM:
     """One entry point: an HF directory, a `.gguf` file, `smollm2` (the packaged GGUF), a Hub name
     (ORG/NAME[@REVISION], through the local Hugging Face cache: `asyncrl.tools.hub`), or `random:<preset or
-    config.json>` for random weights."""
+    config.json>` for random weights. `impl` as --model.impl (`asyncrl.policies.implementations`): an HF
+    directory of a type asyncrl does not implement (or any, with "hf") loads as the `transformers` model
+    (`asyncrl.policies.hf_model.HFCausalLM`)."""
     from asyncrl.tools.hub import local_model_path
     if path.startswith("random:"):
-        return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device)
+        return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device, impl=impl)
     if path == "smollm2":
         return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
     if path.endswith(".gguf"):
@@ -273,4 +230,8 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | t
     if not (p / "config.json").is_file():
         raise ValueError(f"model path {path!r}: expected an HF directory with config.json, a Hub name ORG/NAME, a "
                          f".gguf file, 'smollm2', or 'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
+    from asyncrl.policies.implementations import resolve_impl
+    if resolve_impl(str(p), impl, config=hf_config(str(p))) == "hf":
+        from asyncrl.policies.hf_model import load_hf
+        return load_hf(p, dtype=dtype, device=device)
     return load_pretrained(p, dtype=dtype, device=device)

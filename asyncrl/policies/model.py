@@ -435,6 +435,10 @@ class CausalLM(nn.Module):
         """fp32 logits [..., V] (the matmul runs in the model's dtype)."""
         return self.lm_head(hidden).float()
 
+    def blocks(self) -> list[nn.Module]:
+        """The decoder layers: the units FSDP2 shards and the learner compiles."""
+        return list(self.model.layers)
+
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device

@@ -44,6 +44,10 @@ class ValueModel(CausalLM):
         """A critic initialised with the policy's backbone weights and a zero value head (V ≡ 0 at start), on
         `device` (default: the policy's). A LoRA policy's critic shares its frozen base where it can (see the
         module docstring)."""
+        if getattr(policy, "impl", "own") == "hf":
+            raise ValueError(f"the PPO critic runs on asyncrl's own models only ({policy.config.model_type} trains "
+                             "through transformers, --model.impl hf); use a critic-free algorithm (GRPO, DAPO, "
+                             "GSPO, RLOO) or a llama/qwen2/qwen3/mistral model")
         device = torch.device(device) if device is not None else policy.device
         sharded = any(hasattr(p, "device_mesh") for p in policy.parameters())
         _, lora = next(lora_modules(policy), (None, None))  # one adapted layer: the adapters' settings

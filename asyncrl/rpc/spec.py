@@ -16,6 +16,7 @@ from asyncrl.config import (AlgorithmConfig, AsyncConfig, EvalConfig, LoraConfig
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
+from asyncrl.policies.implementations import Impl
 from asyncrl.policies.loading import load_model, random_model
 from asyncrl.policies.model import CausalLM
 from asyncrl.policies.protocol import RolloutEngine
@@ -34,18 +35,21 @@ def build_embedded_engine(model: CausalLM, config: EngineConfig, *, agent: str) 
 
 @dataclasses.dataclass
 class ModelSpec:
-    """How to build the model in any process: a path for `load_model`, or a config dict for random weights."""
+    """How to build the model in any process: a path for `load_model`, or a config dict for random weights, and
+    the implementation that trains it (`asyncrl.policies.implementations.resolve_impl`, settled before launch)."""
 
     path: str = "smollm2"
     config: dict | None = None
     seed: int = 0
     dtype: str = "float32"
+    impl: Impl = "own"
+    """own: asyncrl's `CausalLM`; hf: the `transformers` model of the checkpoint (`asyncrl.policies.hf_model`)."""
 
     def build(self, device: str | torch.device = "cpu", dtype: str | None = None) -> CausalLM:
         torch_dtype = getattr(torch, dtype or self.dtype)
         if self.config is not None:
-            return random_model(self.config, seed=self.seed, dtype=torch_dtype, device=device)
-        return load_model(self.path, dtype=torch_dtype, device=device, seed=self.seed)
+            return random_model(self.config, seed=self.seed, dtype=torch_dtype, device=device, impl=self.impl)
+        return load_model(self.path, dtype=torch_dtype, device=device, seed=self.seed, impl=self.impl)
 
 
 @dataclasses.dataclass
