@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import LORA_TARGETS
-from asyncrl.policies.lora import apply_lora
+from asyncrl.policies.lora import apply_lora, lora_targets
 from asyncrl_bench.flops import body_params, row_lengths
 from asyncrl_bench.learner_args import LearnerBenchArgs
 from asyncrl_bench.roofline import flop_roofline, peak_flops
@@ -55,8 +54,9 @@ def _time_peft_train(args: LearnerBenchArgs, model, step_groups: list[list]) -> 
     if args.gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf.enable_input_require_grads()  # the frozen embeddings' output must carry a gradient through checkpoints
+    targets = list(lora_targets(model, lora.target_modules))  # "all-linear" as ours reads it: the same layers
     hf = get_peft_model(hf, PeftLora(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                     target_modules=list(lora.target_modules)))
+                                     target_modules=targets))
     return time_hf_step(args, hf, step_groups, lr=LORA_LR)
 
 
@@ -73,15 +73,15 @@ def bench_learner_lora(args: LearnerBenchArgs, model, step_groups: list[list], r
     on_cuda = args.device.startswith("cuda")
     lora = args.lora
     n_body = body_params(model)
+    targets = lora_targets(model, lora.target_modules)
     widths = {name.rpartition(".")[2]: (m.in_features, m.out_features) for name, m in model.model.layers[0].named_modules()
-              if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in LORA_TARGETS}
-    n_adapter = lora.rank * len(model.model.layers) * sum(i + o for leaf, (i, o) in widths.items()
-                                                            if leaf in lora.target_modules)
+              if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in targets}
+    n_adapter = lora.rank * len(model.model.layers) * sum(i + o for i, o in widths.values())
     timed_rows = [row_lengths(groups) for groups in step_groups[args.warmup_steps:]]
     flops = sum(lora_train_flops(model.config, n_body, n_adapter, rows) for rows in timed_rows)
     peak = peak_flops(args.device)
     tokens = row["tokens_per_step"] * args.steps
-    row.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.target_modules),
+    row.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(targets),
                adapter_params=n_adapter, base_dtype=str(_base_dtype(args.device)).removeprefix("torch."),
                **flop_roofline(flops / args.steps, args.device))
     if args.baseline:

@@ -8,10 +8,11 @@ import os
 
 import torch
 
+from asyncrl.policies.implementations import model_config_dict
 from asyncrl.policies.loading import hf_config
 from asyncrl.policies.model import TransformerConfig
 
-__all__ = ["check_devices", "check_tensor_parallel", "known_model_config"]
+__all__ = ["attention_heads", "check_devices", "check_tensor_parallel", "known_model_config"]
 
 
 def _device_problem(device: str, cuda_count: int, option: str) -> str | None:
@@ -40,12 +41,27 @@ def check_devices(devices: dict[str, tuple[str, ...]], cuda_count: int | None = 
 
 
 def known_model_config(path: str):
-    """The model's `TransformerConfig`, from its preset or config.json (None where not known before loading)."""
+    """The model's `TransformerConfig`, from its preset or config.json: None where not known before loading, and
+    for every type asyncrl does not implement itself (an HF-path model's shapes: `asyncrl.policies.meta_model`)."""
     name = "smollm2-135m" if path == "smollm2" else path.removeprefix("random:")
     try:
         return TransformerConfig.from_hf(hf_config(name))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def attention_heads(path: str) -> int | None:
+    """The model's attention heads (query heads; the text decoder's of a multimodal config), None where not known
+    before loading."""
+    own = known_model_config(path)
+    if own is not None:
+        return own.num_heads
+    try:
+        config = model_config_dict(path)
+    except (OSError, ValueError):
+        return None
+    heads = (config.get("text_config") or config).get("num_attention_heads")
+    return int(heads) if isinstance(heads, int) and heads > 0 else None
 
 
 def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: str, *, cuda_count: int | None = None,
@@ -57,7 +73,7 @@ def check_tensor_parallel(tp: int, agent_devices: tuple[str, ...], model_path: s
     if tp <= 1:
         return []
     problems = []
-    heads = getattr(known_model_config(model_path), "num_heads", None)
+    heads = attention_heads(model_path)
     if heads is not None and heads % tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         problems.append(f"{option} {tp}: the model's {heads} attention heads do not split into {tp} equal shards; "

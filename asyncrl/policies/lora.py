@@ -1,6 +1,7 @@
 """Low-rank adapters (LoRA) on the decoder's linear layers: train a few MB, keep the base frozen.
 
-    apply_lora(model, rank=32, alpha=64)                      # q/k/v/o and gate/up/down of every layer
+    apply_lora(model, rank=32, alpha=64)                      # every linear layer of the decoder ("all-linear")
+    apply_lora(model, rank=32, alpha=64, targets=("q_proj", "v_proj"))   # by leaf name, checked against the model
     with adapters_off(model): ...                             # the base model (the reference policy)
     adapters = adapter_tensors(model)                         # [(name, tensor)]: what a publication sends
     merged = dict(merged_weights(model))                      # HF names -> W + s·B·A (export)
@@ -16,6 +17,15 @@ B starts at zero (the model's function is unchanged), A as peft initialises it (
 weights are frozen (`requires_grad=False`: no gradient, no optimizer state); the adapters stay in float32
 whatever the base's dtype, and run under the caller's autocast.
 
+Which layers: `lora_candidates(model)`. On asyncrl's own models the seven Llama projections (`LORA_TARGETS`); on
+an HF-path model (`asyncrl.policies.hf_model`) the leaf names of every `nn.Linear` inside the text decoder's
+numbered layers, as the checkpoint names them (Phi-3's fused `qkv_proj` and `gate_up_proj` are ordinary
+candidates), less what an adapter should not touch: MoE routers (a linear layer beside an `experts` module, or
+named `router`: their top-k choice would move with the adapter), the LM head, and vision or audio towers. MoE
+experts that transformers holds as 3-D parameters are not `nn.Linear` and get no adapter (the attention and any
+dense or shared-expert layers do). "all-linear" (peft's name, the default of --lora.target-modules) takes every
+candidate; explicit names are checked against them.
+
 Engines never hold LoRA modules: they take published adapters through `AdapterMerger`, which keeps a copy of
 the base weights it merges into and recomputes W = W_base + s·B·A from that copy on every update — never an
 update of the previous merge — so thousands of publications leave no rounding drift.
@@ -25,20 +35,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncrl.config.run_config import LORA_TARGETS
+from asyncrl.config.run_config import ALL_LINEAR, LORA_TARGETS
 
 __all__ = [
-    "LORA_TARGETS", "LoRALinear", "apply_lora", "lora_modules", "adapters_off", "adapter_tensors",
-    "is_adapter_name", "merged_weights", "AdapterMerger", "merge_adapters",
+    "ALL_LINEAR", "LORA_TARGETS", "LoRALinear", "apply_lora", "lora_candidates", "lora_targets", "lora_layers",
+    "lora_modules", "adapters_off", "adapter_tensors", "is_adapter_name", "merged_weights", "AdapterMerger",
+    "merge_adapters",
 ]
 
 _ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+_TOWERS = frozenset({"visual", "vision_tower", "vision_model", "audio_tower"})
+"""Submodule names of the encoders a multimodal checkpoint carries beside its text decoder: never adapted."""
 
 
 class LoRALinear(nn.Module):
@@ -80,31 +93,93 @@ class LoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha:g}"
 
 
-def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
-               targets: Iterable[str] = LORA_TARGETS) -> nn.Module:
-    """Put a LoRALinear on every linear layer of `model` whose name ends in one of `targets` and freeze every
-    other parameter (embeddings, norms, the head): only the adapters train. Returns `model` (changed in place).
+def _decoder_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name in `model`, layer) of every linear layer of the text decoder's numbered layers that may take an
+    adapter: routers, the LM head (outside the layers) and towers left out (see the module docstring). A layer
+    already adapted is given as its LoRALinear (its own lora_A / lora_B are not candidates)."""
+    hf = getattr(model, "hf", model)
+    decoder = hf.get_decoder() if callable(getattr(hf, "get_decoder", None)) else None
+    inside = None if decoder is None else {id(m) for m in decoder.modules()}
+    routed = {name for name, m in model.named_modules() if isinstance(getattr(m, "experts", None), nn.Module)}
+    adapted = {name for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, LoRALinear)) or (inside is not None and id(module) not in inside):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        parts = name.split(".")
+        if (parent in adapted or parent in routed or leaf == "router" or _TOWERS.intersection(parts)
+                or not any(p.isdigit() for p in parts[:-1])):
+            continue
+        yield name, module
+
+
+def _names_its_layers(model: nn.Module) -> bool:
+    """An HF-path model (`HFCausalLM`) or a bare transformers one: its candidates come from its own modules."""
+    return getattr(model, "impl", None) == "hf" or type(model).__module__.startswith("transformers.")
+
+
+def lora_candidates(model: nn.Module) -> tuple[str, ...]:
+    """The leaf names an adapter may target on `model`, in the order the model holds them: `LORA_TARGETS` on
+    asyncrl's own models (as always), every decoder linear layer's name on an HF-path or transformers model (the
+    module docstring says which are left out)."""
+    if not _names_its_layers(model):
+        return LORA_TARGETS
+    return tuple(dict.fromkeys(name.rpartition(".")[2] for name, _ in _decoder_linears(model)))
+
+
+def lora_targets(model: nn.Module, targets: Iterable[str] = (ALL_LINEAR,)) -> tuple[str, ...]:
+    """The leaf names --lora.target-modules `targets` adapts on `model`: "all-linear" gives every candidate.
 
     Raises:
-      ValueError: rank < 1, alpha <= 0, dropout outside [0, 1), an unknown target, or a target that names no
-        linear layer of this model.
+      ValueError: no targets, a name given twice, "all-linear" beside names, a name that is not a candidate of
+        this model (the message names the flag, the unknown names and the valid ones), or a model with no
+        candidate at all.
     """
-    targets = tuple(targets)
+    targets, candidates = tuple(targets), lora_candidates(model)
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    of_model = f"this model{f' ({kind})' if kind else ''}"
+    if not candidates:
+        raise ValueError(f"apply_lora: {of_model} has no nn.Linear layer in its decoder layers to adapt (its "
+                         "projections are other modules); train full weights (--lora.rank 0)")
+    if targets == (ALL_LINEAR,):
+        return candidates
+    unknown = [t for t in targets if t not in candidates]
+    if unknown or not targets or len(set(targets)) != len(targets):
+        named = f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a linear layer of {of_model}; " if unknown else ""
+        raise ValueError(f"apply_lora: --lora.target-modules {' '.join(targets) or '(none)'}: {named}give distinct "
+                         f"names among {', '.join(candidates)}, or {ALL_LINEAR}")
+    return targets
+
+
+def lora_layers(model: nn.Module, targets: Sequence[str]) -> list[str]:
+    """Names in `model` of the layers `apply_lora(model, targets=targets)` adapts (`targets` as resolved by
+    `lora_targets`): an engine's base copies are these layers' `.weight`s."""
+    return [name for name, _ in _decoder_linears(model) if name.rpartition(".")[2] in targets]
+
+
+def apply_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
+               targets: Iterable[str] = (ALL_LINEAR,)) -> nn.Module:
+    """Put a LoRALinear on every decoder linear layer of `model` whose leaf name is one of `targets` ("all-linear":
+    every candidate, `lora_candidates`) and freeze every other parameter (embeddings, norms, the head, MoE experts):
+    only the adapters train. Returns `model` (changed in place).
+
+    Raises:
+      ValueError: rank < 1, alpha <= 0, dropout outside [0, 1), or targets this model does not have
+        (`lora_targets`).
+    """
     if rank < 1 or not alpha > 0 or not 0 <= dropout < 1:
         raise ValueError(f"apply_lora: need rank >= 1, alpha > 0 and dropout in [0, 1), got rank={rank}, "
                          f"alpha={alpha}, dropout={dropout}")
-    unknown = sorted(set(targets) - set(LORA_TARGETS))
-    if unknown or not targets:
-        raise ValueError(f"apply_lora: targets {unknown or '(none)'} are not among {', '.join(LORA_TARGETS)}")
+    targets = lora_targets(model, targets)
     model.requires_grad_(False)
     found = set()
-    for name, module in list(model.named_modules()):
-        leaf = name.rpartition(".")[2]
-        if leaf in targets and isinstance(module, nn.Linear):
-            parent = model.get_submodule(name.rpartition(".")[0])
-            setattr(parent, leaf, LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
+    for name in lora_layers(model, targets):
+        parent, _, leaf = name.rpartition(".")
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            setattr(model.get_submodule(parent), leaf, LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout))
             found.add(leaf)
-    missing = sorted(set(targets) - found)
+    missing = [t for t in targets if t not in found]
     if missing:
         raise ValueError(f"apply_lora: this model has no linear layer named {', '.join(missing)}")
     return model

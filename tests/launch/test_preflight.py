@@ -248,8 +248,10 @@ def test_checks_as_functions(tmp_path):
     assert check_devices({"--d": ("cuda:0", "cpu")}, cuda_count=2) == []
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    problem, _ = check_model_path(str(tmp_path / "m"))
+    problem, _ = check_model_path(str(tmp_path / "m"))  # asyncrl's own types only (what `asyncrl eval` runs)
     assert "model_type 'gpt2' is not supported" in problem
+    assert check_model_path(str(tmp_path / "m"), impl="auto") == (
+        None, f"model: {tmp_path / 'm'} (gpt2; trains through transformers, --model.impl hf)")
     (tmp_path / "file").write_text("x")
     assert "is a file" in check_run_dir(str(tmp_path / "file"))
     assert check_run_dir(str(tmp_path / "new" / "run")) is None
@@ -289,3 +291,81 @@ def test_bf16_weights_are_noted_with_what_they_lose(tmp_path):
     assert any(n.startswith("--trainer.param-dtype bfloat16 keeps no fp32 copy") and "--trainer.optim.lr is 2e-05"
                in n for n in report.notes), report.notes
     assert not any("param-dtype" in n for n in preflight(dataclasses.replace(cfg, trainer=base.trainer)).notes)
+
+
+def _hf_run(tmp_path, model: str, *args: str, algorithm=None) -> RunConfig:
+    """cpu-demo on `model` with the toy task and a random model's (absent) tokenizer: the zoo's directories hold
+    weights only."""
+    import tyro
+    cfg = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1],
+                   args=["--model.path", model, "--model.tokenizer", "random:tiny-qwen2", "--data.task", "toy",
+                         "--wandb", "off", *NO_EVAL, "--run-dir", str(tmp_path / "run"), *args])
+    return cfg if algorithm is None else dataclasses.replace(cfg, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe"])
+def test_a_type_transformers_implements_passes_as_an_hf_path_model(tmp_path, hf_zoo, model_type):
+    report = preflight(_hf_run(tmp_path, str(hf_zoo(model_type))))
+    assert report.ok, report.problems
+    assert f"model: {hf_zoo(model_type)} ({model_type}; trains through transformers, --model.impl hf)" in report.facts
+
+
+def _config_dir(path: pathlib.Path, config: dict) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_model_transformers_cannot_build_is_refused_naming_the_path(tmp_path):
+    remote = _config_dir(tmp_path / "remote", {"model_type": "my_lm", "auto_map": {"AutoConfig": "my.MyConfig"}})
+    unknown = _config_dir(tmp_path / "unknown", {"model_type": "my_lm"})
+    problems = preflight(_hf_run(tmp_path, remote)).problems
+    assert [p for p in problems if p.startswith(f"--model.path {remote}: model_type 'my_lm' is not implemented by the "
+                                                "installed transformers and needs its repository's code (auto_map)")]
+    problems = preflight(_hf_run(tmp_path, unknown)).problems
+    assert [p for p in problems if p.startswith(f"--model.path {unknown}: model_type 'my_lm' is not implemented")]
+    assert not [p for p in problems if "auto_map" in p]
+
+
+def test_what_an_hf_path_model_cannot_do_is_refused_naming_the_flag(tmp_path, hf_zoo):
+    from asyncrl.config.algorithm import PPO
+    gemma = str(hf_zoo("gemma3_text"))
+    [problem] = preflight(_hf_run(tmp_path, gemma, "--model.impl", "own")).problems
+    assert problem.startswith(f"--model.impl own: model_type 'gemma3_text' ({gemma}) is not one of asyncrl's own")
+    [problem] = preflight(_hf_run(tmp_path, gemma, "--rollout.backend", "asyncrl")).problems
+    assert problem.startswith("--rollout.backend asyncrl: the embedded engine implements asyncrl's own models")
+    [problem] = preflight(_hf_run(tmp_path, gemma, algorithm=PPO())).problems
+    assert problem.startswith(f"algorithm:ppo on {gemma}: the PPO critic runs on asyncrl's own models only; use "
+                              "GRPO/DAPO/GSPO/RLOO (or one of asyncrl's own models")
+    # an own type made to train through transformers: the critic needs it back on asyncrl's model
+    problems = preflight(_hf_run(tmp_path, "random:tiny-qwen2", "--model.impl", "hf", algorithm=PPO())).problems
+    assert ("algorithm:ppo on random:tiny-qwen2: the PPO critic runs on asyncrl's own models only; use "
+            "GRPO/DAPO/GSPO/RLOO or --model.impl own") in problems
+    assert preflight(_hf_run(tmp_path, "random:tiny-qwen2", algorithm=PPO())).ok  # own: as before
+
+
+def test_lora_targets_and_rank_are_checked_against_an_hf_path_models_layers(tmp_path, hf_zoo):
+    phi3 = str(hf_zoo("phi3"))
+    report = preflight(_hf_run(tmp_path, phi3, "--lora.rank", "4"))
+    assert report.ok, report.problems
+    [fact] = [f for f in report.facts if f.startswith("lora:")]
+    # per layer 4 × (o 64+64, qkv 64+128, gate_up 64+256, down 128+64) = 4 × 832; 2 layers
+    assert "on o_proj qkv_proj gate_up_proj down_proj: 6,656 trained parameters" in fact
+    [problem] = preflight(_hf_run(tmp_path, phi3, "--lora.rank", "4", "--lora.target-modules", "q_proj", "o_proj")).problems
+    assert problem == (f"--lora.target-modules q_proj o_proj is invalid: ['q_proj'] is not a linear layer of {phi3} "
+                       "(phi3); give names among o_proj, qkv_proj, gate_up_proj, down_proj, or all-linear")
+    # Qwen3.5's linear-attention gates are 2 wide here: all-linear notes them, naming one refuses it
+    hybrid = str(hf_zoo("qwen3_5_text"))
+    report = preflight(_hf_run(tmp_path, hybrid, "--lora.rank", "4"))
+    assert report.ok, report.problems
+    assert [n for n in report.notes if n.startswith("--lora.target-modules all-linear adapts in_proj_b (64 -> 2), "
+                                                    "in_proj_a (64 -> 2), not wider than --lora.rank 4")]
+    [problem] = preflight(_hf_run(tmp_path, hybrid, "--lora.rank", "4", "--lora.target-modules", "in_proj_a")).problems
+    assert problem.startswith(f"--lora.rank 4 is invalid for {hybrid}: in_proj_a (64 -> 2) is not wider than the rank")
+
+
+def test_tensor_parallel_shards_split_an_hf_path_models_heads(hf_zoo):
+    from asyncrl.launch.preflight import check_tensor_parallel
+    [problem] = check_tensor_parallel(3, ("cpu",), str(hf_zoo("gemma3_text")), cores=8)
+    assert problem.startswith("--rollout.vllm.tensor-parallel-size 3: the model's 2 attention heads")
+    assert check_tensor_parallel(2, ("cpu",), str(hf_zoo("gemma3_text")), cores=8) == []

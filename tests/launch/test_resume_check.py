@@ -137,6 +137,23 @@ def test_what_cannot_change_on_resume_is_refused_naming_the_flag(tmp_path):
         "checkpoint's values, or start a new run (--overwrite, or another --run-dir)"]
 
 
+def test_a_lora_run_recorded_with_the_seven_names_resumes_under_all_linear_on_an_own_model(tmp_path):
+    """Runs from before "all-linear" recorded --lora.target-modules as the seven names, which is what all-linear
+    adapts on asyncrl's own models: not a change. Another set of names still is."""
+    from asyncrl.checkpoint import RUN_CONFIG
+    from asyncrl.config.run_config import LORA_TARGETS
+    record = run_record(_cfg(tmp_path / "run", "--lora.rank", "4"))
+    record["lora"]["target_modules"] = list(LORA_TARGETS)
+    checkpoint = tmp_path / "step_00000020"
+    checkpoint.mkdir()
+    (checkpoint / RUN_CONFIG).write_text(json.dumps(record))
+    check = check_resume(_cfg(tmp_path / "run", "--resume", "--lora.rank", "4"), checkpoint)
+    assert check.problems == [] and check.line is None
+    [problem] = check_resume(_cfg(tmp_path / "run", "--resume", "--lora.rank", "4", "--lora.target-modules", "q_proj"),
+                             checkpoint).problems
+    assert "--lora.target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj -> q_proj" in problem
+
+
 def test_changed_task_data_is_refused_unless_allowed(tmp_path):
     _checkpointed(tmp_path / "run")
     refused = preflight(_cfg(tmp_path / "run", "--resume", "--data.seed", "4"))
