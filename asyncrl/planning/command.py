@@ -102,16 +102,22 @@ class PlanArgs:
 
 
 def model_shape(model: str) -> ModelShape:
-    """The shape of a model spec as --model.path takes it, from its config (no weights are loaded)."""
+    """The shape of a model spec as --model.path takes it, from its config (no weights are loaded): any causal LM
+    transformers implements, not only asyncrl's own types (`ModelShape.from_hf`)."""
     if model.startswith("random:"):
-        return ModelShape.from_hf(hf_config(model.removeprefix("random:")))
-    if model == "smollm2":
-        return ModelShape.from_hf(ARCH_PRESETS["smollm2-135m"])
-    config = (resolve_model_dir(model) if model.endswith(".gguf") else pathlib.Path(model)) / "config.json"
-    if not config.is_file():
-        raise ValueError(f"--model {model}: no config.json there; pass an HF directory, a .gguf, 'smollm2' or "
-                         f"'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
-    return ModelShape.from_hf(json.loads(config.read_text()))
+        config = hf_config(model.removeprefix("random:"))
+    elif model == "smollm2":
+        config = ARCH_PRESETS["smollm2-135m"]
+    else:
+        file = (resolve_model_dir(model) if model.endswith(".gguf") else pathlib.Path(model)) / "config.json"
+        if not file.is_file():
+            raise ValueError(f"--model {model}: no config.json there; pass an HF directory, a .gguf, 'smollm2' or "
+                             f"'random:<preset>' (presets: {', '.join(ARCH_PRESETS)})")
+        config = json.loads(file.read_text())
+    try:  # a type asyncrl does not implement: built by transformers on the meta device (`from_transformers`)
+        return ModelShape.from_hf(config)
+    except ValueError as err:
+        raise ValueError(f"--model {model}: {err}") from None
 
 
 def workload_of(a: PlanArgs) -> Workload:

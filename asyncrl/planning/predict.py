@@ -58,6 +58,10 @@ ADVICE_GAIN = 0.10
 (`asyncrl.runtime.plan_view`)."""
 
 
+_WINDOWED = ("sliding_attention", "chunked_attention")
+_FULL = ("full_attention", "attention")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """A model's parameter count and the sizes behind its KV cache and LoRA adapters."""
@@ -69,11 +73,18 @@ class ModelShape:
     kv_width: int  # KV heads x head_dim
     intermediate: int
     vocab: int
+    kv_layers: int | None = None  # layers whose K/V grows with the sequence (None: every layer)
+    window_layers: int = 0  # sliding-window layers: K/V of their last `window` tokens at most
+    window: int = 0
+    adapter_width: int | None = None  # Σ (in + out) over every layer LoRA adapts (None: the seven projections)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelShape":
         """From a Hugging Face config dict, counting what the model holds (Qwen2's q/k/v biases, Qwen3's q/k
-        norms, a tied or separate LM head)."""
+        norms, a tied or separate LM head); a type asyncrl does not implement: `from_transformers`."""
+        from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
+        if cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            return cls.from_transformers(cfg)
         hidden, inter, layers, vocab = (int(cfg[k]) for k in ("hidden_size", "intermediate_size",
                                                                "num_hidden_layers", "vocab_size"))
         heads = int(cfg["num_attention_heads"])
@@ -85,16 +96,51 @@ class ModelShape:
         lm_heads = 1 if cfg.get("tie_word_embeddings", False) else 2
         return cls(layers * per_layer + hidden + lm_heads * vocab * hidden, layers, hidden, width, kv, inter, vocab)
 
+    @classmethod
+    def from_transformers(cls, cfg: dict) -> ModelShape:
+        """Of any causal LM transformers implements, from its model built on the meta device (no memory, no
+        weights): the parameter count exact (tied weights once, every expert), the adapters over every layer
+        all-linear adapts (`asyncrl.policies.lora`), and K/V by layer type: `layer_types`' full-attention layers
+        grow with the sequence, sliding-window ones hold their window at most, a hybrid's linear-attention or SSM
+        layers hold none; a config without `layer_types` counts every layer as full attention (MLA caches less
+        than its heads × head_dim: an upper bound there). Raises ValueError where transformers builds no model."""
+        from asyncrl.policies.lora import lora_candidates, lora_layers
+        from asyncrl.policies.meta_model import meta_transformers, text_config
+        model = meta_transformers(cfg)
+        text = text_config(model)
+        hidden, layers, heads = int(text.hidden_size), int(text.num_hidden_layers), int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
+        window = int(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None) or 0)
+        windowed = sum(t in _WINDOWED for t in types) if window else 0
+        full = sum(t in _FULL or (t in _WINDOWED and not window) for t in types)
+        adapted = [model.get_submodule(name) for name in lora_layers(model, lora_candidates(model))]
+        return cls(params=sum(p.numel() for p in model.parameters()), layers=layers, hidden=hidden,
+                   attention_width=heads * head_dim,
+                   kv_width=int(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+                   intermediate=int(getattr(text, "intermediate_size", None) or 0), vocab=int(text.vocab_size),
+                   kv_layers=full, window_layers=windowed, window=window,
+                   adapter_width=sum(m.in_features + m.out_features for m in adapted))
+
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters at `rank` on all seven projections: rank x (in + out) each."""
+        """Adapter parameters at `rank` on every adapted layer (asyncrl's own models: the seven projections):
+        rank x (in + out) each."""
+        if self.adapter_width is not None:
+            return rank * self.adapter_width
         h = self.hidden
         per_layer = 2 * (h + self.attention_width) + 2 * (h + self.kv_width) + 3 * (h + self.intermediate)
         return rank * self.layers * per_layer
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of bf16 K and V that one token holds in an engine's cache."""
-        return 2 * self.layers * self.kv_width * 2
+        """Bytes of bf16 K and V that one token holds in an engine's cache, in the layers whose cache grows with
+        the sequence (sliding-window layers: `kv_bytes`)."""
+        return 2 * (self.layers if self.kv_layers is None else self.kv_layers) * self.kv_width * 2
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of bf16 K and V one sequence of `tokens` holds: every growing layer's, and the sliding-window
+        layers' for the last `window` tokens at most."""
+        return tokens * self.kv_bytes_per_token + min(tokens, self.window) * self.window_layers * self.kv_width * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +266,7 @@ def memory_gib(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, 
     states = 2 * p + 16 * shape.lora_params(lora_rank) if lora_rank else per_param * p
     activations = (max(rates.learner_peak_gib * GIB - states, 0.0) if rates.learner_peak_gib is not None
                    else ACTIVATION_BYTES * rates.learner_budget * shape.layers * shape.hidden)
-    cache = slots * ((work.max_prompt_len + work.max_response_len) * shape.kv_bytes_per_token + 4 * shape.vocab)
+    cache = slots * (shape.kv_bytes(work.max_prompt_len + work.max_response_len) + 4 * shape.vocab)
     weights, overhead = 2 * p * (2 if lora_rank else 1), ENGINE_OVERHEAD_GIB * GIB
     trainer = states / layout.trainer_gpus + activations
     if layout.kind == "colocated":
