@@ -21,6 +21,15 @@ def body_params(model) -> int:
     return sum(p.numel() for module in body for p in module.parameters())
 
 
+def flops_config(model):
+    """The config `train_flops` reads: the model's own, or for an HF-path model of a Llama-family type the
+    `TransformerConfig` of its HF config (the same shape)."""
+    if getattr(model, "impl", "own") != "hf":
+        return model.config
+    from asyncrl.policies.model import TransformerConfig
+    return TransformerConfig.from_hf(model.config.hf_config)
+
+
 def train_flops(config, n_body: int, rows: list[tuple[int, int]]) -> float:
     """Useful model FLOPs of one training step (forward + backward, 2 + 4 FLOPs per multiply-add) over `rows`
     = (prompt_len, response_len), for a `TransformerConfig`-like `config`:

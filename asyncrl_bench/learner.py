@@ -44,7 +44,7 @@ import torch
 
 from asyncrl.policies import load_model
 from asyncrl.types import Completion, Group
-from asyncrl_bench.flops import body_params, row_lengths, train_flops
+from asyncrl_bench.flops import body_params, flops_config, row_lengths, train_flops
 from asyncrl_bench.learner_args import LearnerBenchArgs
 from asyncrl_bench.lora import bench_learner_lora
 from asyncrl_bench.roofline import flop_roofline, peak_flops
@@ -96,7 +96,7 @@ def _learner_row(args: LearnerBenchArgs, timed_rows: list[list[tuple[int, int]]]
     """The JSON row's description of the run: device, model, workload and knobs, mean tokens per step."""
     tokens = sum(p + r for rows in timed_rows for p, r in rows)
     response = sum(r for rows in timed_rows for _, r in rows)
-    return {"device": device_name(args.device), "model": args.model, "workload": args.workload,
+    return {"device": device_name(args.device), "model": args.model, "impl": args.impl, "workload": args.workload,
             "rows": args.rows, "tokens_per_row": tokens / (args.rows * args.steps),
             "tokens_per_step": tokens / args.steps, "response_tokens_per_step": response / args.steps,
             **args.trainer_knobs(), "warmup_steps": args.warmup_steps, "steps": args.steps}
@@ -134,7 +134,8 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     on_cuda = args.device.startswith("cuda")
     lora = args.lora.rank > 0
     dtype = torch.bfloat16 if (lora and on_cuda) or args.param_dtype == "bfloat16" else torch.float32
-    model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" else args.device)
+    model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" else args.device,
+                       impl=args.impl)
     step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.warmup_steps + args.steps)]
     timed_rows = [row_lengths(groups) for groups in step_groups[args.warmup_steps:]]
     if lora:
@@ -143,7 +144,7 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
         write_json(args.out, row)
         return row
     n_body = body_params(model)
-    flops = sum(train_flops(model.config, n_body, rows) for rows in timed_rows)
+    flops = sum(train_flops(flops_config(model), n_body, rows) for rows in timed_rows)
     peak = peak_flops(args.device)
     row = {**_learner_row(args, timed_rows), **flop_roofline(flops / args.steps, args.device)}
     tokens = row["tokens_per_step"] * args.steps

@@ -30,6 +30,9 @@ class LearnerBenchArgs:
 
     model: str = "random:qwen2.5-0.5b"
     """Model: an HF dir, a .gguf, 'smollm2', or 'random:<preset>'."""
+    impl: Literal["auto", "own", "hf"] = "auto"
+    """Ours: which implementation trains (--model.impl): asyncrl's own model, or the transformers model behind
+    `HFCausalLM` (the HF path; run both on one machine to compare them)."""
     device: str = "cuda"
     rows: int = 16
     """Sequences per optimizer step (a multiple of --group-size)."""

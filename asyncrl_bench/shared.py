@@ -3,6 +3,7 @@ the `--out` JSON file."""
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 
@@ -26,6 +27,10 @@ def device_name(device: str) -> str:
 def hf_copy(model, dtype: torch.dtype, device: str):
     """The same weights as a `transformers` model (saved and re-opened through a temporary directory)."""
     import transformers
+    if getattr(model, "impl", "own") == "hf":  # already a transformers model: a copy, with its own attention
+        hf = copy.deepcopy(model.hf)
+        hf.set_attn_implementation(model.native_attention)
+        return hf.to(device=device, dtype=dtype)
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)

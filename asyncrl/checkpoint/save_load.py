@@ -58,7 +58,7 @@ from asyncrl.checkpoint.files import CheckpointError, fsync_dir, write_checkpoin
 from asyncrl.learner import LearnerState
 from asyncrl.learner.state import apply_optim_config
 from asyncrl.policies.loading import load_model, save_pretrained
-from asyncrl.policies.lora import LORA_TARGETS, lora_modules, merge_adapters
+from asyncrl.policies.lora import lora_modules, merge_adapters
 from asyncrl.policies.hf_model import HFModelConfig, save_transformers
 from asyncrl.policies.model import CausalLM, TransformerConfig
 
@@ -120,9 +120,10 @@ def lora_record(model) -> dict | None:
     modules = list(lora_modules(model))
     if not modules:
         return None
-    first, leaves = modules[0][1], {name.rpartition(".")[2] for name, _ in modules}
+    first = modules[0][1]
+    leaves = list(dict.fromkeys(name.rpartition(".")[2] for name, _ in modules))  # model order (own: q, k, v, ...)
     return {"rank": first.rank, "alpha": first.alpha, "dropout": float(getattr(first.dropout, "p", 0.0)),
-            "targets": [t for t in LORA_TARGETS if t in leaves]}
+            "targets": leaves}
 
 
 def _model_state(model, options: StateDictOptions) -> dict:

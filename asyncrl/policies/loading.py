@@ -222,6 +222,9 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str | t
     from asyncrl.tools.hub import local_model_path
     if path.startswith("random:"):
         return random_model(path.removeprefix("random:"), seed=seed, dtype=dtype, device=device, impl=impl)
+    if (path == "smollm2" or path.endswith(".gguf")) and impl == "hf":
+        raise ValueError(f"--model.impl hf: {path} is a GGUF file, which asyncrl converts into its own model; use "
+                         "--model.impl auto, or pass an HF directory of the model")
     if path == "smollm2":
         return load_gguf(smollm2_gguf_path(), dtype=dtype, device=device)
     if path.endswith(".gguf"):

@@ -28,7 +28,7 @@ GPU_SHAPE = "a model shape to measure on a GPU (a run's default is the CPU demo'
 
 MIRRORS: dict[str, dict[str, str]] = {
     "LearnerBenchArgs": {
-        "group_size": "run.rollout.n", "lora": "run.lora",
+        "group_size": "run.rollout.n", "lora": "run.lora", "impl": "run.model.impl",
         **{knob: f"run.trainer.{knob}" for knob in TRAINER_KNOBS},
     },
     "AsyncBenchArgs": {
