@@ -37,6 +37,7 @@ tokens per step, each side's tok/s, MFU and peak memory (CUDA), the ratio.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import resource
 
@@ -147,6 +148,8 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     flops = sum(train_flops(flops_config(model), n_body, rows) for rows in timed_rows)
     peak = peak_flops(args.device)
     row = {**_learner_row(args, timed_rows), **flop_roofline(flops / args.steps, args.device)}
+    if getattr(model, "impl", "own") == "hf":  # what the load-time probes left on, and why
+        row["hf_features"] = dataclasses.asdict(model.features)
     tokens = row["tokens_per_step"] * args.steps
     reference = _host_copy(model, args.device) if args.baseline and args.offload != "params" else None
     if on_cuda:

@@ -21,6 +21,9 @@ earlier token.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,7 +40,8 @@ def register_document_attention() -> str:
     `ATTENTION`; returns the name. Registering again replaces the entry with the same function."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTENTION, document_attention)
+    # this torch's varlen keywords, read here: a compiled layer must not call inspect
+    AttentionInterface.register(ATTENTION, functools.partial(document_attention, varlen_params=_varlen_params()))
     AttentionMaskInterface.register(ATTENTION, _no_mask)
     return ATTENTION
 
@@ -90,23 +94,46 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scaling: float, window: int | None, d
                                           enable_gqa=gqa)
 
 
-def _flash(documents: DocumentLayout, q: Tensor, k: Tensor, v: Tensor, scaling: float,
-           window: int | None) -> Tensor:
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword arguments this torch's `varlen_attn` takes (none where it has no varlen attention): 2.11 takes
+    `scale` and `window_size`; 2.13 also asks for `enable_gqa` (flash reads grouped K/V heads natively)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_ok(params: frozenset[str], window: int | None) -> bool:
+    return "scale" in params and ("window_size" in params or window is None)
+
+
+def _flash(documents: DocumentLayout, q: Tensor, k: Tensor, v: Tensor, scaling: float, window: int | None,
+           params: frozenset[str]) -> Tensor:
     """All documents in one varlen flash call: [1, H, L, D] in, [1, L, H, D] out."""
     from torch.nn.attention.varlen import varlen_attn
+    kwargs = {"scale": scaling}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     tokens_first = [t[0].transpose(0, 1) for t in (q, k, v)]  # [L, H, D]
     out = varlen_attn(*tokens_first, documents.cu_seqlens, documents.cu_seqlens, documents.max_len,
-                      documents.max_len, scale=scaling, window_size=(-1 if window is None else window - 1, 0),
-                      enable_gqa=q.shape[1] != k.shape[1])
+                      documents.max_len, **kwargs)
     return out[None]
 
 
 def document_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        sliding_window: int | None = None, softcap: float | None = None, s_aux: Tensor | None = None,
-                       asyncrl_documents: DocumentLayout | None = None, **kwargs) -> tuple[Tensor, None]:
+                       asyncrl_documents: DocumentLayout | None = None, varlen_params: frozenset[str] = frozenset(),
+                       **kwargs) -> tuple[Tensor, None]:
     """transformers' attention-function protocol: query [B, H, L, D], key/value [B, Hkv, L, D] -> ([B, L, H, D],
-    None). Causal within each document of `asyncrl_documents` (B == 1), or within each row."""
+    None). Causal within each document of `asyncrl_documents` (B == 1), or within each row. `varlen_params`: the
+    keywords of this torch's varlen flash attention (`register_document_attention` binds them)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     window = int(sliding_window) if sliding_window else None
     dropout = float(dropout) if module.training else 0.0
@@ -116,8 +143,8 @@ def document_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     documents = asyncrl_documents
     if (documents is not None and plain and not dropout and query.is_cuda
-            and query.dtype in (torch.bfloat16, torch.float16)):
-        return _flash(documents, query, key, value, scaling, window), None
+            and query.dtype in (torch.bfloat16, torch.float16) and _flash_ok(varlen_params, window)):
+        return _flash(documents, query, key, value, scaling, window, varlen_params), None
     lengths = documents.lengths if documents is not None else (query.shape[2],)
     parts = []
     for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value))):
