@@ -1,0 +1,62 @@
+"""FSDP2 on the HF path: a transformers model (`HFCausalLM`) sharded over 2 CPU processes (gloo), wrapped by its
+`_no_split_modules`, takes the same GRPO step as one unsharded process, and publishes the same full weights under
+its checkpoint's names (Qwen3-MoE: experts fused in memory, per expert in the publication)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncrl.config import GRPO
+from asyncrl.learner import build_learner, full_weights, shard_model, train_step
+from asyncrl.policies.loading import load_model
+from tests.dist_helpers import max_diff, run_distributed
+from tests.learner_helpers import on_policy, synthetic_groups, trainer_config
+from tests.timing import limit
+from tests.tolerances import close_tol
+
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+TYPES = ("gemma3_text", "qwen3_moe")
+
+
+def _groups(policy):
+    return on_policy(policy, synthetic_groups(4, 4, seed=3, response_lens=(2, 6)))
+
+
+def _step(path: str, *, sharded: bool) -> tuple[dict, dict]:
+    """One GRPO step from the model at `path`: (full weights by checkpoint name after it, its metrics)."""
+    policy = load_model(path)
+    groups = _groups(policy)
+    if sharded:
+        shard_model(policy)
+    state = build_learner(policy, trainer_config(lr=1e-2), GRPO(), group=dist.group.WORLD if sharded else None)
+    state, metrics = train_step(state, groups)
+    return {n: t.clone() for n, t in full_weights(state.policy)}, metrics
+
+
+def hf_fsdp_worker(rank: int, world: int, out: pathlib.Path, paths: dict[str, str]) -> None:
+    torch.manual_seed(0)
+    results = {}
+    for model_type, path in paths.items():
+        weights, metrics = _step(path, sharded=True)
+        results[model_type] = dict(weights=weights)
+    torch.save(results, pathlib.Path(out) / f"rank{rank}.pt")
+
+
+def test_a_sharded_hf_model_takes_the_step_of_one_process(hf_zoo, tmp_path):
+    paths = {t: str(hf_zoo(t)) for t in TYPES}
+    run_distributed(hf_fsdp_worker, tmp_path, paths, world_size=2, timeout=limit(120))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for model_type, path in paths.items():
+        single, metrics = _step(path, sharded=False)
+        for rank in ranks:
+            got = rank[model_type]["weights"]
+            assert got.keys() == single.keys()
+            scale = max(float(t.abs().max()) for t in single.values())
+            assert max_diff(got, single) <= close_tol(torch.float32, scale, terms=64, depth=8), model_type
+        if model_type == "qwen3_moe":
+            assert "model.layers.1.mlp.experts.2.down_proj.weight" in single
