@@ -200,6 +200,10 @@ def evaluate(model: str, data: DataConfig, *, num_prompts: int = 64, n: int = 4,
             policy = load_model(tmp, dtype=torch_dtype, device=device)
     else:
         policy = load_model(model, dtype=torch_dtype, device=device, seed=seed)
+    if getattr(policy, "impl", "own") == "hf":
+        raise ValueError(f"--model {model}: a {policy.config.model_type} model trains through transformers, and "
+                         "`asyncrl eval` generates with the embedded engine, which implements llama, qwen2, qwen3 and "
+                         "mistral only; evaluate it during training (--eval.*, on the run's vLLM agents)")
 
     start = time.perf_counter()
     longest = max(len(p.prompt_ids) for p in prompts)

@@ -191,3 +191,11 @@ def test_own_types_keep_the_own_model_unless_hf_is_asked(tmp_path):
         b, _ = micro_logprobs(hf, micro, width)
     assert float((a - b).abs().max()) <= close_tol(torch.float32, a.abs().max(), terms=64, depth=4)
     assert dataclasses.asdict(hf.config)["impl"] == "hf"
+
+
+def test_asyncrl_eval_refuses_an_hf_path_checkpoint_with_the_reason(hf_zoo, tmp_path):
+    from asyncrl.config import DataConfig
+    from asyncrl.evaluate import evaluate
+    ckpt = save_checkpoint(tmp_path / "run", _learner("olmo2", hf_zoo))
+    with pytest.raises(ValueError, match="olmo2 model trains through transformers.*--eval"):
+        evaluate(str(ckpt), DataConfig(task="toy"), num_prompts=1, n=1, max_new_tokens=2)
