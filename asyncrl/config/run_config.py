@@ -118,7 +118,7 @@ class RolloutConfig:
         if self.max_concurrent_prompts is not None and self.max_concurrent_prompts < 1:
             _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
         self.vllm.validate()
-        if self.backend != "vllm" and self.vllm.tensor_parallel_size != 1:
+        if self.backend == "asyncrl" and self.vllm.tensor_parallel_size != 1:  # auto may resolve to vLLM: build_spec
             _fail(owner, "vllm.tensor_parallel_size", self.vllm.tensor_parallel_size,
                   f"shards vLLM's model; add {flag(owner, 'backend')} vllm (the embedded engine runs on one device)")
 

@@ -31,9 +31,10 @@ from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
 from asyncrl.config.flags import algorithm_command, flag
 from asyncrl.tools.hub import Resolved, model_name
 from asyncrl.launch.hub_run import resolve_run_names
-from asyncrl.policies.implementations import resolve_backend, resolve_impl
+from asyncrl.policies.implementations import model_config_dict, resolve_backend, resolve_impl
 from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
 from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
+from asyncrl.policies.vllm_calls import RELOAD_LOSES
 from asyncrl.policies.vllm_engine import vllm_missing
 from asyncrl.launch.resume_check import check_resume
 from asyncrl.rewards.plugin import RewardTable
@@ -181,6 +182,7 @@ class _Checks:
             self._eval(table)
         if not self.report.problems and (cfg.resume or cfg.resume_or_start):
             self._resume()
+        self.report.problems = list(dict.fromkeys(self.report.problems))  # build_spec and a check may say the same
         return self.report
 
     def _hub_names(self) -> bool:
@@ -248,6 +250,15 @@ class _Checks:
             except metadata.PackageNotFoundError:
                 pass
         self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
+        try:
+            architectures = model_config_dict(self.cfg.model.path).get("architectures") or []
+        except (OSError, ValueError):
+            architectures = []  # the model checks say why
+        for architecture in (a for a in architectures if a in RELOAD_LOSES):
+            self.report.problems.append(
+                f"--model.path {self.cfg.model.path}: vLLM's in-place weight reload (0.32) keeps the start-up value of "
+                f"{architecture}'s {', '.join(f.strip('.') for f in RELOAD_LOSES[architecture])} weights, so its "
+                "rollout would not follow training; this model cannot be trained with vLLM rollout here")
         tp = self.cfg.rollout.vllm.tensor_parallel_size
         problems = check_tensor_parallel(tp, self.cfg.placement.agent_devices, self.cfg.model.path)
         self.report.problems += problems

@@ -23,6 +23,7 @@ from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
 from asyncrl.data.tasks import ArithmeticTask, CountdownTask, ToyTask
 from asyncrl.envs import ChatRenderer, EnvRuntime, TokenRenderer, env_tool_schemas, load_env
 from asyncrl.envs.isolated import runs_isolated
+from asyncrl.policies.implementations import resolve_backend, resolve_impl
 from asyncrl.policies.loading import load_tokenizer
 from asyncrl.policies.vllm_engine import build_vllm_engine
 from asyncrl.rewards.plugin import RewardTable, absolute_reward_spec
@@ -221,10 +222,15 @@ def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
     does: `asyncrl train` validates once)."""
     if not validated:
         cfg.validate()
-    model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype)
+    impl = resolve_impl(cfg.model.path, cfg.model.impl)
+    model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype, impl=impl)
     factory = build_embedded_engine
-    if cfg.rollout.backend == "vllm":
+    if resolve_backend(impl, cfg.rollout.backend) == "vllm":
         factory = functools.partial(build_vllm_engine, options=cfg.rollout.vllm)
+    elif cfg.rollout.vllm.tensor_parallel_size != 1:
+        raise ValueError(f"--rollout.vllm.tensor-parallel-size {cfg.rollout.vllm.tensor_parallel_size} shards vLLM's "
+                         f"model, but --rollout.backend {cfg.rollout.backend} runs the embedded engine for "
+                         f"{cfg.model.path} (one device); add --rollout.backend vllm")
     agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d), engine_factory=factory)
               for d in cfg.placement.agent_devices]
     tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it

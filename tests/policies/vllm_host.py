@@ -13,11 +13,12 @@ import traceback
 from tests.timing import limit
 
 
-def _serve(conn, model_path: str, config, options) -> None:
+def _serve(conn, model_path, config, options) -> None:
     try:
         from asyncrl.policies import load_model
+        from asyncrl.policies.model_directory import ModelDirectory
         from asyncrl.policies.vllm_engine import build_vllm_engine
-        model = load_model(model_path)
+        model = model_path if isinstance(model_path, ModelDirectory) else load_model(model_path)
         engine = build_vllm_engine(model, config, agent="test", options=options)
         del model
         conn.send(("ok", None))
@@ -41,9 +42,10 @@ def _serve(conn, model_path: str, config, options) -> None:
 
 class EngineHost:
     """`host.call("add_request", prompt, params)`, `host.call("version")` (an attribute), or
-    `host.call(fn, *args)`: `fn(engine, *args)` run in the engine's process (`fn` at module level)."""
+    `host.call(fn, *args)`: `fn(engine, *args)` run in the engine's process (`fn` at module level). The engine is
+    built from `model_path` (loaded with `load_model`) or from a `ModelDirectory` (vLLM loads the directory)."""
 
-    def __init__(self, model_path: str = "smollm2", *, max_slots: int = 16, max_len: int = 256, options=None,
+    def __init__(self, model_path="smollm2", *, max_slots: int = 16, max_len: int = 256, options=None,
                  lora_rank: int = 0, lora_alpha: float = 0.0):
         from asyncrl.config import VLLMConfig
         from asyncrl.policies import EngineConfig
