@@ -16,7 +16,8 @@ import functools
 from typing import Callable
 import logging
 
-from asyncrl.config import DataConfig, EnvConfig, EvalConfig, RunConfig
+from asyncrl.config import LORA_TARGETS, DataConfig, EnvConfig, EvalConfig, RunConfig
+from asyncrl.config.run_config import ALL_LINEAR
 from asyncrl.data.files import RowKeys, load_prompt_file
 from asyncrl.data.scoring import Scorer, Workers, decode_ids
 from asyncrl.data.sources import DatasetSource, GeneratedSource, PromptSource
@@ -211,6 +212,22 @@ class EnvSetup:
                           isolated_spec=self.env.fn if runs_isolated(self.env.fn, factory) else None, workers=workers)
 
 
+def resolved_lora_targets(cfg: RunConfig, impl: str) -> tuple[str, ...]:
+    """The leaf names --lora.target-modules adapts on the run's model: on asyncrl's own models all-linear is the
+    seven projections; on an HF-path model the layers it has (read from the model built on the meta device)."""
+    if not cfg.lora.enabled or (impl == "own" and cfg.lora.target_modules == (ALL_LINEAR,)):
+        return LORA_TARGETS
+    if impl == "own":
+        return tuple(cfg.lora.target_modules)
+    from asyncrl.policies.implementations import model_config_dict
+    from asyncrl.policies.lora import lora_targets
+    from asyncrl.policies.meta_model import meta_transformers
+    try:
+        return lora_targets(meta_transformers(model_config_dict(cfg.model.path)), cfg.lora.target_modules)
+    except ValueError:  # names the model lacks: the preflight's LoRA check says which, naming the flag
+        return tuple(cfg.lora.target_modules)
+
+
 def _engine_dtype(cfg: RunConfig, device: str) -> str:
     if cfg.model.engine_dtype != "auto":
         return cfg.model.engine_dtype
@@ -247,6 +264,7 @@ def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
                                                  timeout_s=cfg.reward.timeout_s,
                                                  max_concurrency=cfg.reward.max_concurrency), agents=agents,
                    trainer_devices=list(cfg.placement.trainer_devices), lora=cfg.lora,
+                   lora_targets=resolved_lora_targets(cfg, impl),
                    reference=cfg.algorithm.needs_reference and not cfg.lora.enabled,  # LoRA: the base is the reference
                    seed=cfg.seed, run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                    resume_or_start=cfg.resume_or_start, placement=cfg.placement, eval=cfg.eval,

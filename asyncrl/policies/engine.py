@@ -56,6 +56,7 @@ from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.attention_layouts import CacheExtension
+from asyncrl.config.run_config import LORA_TARGETS
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
 from asyncrl.tools.seeding import derive_seed
@@ -91,6 +92,8 @@ class EngineConfig:
     """Rank of the policy's LoRA adapters, which weight updates carry (0: updates carry full weights)."""
     lora_alpha: float = 0.0
     """LoRA scale numerator: an update's adapters are merged as W + (lora_alpha / lora_rank)·B·A."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Leaf names of the layers that carry adapters (an HF-path model's: `asyncrl.policies.lora.lora_targets`)."""
 
     def validate(self) -> None:
         for name in ("max_slots", "max_len", "max_prefill_tokens", "attend_bucket"):

@@ -36,6 +36,7 @@ from typing import Generic, Iterable, Literal, Mapping, Sequence, TypeVar
 
 from torch import Tensor
 
+from asyncrl.config.run_config import LORA_TARGETS
 from asyncrl.policies.engine_adapters import check_named_tensors
 from asyncrl.policies.protocol import check_request, run_to_completion
 from asyncrl.policies.sampling import SamplingParams
@@ -95,13 +96,15 @@ class EngineControl(abc.ABC, Generic[R]):
     """Requests, pause / resume / abort, sleep / wake_up and weight-update checks of a `RolloutEngine`."""
 
     def __init__(self, *, version: int, vocab_size: int, max_len: int, max_slots: int,
-                 eos_token_ids: Iterable[int], weight_shapes: Mapping[str, tuple[int, ...]], lora_rank: int):
+                 eos_token_ids: Iterable[int], weight_shapes: Mapping[str, tuple[int, ...]], lora_rank: int,
+                 lora_targets: Sequence[str] = LORA_TARGETS):
         self.version = version
         """Weight version of the loaded weights; stamped on every token sampled with them."""
         self.vocab_size, self.max_len, self.max_slots = vocab_size, max_len, max_slots
         self.eos_token_ids = frozenset(eos_token_ids)
         self._weight_shapes = dict(weight_shapes)
         self._lora_rank = lora_rank
+        self._lora_targets = tuple(lora_targets)
         self._requests: dict[str, R] = {}
         self._lock = threading.RLock()
         self._paused = self._draining = self._asleep = False
@@ -204,7 +207,7 @@ class EngineControl(abc.ABC, Generic[R]):
         if kv not in ("keep", "recompute"):
             raise ValueError(f"update_weights: kv={kv!r} is not 'keep' or 'recompute'")
         items = list(named_tensors)
-        check_named_tensors(items, self._weight_shapes, lora_rank=self._lora_rank)
+        check_named_tensors(items, self._weight_shapes, lora_rank=self._lora_rank, lora_targets=self._lora_targets)
         with self._lock:
             self._load_weights(items, version, kv)
 

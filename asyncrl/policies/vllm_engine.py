@@ -89,7 +89,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from asyncrl.config import VLLMConfig
+from asyncrl.config import LORA_TARGETS, VLLMConfig
 from asyncrl.policies.engine import EngineConfig
 from asyncrl.policies.engine_adapters import EngineAdapters, is_lora_target
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
@@ -154,18 +154,21 @@ class VLLMEngine(EngineControl[_Request]):
                  eos_token_ids: Iterable[int], max_slots: int, max_len: int, dtype: torch.dtype, device: str,
                  options: VLLMConfig = VLLMConfig(), kv_bytes: int | None = None, seed: int = 0, version: int = 0,
                  lora_rank: int = 0, lora_alpha: float = 0.0,
-                 lora_base: dict[str, Tensor] | DirectoryWeights | None = None):
+                 lora_base: dict[str, Tensor] | DirectoryWeights | None = None,
+                 lora_targets: Sequence[str] = LORA_TARGETS):
         missing = vllm_missing()
         if missing:
             raise ValueError(f"--rollout.backend vllm: {missing}")
         super().__init__(version=version, vocab_size=vocab_size, max_len=max_len, max_slots=max_slots,
-                         eos_token_ids=eos_token_ids, weight_shapes=weight_shapes, lora_rank=lora_rank)
+                         eos_token_ids=eos_token_ids, weight_shapes=weight_shapes, lora_rank=lora_rank,
+                         lora_targets=lora_targets)
         self._on_gpu = device.startswith("cuda")
         self._tp = options.tensor_parallel_size
         self._lora_mode = options.lora_mode if lora_rank else None
         self._lora_base = lora_base
         self._adapters = None if not lora_rank else EngineAdapters(
-            rank=lora_rank, alpha=lora_alpha, take_base=self._take_base if self._lora_mode == "merge" else None)
+            rank=lora_rank, alpha=lora_alpha, take_base=self._take_base if self._lora_mode == "merge" else None,
+            targets=tuple(lora_targets))
         self._lora: object | None = None  # "adapter" mode: the LoRARequest new samples are queued with
         self._lora_dir = None
         if self._lora_mode == "adapter":
@@ -368,7 +371,7 @@ def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *,
     shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
     base = None
     if config.lora_rank and options.lora_mode == "merge":
-        base = {name: t.detach() for name, t in named_weights(model) if is_lora_target(name)}
+        base = {name: t.detach() for name, t in named_weights(model) if is_lora_target(name, config.lora_targets)}
     kv = _kv_bytes(str(model.device), options, lambda: kv_cache_bytes(model, config.max_slots, config.max_len))
     with tempfile.TemporaryDirectory(prefix=f"asyncrl-vllm-{agent}-") as directory:
         save_pretrained(model, directory)
@@ -376,7 +379,7 @@ def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *,
                           eos_token_ids=model.config.eos_token_ids, max_slots=config.max_slots,
                           max_len=config.max_len, dtype=model.dtype, device=str(model.device), options=options,
                           kv_bytes=kv, seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
-                          lora_base=base)
+                          lora_base=base, lora_targets=config.lora_targets)
 
 
 def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VLLMConfig) -> VLLMEngine:
@@ -385,7 +388,8 @@ def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VL
     return VLLMEngine(directory.path, weight_shapes=directory.weight_shapes(), vocab_size=directory.vocab_size,
                       eos_token_ids=directory.eos_token_ids, max_slots=config.max_slots, max_len=config.max_len,
                       dtype=directory.dtype, device=directory.device, options=options, kv_bytes=kv,
-                      seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_base=base)
+                      seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_base=base,
+                      lora_targets=config.lora_targets)
 
 
 def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,

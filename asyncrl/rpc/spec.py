@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from asyncrl.config import (AlgorithmConfig, AsyncConfig, EvalConfig, LoraConfig, PlacementConfig, RolloutConfig,
+from asyncrl.config import (LORA_TARGETS, AlgorithmConfig, AsyncConfig, EvalConfig, LoraConfig, PlacementConfig, RolloutConfig,
                             TrainerConfig)
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
@@ -105,6 +105,9 @@ class RunSpec:
     """Build a frozen reference model (needed by KL losses); a LoRA run's reference is its base instead."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     """Adapters on the policy (rank 0: none): the learner trains them, the engines merge the published ones."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """The leaf names of the layers `lora` adapts on this model (--lora.target-modules resolved against it before
+    launch): what the engines accept adapters and base weights for."""
     seed: int = 0
     run_dir: str | None = None
     checkpoint_every: int = 0
@@ -153,4 +156,5 @@ class RunSpec:
         max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
         return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
                             decode_attention=self.rollout.decode_attention,
-                            seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha)
+                            seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha,
+                            lora_targets=self.lora_targets)

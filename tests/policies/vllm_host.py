@@ -46,12 +46,13 @@ class EngineHost:
     built from `model_path` (loaded with `load_model`) or from a `ModelDirectory` (vLLM loads the directory)."""
 
     def __init__(self, model_path="smollm2", *, max_slots: int = 16, max_len: int = 256, options=None,
-                 lora_rank: int = 0, lora_alpha: float = 0.0):
+                 lora_rank: int = 0, lora_alpha: float = 0.0, lora_targets: tuple[str, ...] | None = None):
         from asyncrl.config import VLLMConfig
         from asyncrl.policies import EngineConfig
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        config = EngineConfig(max_slots=max_slots, max_len=max_len, lora_rank=lora_rank, lora_alpha=lora_alpha)
+        config = EngineConfig(max_slots=max_slots, max_len=max_len, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                              **({"lora_targets": lora_targets} if lora_targets else {}))
         args = (child, model_path, config, options or VLLMConfig())
         self.process = ctx.Process(target=_serve, args=args)  # not daemonic: vLLM may start worker processes
         self.process.start()
