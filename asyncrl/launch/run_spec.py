@@ -228,10 +228,22 @@ def resolved_lora_targets(cfg: RunConfig, impl: str) -> tuple[str, ...]:
         return tuple(cfg.lora.target_modules)
 
 
-def _engine_dtype(cfg: RunConfig, device: str) -> str:
+def _engine_dtype(cfg: RunConfig, device: str, *, vllm: bool = False) -> str:
+    """--model.engine-dtype on `device`: auto is bf16 on CUDA, fp32 on CPU, except that vLLM on CPU runs a hybrid
+    model's Gated DeltaNet layers in bf16 only (a float32 engine of one is refused before launch)."""
+    recurrent = vllm and not device.startswith("cuda") and _has_recurrent_layers(cfg.model.path)
     if cfg.model.engine_dtype != "auto":
+        if recurrent and cfg.model.engine_dtype != "bfloat16":
+            raise ValueError(f"--model.engine-dtype {cfg.model.engine_dtype}: vLLM on CPU runs the linear-attention "
+                             f"layers of {cfg.model.path} in bfloat16 only; pass --model.engine-dtype bfloat16 or auto")
         return cfg.model.engine_dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    return "bfloat16" if device.startswith("cuda") or recurrent else "float32"
+
+
+def _has_recurrent_layers(path: str) -> bool:
+    from asyncrl.policies.implementations import model_config_dict
+    from asyncrl.policies.model_directory import has_recurrent_layers
+    return has_recurrent_layers(model_config_dict(path))
 
 
 def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
@@ -248,7 +260,8 @@ def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
         raise ValueError(f"--rollout.vllm.tensor-parallel-size {cfg.rollout.vllm.tensor_parallel_size} shards vLLM's "
                          f"model, but --rollout.backend {cfg.rollout.backend} runs the embedded engine for "
                          f"{cfg.model.path} (one device); add --rollout.backend vllm")
-    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d), engine_factory=factory)
+    agents = [AgentSpec(device=d, engine_dtype=_engine_dtype(cfg, d, vllm=factory is not build_embedded_engine),
+                        engine_factory=factory)
               for d in cfg.placement.agent_devices]
     tokenizer = cfg.model.tokenizer or cfg.model.path  # the factories only read the tokenizer from it
     trainer = cfg.trainer

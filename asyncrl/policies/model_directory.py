@@ -90,6 +90,13 @@ def safetensors_shapes(directory: str | pathlib.Path) -> dict[str, tuple[int, ..
     return shapes
 
 
+def has_recurrent_layers(config: dict) -> bool:
+    """Whether a config.json dict's model has layers that carry a state along the sequence instead of a K/V cache
+    (the Gated DeltaNet or state-space layers of a hybrid: Qwen3.5, Qwen3-Next; `layer_types`)."""
+    kinds = text_config(config).get("layer_types") or []
+    return any(kind not in _FULL_ATTENTION and kind not in _WINDOWED_ATTENTION for kind in kinds)
+
+
 def kv_bytes_per_sequence(config: dict, dtype: torch.dtype, max_len: int) -> int:
     """K and V of one sequence of `max_len` tokens (plus a block for rounding) over the attention layers of a
     config.json dict: a full-attention layer holds every token, a sliding (or chunked) one at most its window;

