@@ -199,3 +199,19 @@ def test_asyncrl_eval_refuses_an_hf_path_checkpoint_with_the_reason(hf_zoo, tmp_
     ckpt = save_checkpoint(tmp_path / "run", _learner("olmo2", hf_zoo))
     with pytest.raises(ValueError, match="olmo2 model trains through transformers.*--eval"):
         evaluate(str(ckpt), DataConfig(task="toy"), num_prompts=1, n=1, max_new_tokens=2)
+
+
+def test_recomputing_layers_in_the_backward_gives_the_same_step(hf_zoo):
+    """--trainer.gradient-checkpointing on the HF path: transformers' own (non-reentrant) recompute of each decoder
+    layer; the step's weights equal those of the step that kept every activation."""
+    results = []
+    for checkpointing in (False, True):
+        policy = load_model(str(hf_zoo("gemma3_text")))
+        state = build_learner(policy, trainer_config(lr=1e-2, gradient_checkpointing=checkpointing), GRPO())
+        assert policy.gradient_checkpointing == checkpointing
+        layers_recompute = [getattr(block, "gradient_checkpointing", False) for block in policy.blocks()]
+        assert layers_recompute == [checkpointing] * len(policy.blocks())  # transformers' flag on each layer
+        state, _ = train_step(state, on_policy(policy, synthetic_groups(2, 4, seed=5, response_lens=(2, 6))))
+        results.append({n: t.clone() for n, t in state.policy.state_dict().items()})
+    for name, tensor in results[0].items():
+        torch.testing.assert_close(results[1][name], tensor, rtol=0, atol=1e-6, msg=name)
