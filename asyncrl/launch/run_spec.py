@@ -243,7 +243,21 @@ def _engine_dtype(cfg: RunConfig, device: str, *, vllm: bool = False) -> str:
 def _has_recurrent_layers(path: str) -> bool:
     from asyncrl.policies.implementations import model_config_dict
     from asyncrl.policies.model_directory import has_recurrent_layers
-    return has_recurrent_layers(model_config_dict(path))
+    try:
+        return has_recurrent_layers(model_config_dict(path))
+    except ValueError:  # no config.json there: the preflight names --model.path
+        return False
+
+
+def _run_impl(cfg: RunConfig) -> str:
+    """--model.impl resolved on the run's model (`resolve_impl`). A path without a config.json yet (a download the
+    preflight asks for, naming --model.path) still gives a spec: own, unless hf was asked for."""
+    from asyncrl.policies.implementations import model_config_dict
+    try:
+        config = model_config_dict(cfg.model.path)
+    except ValueError:
+        return "hf" if cfg.model.impl == "hf" else "own"
+    return resolve_impl(cfg.model.path, cfg.model.impl, config=config)
 
 
 def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
@@ -251,7 +265,7 @@ def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
     does: `asyncrl train` validates once)."""
     if not validated:
         cfg.validate()
-    impl = resolve_impl(cfg.model.path, cfg.model.impl)
+    impl = _run_impl(cfg)
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype, impl=impl)
     factory = build_embedded_engine
     if resolve_backend(impl, cfg.rollout.backend) == "vllm":
