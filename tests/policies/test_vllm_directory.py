@@ -184,8 +184,10 @@ def test_an_update_must_bring_each_fused_weight_whole(hf_zoo):
 
 
 # ------------------------------------------------------------------------------------------ one engine per model
-ARCHS = ["gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite", "glm4", "gemma2", "gpt_oss", "qwen3_next",
-         "qwen3_5_text"]
+ARCHS = ["gemma3_text", "qwen3_moe", "phi3", "olmo2", "granite", "glm4", "qwen3_next", "qwen3_5_text"]
+"""The architectures served here (a vLLM start each, ~20 s on 2 cores). Also measured once, not in the suite: gemma2
+(soft-capped logits) 1.4e-6 before and after a full update; gpt-oss 9.5e-7 before any update, its experts and
+sinks then refused in an update (`RELOAD_LOSES`, tested without vLLM below)."""
 BF16_LOGP_BOUND = 0.02
 """max |Δ log p| of a bf16 engine (vLLM on CPU runs Gated DeltaNet layers in bf16 only: the hybrids) against the
 fp32 transformers model: measured 1.5e-3 (T=1) and 2.1e-3 (T=0.7) for Qwen3-Next; a stale weight moved them 0.13."""
@@ -273,15 +275,10 @@ def test_behaviour_logprobs_are_the_transformers_models(served, temperature):
 def test_an_update_by_checkpoint_names_reaches_every_weight(served, tmp_path):
     """Every tensor of the checkpoint scaled by 1 + 0.2·N(0, 1), published under its checkpoint name (per-expert
     MoE weights, Phi-3's fused qkv_proj, no tied head): the engine then serves the transformers model of those
-    weights, and the original weights back again. gpt-oss: the weights vLLM's reload would lose (experts,
-    attention sinks) are refused, and all the others move."""
+    weights, and the original weights back again."""
     gen = torch.Generator().manual_seed(0)
     moved = {name: t * (1 + 0.2 * torch.randn(t.shape, generator=gen)) for name, t in served.tensors.items()}
     version = served.host.call("version")
-    if served.arch == "gpt_oss":
-        with pytest.raises(ValueError, match="keeps the start-up value of GptOssForCausalLM's experts, sinks"):
-            served.host.call("update_weights", sorted(moved.items()), version + 1)
-        moved = {n: t for n, t in moved.items() if ".experts." not in n and not n.endswith(".sinks")}
     served.host.call("update_weights", sorted(moved.items()), version + 1)
     sent, moved = sorted(moved), {**served.tensors, **moved}
     (out,) = served.host.call("generate", [PROMPT], _params(seed=12, n=2))
@@ -302,7 +299,7 @@ def test_an_update_by_checkpoint_names_reaches_every_weight(served, tmp_path):
 @pytest.mark.slow
 def test_an_update_that_splits_a_fused_weight_is_refused(served):
     """q_proj without k_proj and v_proj, or one expert of a layer's four: refused before anything loads (a
-    merging LoRA engine completes a group from its base copies instead; gpt-oss refuses any expert weight).
+    merging LoRA engine completes a group from its base copies instead).
     Phi-3's checkpoint holds qkv_proj fused: one tensor, taken alone."""
     names = served.tensors
     expert = sorted(n for n in names if ".layers.0.mlp.experts." in n)[:1]
@@ -312,7 +309,7 @@ def test_an_update_that_splits_a_fused_weight_is_refused(served):
     version = served.host.call("version")
     for split in (expert, q):
         if split:
-            with pytest.raises(ValueError, match="into one fused weight|keeps the start-up value"):
+            with pytest.raises(ValueError, match="into one fused weight"):
                 served.host.call("update_weights", [(n, names[n]) for n in split], version + 1)
     if served.arch == "phi3":
         qkv = "model.layers.0.self_attn.qkv_proj.weight"

@@ -1,6 +1,7 @@
 """`asyncrl train cpu-demo --model.path DIR` on a model asyncrl does not implement itself: a tiny random Gemma-3
 trains fully async through the HF path (the transformers model in the trainer process), its agent's engine vLLM
-built from the directory itself; then the run resumes, and exports a directory transformers opens."""
+built from the directory itself; then `asyncrl export` writes a directory transformers opens. (Checkpoints and
+resumes of HF-path learners: tests/policies/test_hf_model.py, every zoo type.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _rows(run_dir):
             if "val/version" not in line]
 
 
-def test_a_tiny_gemma3_trains_fully_async_through_vllm_resumes_and_exports(tmp_path, smollm2_tokenizer):
+def test_a_tiny_gemma3_trains_fully_async_through_vllm_and_exports(tmp_path, smollm2_tokenizer):
     needs_vllm()
     model = save_tiny("gemma3_text", tmp_path / "gemma3", vocab_size=len(smollm2_tokenizer), seed=1)
     smollm2_tokenizer.save_pretrained(str(model))  # the arithmetic task reads prompts through the model's tokenizer
@@ -41,11 +42,6 @@ def test_a_tiny_gemma3_trains_fully_async_through_vllm_resumes_and_exports(tmp_p
     # (k3 KL of the first update's log-probs from the behaviour log-probs, over tokens of the policy's own version)
     fresh = [r for r in rows if r["training/version_lag/max"] == 0]
     assert fresh and abs(fresh[0]["actor/behaviour_kl"]) < 1e-6, fresh[:1]
-
-    resumed = cli("train", "cpu-demo", "--model.path", str(model), "--async-training.total-versions", "3",
-                  "--run-dir", str(run_dir), "--resume", *ARGS, timeout=limit(600))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["versions"] == 3
 
     exported = tmp_path / "exported"
     done = cli("export", str(run_dir), str(exported), timeout=limit(300))
