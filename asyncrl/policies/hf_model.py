@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from asyncrl.policies.attention_layouts import DocumentLayout
 from asyncrl.policies.hf_attention import register_document_attention
 from asyncrl.policies.hf_probes import HFFeatures, checkpoint_names, probe_model
+from asyncrl.policies.model_files import generation_eos_ids, safetensors_files
 
 __all__ = ["HFCausalLM", "HFModelConfig", "HFFeatures", "load_hf", "random_hf", "random_transformers",
            "transformers_config", "save_transformers", "checkpoint_names"]  # HFFeatures, checkpoint_names: hf_probes
@@ -92,7 +93,7 @@ class HFCausalLM(nn.Module):
         head = hf.get_output_embeddings()
         if head is None:
             raise ValueError(f"{config.model_type}: the transformers model has no output embeddings (LM head)")
-        if "lm_head" not in self._modules:  # e.g. GPT-NeoX's embed_out: reachable as lm_head, named as the model names it
+        if "lm_head" not in self._modules:  # e.g. GPT-NeoX's embed_out: reachable as lm_head, named as the model's
             object.__setattr__(self, "lm_head", head)
         self.config = config
         self.native_attention = native_attention  # the model's own implementation (the attention probe's reference)
@@ -181,17 +182,6 @@ class HFCausalLM(nn.Module):
         self.hf.set_attn_implementation(self.native_attention)
 
 
-def _generation_eos(path: pathlib.Path) -> Any:
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return None
-    import json
-    try:
-        return json.loads(file.read_text()).get("eos_token_id")
-    except ValueError:
-        return None
-
-
 def _native_attention(hf_config) -> str:
     return "eager" if hf_config.model_type in ("gpt_oss",) else "sdpa"
 
@@ -211,13 +201,12 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     """The `transformers` model of an HF directory (safetensors; no repository code), wrapped and probed."""
     from transformers import AutoConfig, AutoModelForCausalLM
     path = pathlib.Path(path)
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"--model.path {path}: no *.safetensors weights (asyncrl reads safetensors only; convert "
-                         ".bin checkpoints with transformers' save_pretrained)")
+    safetensors_files(path)  # refuses a directory without safetensors weights, saying how to convert it
     hf_cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     hf = AutoModelForCausalLM.from_pretrained(str(path), config=hf_cfg, dtype=dtype, trust_remote_code=False,
                                               attn_implementation=register_document_attention())
-    config = HFModelConfig.from_transformers(hf.config, _generation_eos(path))
+    eos = generation_eos_ids(path, hf.config.to_dict())  # generation_config.json's, else the config's
+    config = HFModelConfig.from_transformers(hf.config, eos or None)
     return _wrap(hf, config, dtype=dtype, device=device, directory=path)
 
 

@@ -18,7 +18,6 @@ document attention's eager formula, which the attention probe checks against the
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
 from typing import Iterator
@@ -27,9 +26,9 @@ import torch
 from torch import Tensor
 
 from asyncrl.policies.attention_layouts import DocumentLayout
+from asyncrl.policies.model_files import safetensors_shapes
 
-__all__ = ["probe_model", "ProbeResult", "HFFeatures", "probe_tolerance", "checkpoint_header_shapes",
-           "checkpoint_names"]
+__all__ = ["probe_model", "ProbeResult", "HFFeatures", "probe_tolerance", "checkpoint_names"]
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +124,10 @@ def checkpoint_names(model) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 
-def checkpoint_header_shapes(directory: pathlib.Path) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} of a model directory's safetensors files, read from their headers (no tensor data)."""
-    from safetensors import safe_open
-    index = directory / "model.safetensors.index.json"
-    files = (sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.is_file() else sorted(directory.glob("*.safetensors")))
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
-
-
 def names_problem(model, directory: pathlib.Path) -> str | None:
     """Why the names and shapes `model` publishes differ from its checkpoint's (None when they agree)."""
     ours = dict(checkpoint_names(model))
-    theirs = checkpoint_header_shapes(directory)
+    theirs = safetensors_shapes(directory)
     if model.config.tie_word_embeddings:
         theirs.pop("lm_head.weight", None)
     missing = sorted(theirs.keys() - ours.keys())

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from asyncrl.policies.model import CausalLM, TransformerConfig
 from asyncrl.policies.model_configs import ARCH_PRESETS, hf_config
+from asyncrl.policies.model_files import safetensors_files
 
 __all__ = [
     "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
@@ -61,18 +62,6 @@ def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torc
     return model.eval()
 
 
-def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights (this loader reads safetensors only; convert "
-                         ".bin checkpoints with transformers' save_pretrained)")
-    return files
-
-
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> CausalLM:
     """Load a Hugging Face model directory (config.json + safetensors)."""
@@ -81,7 +70,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     with torch.device("meta"):
         model = CausalLM(cfg)
     state: dict[str, Tensor] = {}
-    for file in _safetensors_files(path):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if not key.endswith(_IGNORED_KEYS):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from asyncrl.policies.hf_model import transformers_config
+
 __all__ = ["meta_transformers", "text_config"]
 
 
@@ -23,11 +25,10 @@ def meta_transformers(config: dict) -> nn.Module:
     Raises:
       ValueError: transformers does not build this config (the message says which type and why).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    fields = dict(config)
-    model_type = str(fields.pop("model_type", ""))
+    from transformers import AutoModelForCausalLM
+    model_type = str(config.get("model_type", ""))
     try:
-        hf_config = AutoConfig.for_model(model_type, **fields)
+        hf_config = transformers_config({**config, "model_type": model_type})
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:

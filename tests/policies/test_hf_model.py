@@ -16,8 +16,9 @@ from asyncrl.learner import build_learner, full_weights, train_step
 from asyncrl.learner.forward import micro_logprobs
 from asyncrl.learner.layout import RowLengths, plan_micro_batches
 from asyncrl.policies.hf_model import HFCausalLM, checkpoint_names
-from asyncrl.policies.hf_probes import attention_probe, checkpoint_header_shapes, head_probe, packing_probe
+from asyncrl.policies.hf_probes import attention_probe, head_probe, packing_probe
 from asyncrl.policies.loading import load_model
+from asyncrl.policies.model_files import safetensors_shapes
 from tests.hf_zoo import ATTENTION_ONLY, ZOO
 from tests.learner_helpers import on_policy, synthetic_groups, trainer_config
 from tests.tolerances import close_tol
@@ -123,7 +124,7 @@ def test_a_kv_cache_would_defeat_position_id_packing(hf_zoo):
 def test_published_names_and_shapes_are_the_checkpoints(hf_zoo, model_type):
     path = hf_zoo(model_type)
     model = load_model(str(path))
-    header = checkpoint_header_shapes(path)
+    header = safetensors_shapes(path)
     if model.config.tie_word_embeddings:
         header.pop("lm_head.weight", None)
     assert dict(checkpoint_names(model)) == header

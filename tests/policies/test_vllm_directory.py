@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncrl.policies.model import token_logprobs
-from asyncrl.policies.model_directory import (ModelDirectory, generation_eos_ids, has_recurrent_layers,
-                                              kv_bytes_per_sequence,
-                                              random_hf_directory, safetensors_shapes)
+from asyncrl.policies.model_directory import (ModelDirectory, has_recurrent_layers, kv_bytes_per_sequence,
+                                              random_hf_directory)
+from asyncrl.policies.model_files import generation_eos_ids, safetensors_shapes
 from asyncrl.policies.sampling import SamplingParams
 from asyncrl.policies.vllm_calls import RELOAD_LOSES, LoadGroups
 from tests.run_helpers import needs_vllm
