@@ -26,11 +26,12 @@ import dataclasses
 import math
 from typing import Literal, NamedTuple
 
+from asyncrl.planning.memory import GIB, engine_bytes, trainer_state_bytes
+
 __all__ = ["ModelShape", "Workload", "WORKLOADS", "Rates", "Knobs", "Layout", "Prediction", "Plan",
            "engine_tok_s", "memory_gib", "sync_seconds", "layouts", "predict", "recommend", "plan", "layout_of",
            "timeline", "trainer_scale", "ADVICE_GAIN"]
 
-GIB = 2**30
 Kind = Literal["split", "shared", "colocated"]
 SYNC_BYTES_PER_S = {"split": 75e9, "shared": 0.55e9, "colocated": 7e9}
 """A whole publication (docs/benchmarks/: async-2xh200-2026-11-23.md, one-gpu-h100-2026-11-26.md,
@@ -45,9 +46,6 @@ FSDP_EAGER = 0.55
 """Per-GPU learner speed of a 2+ rank FSDP2 group, whose layers run eagerly (docs/limits.md), over a compiled
 single process: eager ran 0.47-0.61 of compiled (docs/benchmarks/archive/learner-h100-2026-11-24.md, "What each
 piece gave")."""
-ENGINE_OVERHEAD_GIB = 1.25
-"""An engine's CUDA graphs, buffers and allocator slack: the 2 x H200 rows peaked at 6.8 GiB where weights, KV
-cache and logits make 5.6."""
 ACTIVATION_BYTES = 32
 """Learner memory above its states, per micro-batch token, layer and hidden unit, where no peak was measured: the
 0.5B shape peaked 9-11 GiB above its 7.4 GiB of states at a 16,384 budget (rough: 9.5 GiB at 8,192)."""
@@ -261,13 +259,12 @@ def memory_gib(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, 
     LoRA: it merges from a kept base), the KV cache of `slots` full-length sequences, fp32 logits and
     ENGINE_OVERHEAD_GIB. Shared: both on one GPU. Colocated: the KV cache is freed while training
     (`colocated_sleep`), so it shares its memory with the activations."""
-    p = shape.params
-    per_param = {"none": 16, "optimizer": 8, "params": 0}[offload] // (1 if trainer_dtype == "float32" else 2)
-    states = 2 * p + 16 * shape.lora_params(lora_rank) if lora_rank else per_param * p
+    states = trainer_state_bytes(shape, param_dtype=trainer_dtype, lora_rank=lora_rank, offload=offload)
     activations = (max(rates.learner_peak_gib * GIB - states, 0.0) if rates.learner_peak_gib is not None
                    else ACTIVATION_BYTES * rates.learner_budget * shape.layers * shape.hidden)
-    cache = slots * (shape.kv_bytes(work.max_prompt_len + work.max_response_len) + 4 * shape.vocab)
-    weights, overhead = 2 * p * (2 if lora_rank else 1), ENGINE_OVERHEAD_GIB * GIB
+    parts = engine_bytes(shape, slots=slots, tokens=work.max_prompt_len + work.max_response_len,
+                         lora=bool(lora_rank), full_base_copy=True)
+    cache, weights, overhead = parts.kv_cache + parts.logits, parts.weights, parts.overhead
     trainer = states / layout.trainer_gpus + activations
     if layout.kind == "colocated":
         return (trainer - activations + weights + max(activations, cache) + overhead) / GIB, 0.0
