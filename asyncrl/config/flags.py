@@ -2,6 +2,7 @@
 
     flag("async", "staleness_threshold")   # '--async-training.staleness-threshold'
     as_flags(cfg)                           # ['--model.path smollm2', ..., 'algorithm:grpo', ...]
+    given_flags(["--rollout.max_slots=32"]) # frozenset({'--rollout.max-slots'})
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-__all__ = ["flag", "shown", "fail", "is_placeholder", "as_flags", "algorithm_command"]
+__all__ = ["flag", "shown", "fail", "is_placeholder", "as_flags", "algorithm_command", "given_flags"]
 
 _FLAG_PREFIX = {"run": "", "async": "async-training."}
 
@@ -74,3 +75,11 @@ def as_flags(cfg) -> list[str]:
                 yield f"--{prefix}{dashed} {shlex.quote(str(value))}"
 
     return [*leaves(cfg, ""), f"algorithm:{algorithm_command(cfg.algorithm)}", *leaves(cfg.algorithm, "algorithm.")]
+
+
+def given_flags(args: list[str]) -> frozenset[str]:
+    """The flags a command line gives, as `flag` spells them ('--rollout.max_slots=32' -> '--rollout.max-slots'):
+    what the user chose, as opposed to a preset's or a default value. tyro's result does not tell the two apart
+    (a value typed equal to the preset's is the same object), so this reads the arguments; tyro takes no
+    abbreviations, so a flag is always typed whole."""
+    return frozenset(a.partition("=")[0].replace("_", "-") for a in args if a.startswith("--"))

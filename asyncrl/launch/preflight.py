@@ -9,8 +9,9 @@ implementation trains it and what that allows, and the engine: `asyncrl.launch.m
 rank against its layers, `asyncrl.launch.lora_check`), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
-learner step) and a resume's checkpoint. Checks that depend on a failed one are skipped rather than
-reported twice. Notes are facts worth knowing that do not stop the run.
+learner step), every GPU's memory (`asyncrl.launch.memory_checks`: a layout that cannot fit is refused, a
+--rollout.max-slots the user did not give is lowered to fit) and a resume's checkpoint. Checks that depend on a
+failed one are skipped rather than reported twice. Notes are facts worth knowing that do not stop the run.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Callable
+from typing import Callable, Collection
 
 from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
 from asyncrl.data.files import load_prompt_file
 from asyncrl.launch.device_checks import check_devices, check_tensor_parallel
 from asyncrl.launch.lora_check import check_lora
+from asyncrl.launch.memory_checks import CudaMemory, DeviceMemory, check_memory, cuda_index
 from asyncrl.launch.model_checks import check_model_path, engine_checks, implementation_problems, resolved_backend
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
-from asyncrl.config.flags import flag
+from asyncrl.config.flags import flag, shown
+from asyncrl.planning.command import model_shape
 from asyncrl.tools.hub import Resolved, model_name
 from asyncrl.launch.hub_run import resolve_run_names
 from asyncrl.launch.resume_check import check_resume
@@ -88,8 +91,10 @@ def check_run_dir(run_dir: str) -> str | None:
 class _Checks:
     """One pass of checks over a config; `report` collects the results."""
 
-    def __init__(self, cfg: RunConfig, say: Callable[[str], None]):
+    def __init__(self, cfg: RunConfig, say: Callable[[str], None], given: Collection[str] | None,
+                 memory: DeviceMemory | None):
         self.cfg, self.say, self.report = cfg, say, CheckedRun(cfg)
+        self.given, self.memory = given, memory
 
     def run(self) -> CheckedRun:
         if not self._hub_names():
@@ -102,7 +107,7 @@ class _Checks:
         except ValueError as err:
             self.report.problems.append(str(err))
             valid = False  # the data checks read the values validate refused: they wait for a fix
-        self._devices()
+        devices_ok = self._devices()
         self._network()
         self._backend()
         model_ok = self._model()
@@ -121,6 +126,8 @@ class _Checks:
             self.report.problems += lora.problems
             self.report.facts += lora.facts
             self.report.notes += lora.notes
+        if model_ok and valid and devices_ok:
+            self._memory()
         table = self._rewards()
         if model_ok and valid:
             self._data(table)
@@ -147,14 +154,54 @@ class _Checks:
                                      f"of {resolved.name.repo_id} ({resolved.path})")
         return True
 
-    def _devices(self) -> None:
+    def _devices(self) -> bool:
         placement = self.cfg.placement
         problems = check_devices({"--placement.trainer-devices": placement.trainer_devices,
                                   "--placement.agent-devices": placement.agent_devices})
+        problems += self._repeated_gpus()
         self.report.problems += problems
         if not problems:
             self.report.facts.append(f"devices: trainer {' '.join(placement.trainer_devices)}; "
                                      f"agents {' '.join(placement.agent_devices)}")
+        return not problems
+
+    def _repeated_gpus(self) -> list[str]:
+        """A GPU listed twice in --placement.trainer-devices: two ranks of one NCCL group on one GPU, which NCCL
+        refuses ("Duplicate GPU detected") after every process has started (colocated runs list the same
+        devices for their engines, so this covers them too). A torchrun job's 'cuda' is each rank's own GPU."""
+        placement = self.cfg.placement
+        names = [d for d in placement.trainer_devices if not (d == "cuda" and placement.launcher == "torchrun")]
+        indices = [i for d in names if (i := cuda_index(d)) is not None]
+        twice = sorted({i for i in indices if indices.count(i) > 1})
+        if not twice:
+            return []
+        distinct = list(dict.fromkeys(f"cuda:{i}" for i in indices))
+        return [f"--placement.trainer-devices {shown(placement.trainer_devices)}: cuda:{twice[0]} is listed twice; a "
+                "trainer group runs one rank per GPU (NCCL refuses two ranks on one GPU: \"Duplicate GPU detected\"); "
+                f"list each GPU once (--placement.trainer-devices {' '.join(distinct)})"]
+
+    def _memory(self) -> None:
+        """Every GPU's predicted peak against its free memory (`asyncrl.launch.memory_checks`); lowers a
+        --rollout.max-slots the user did not give (`given`) to what fits."""
+        cfg = self.cfg
+        if not any(cuda_index(d) is not None for d in (*cfg.placement.trainer_devices, *cfg.placement.agent_devices)):
+            return
+        try:
+            shape = model_shape(cfg.model.path)
+        except (ValueError, OSError) as err:
+            self.report.notes.append(f"memory: not predicted ({err})")
+            return
+        slots_given = self.given is None or "--rollout.max-slots" in self.given
+        check = check_memory(cfg, shape, self.memory or CudaMemory(), slots_given=slots_given,
+                             vllm=resolved_backend(cfg) == "vllm")
+        self.report.problems += check.problems
+        self.report.facts += check.facts
+        self.report.notes += check.notes
+        if check.max_slots is not None:
+            rollout = dataclasses.replace(cfg.rollout, max_slots=check.max_slots)
+            self.cfg = self.report.config = dataclasses.replace(cfg, rollout=rollout)
+            if self.report.spec is not None:
+                self.report.spec = dataclasses.replace(self.report.spec, rollout=rollout)
 
     def _network(self) -> None:
         placement = self.cfg.placement
@@ -421,6 +468,10 @@ class _Checks:
             + (f"; the newer {skipped[0]} does not verify and is moved aside" if skipped else ""))
 
 
-def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None) -> CheckedRun:
-    """Run every up-front check of `cfg`; `say` gets a line before each slow one (loading a tokenizer)."""
-    return _Checks(cfg, say).run()
+def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None, given: Collection[str] | None = None,
+              memory: DeviceMemory | None = None) -> CheckedRun:
+    """Run every up-front check of `cfg`; `say` gets a line before each slow one (loading a tokenizer). `given`: the
+    flags the user typed (`asyncrl.config.flags.given_flags`); a value not among them was the preset's, and the
+    memory check may lower it (--rollout.max-slots) to fit. None: every value of `cfg` was chosen (the Python API),
+    so a layout that does not fit is refused. `memory`: where GPUs' free memory is read (default: the driver)."""
+    return _Checks(cfg, say, given, memory).run()

@@ -19,7 +19,7 @@ import tyro
 
 from asyncrl.config import RunConfig
 from asyncrl.tracking.console import phase
-from asyncrl.config.flags import as_flags
+from asyncrl.config.flags import as_flags, given_flags
 from asyncrl.launch.preflight import check_devices, preflight
 from asyncrl.config.presets import PRESETS
 from asyncrl.rpc.exposure import read_token
@@ -59,11 +59,12 @@ def train_main(args: list[str]) -> None:
                          + _presets_help())
     config = run_config(args[0], args[1:])
     phase("checking the configuration, devices, model, rewards and data")
-    report = preflight(config, say=phase)
+    report = preflight(config, say=phase, given=given_flags(args[1:]))
     if not report.ok:
         raise SystemExit(report.failure("asyncrl train"))
     if config.dry_run:
-        print(f"asyncrl train {args[0]} \\\n  " + " \\\n  ".join(as_flags(config)))
+        sized = dataclasses.replace(config, rollout=report.config.rollout)  # the memory check may lower its slots
+        print(f"asyncrl train {args[0]} \\\n  " + " \\\n  ".join(as_flags(sized)))
         print("checks:\n" + report.render())
         return
     for note in report.notes:
