@@ -160,6 +160,12 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
             raise ValueError(f"variant {text!r}: split {t}+{r} needs {t + r} of the {len(devices)} --devices "
                              "and at least one of each role")
         trainers, agents = devices[:t], devices[t:t + r]
+    gpus = [d if d != "cuda" else "cuda:0" for d in trainers if d.startswith("cuda")]
+    twice = next((d for d in gpus if gpus.count(d) > 1), None)
+    if twice is not None:
+        raise ValueError(f"variant {text!r}: --devices {' '.join(args.devices)} lists {twice} twice, and this variant "
+                         f"runs a trainer rank on each of {' '.join(trainers)} (NCCL refuses two ranks on one GPU: "
+                         "\"Duplicate GPU detected\"); list each GPU once in --devices")
     trigger = k["trigger"]
     name = text.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "p")
     return RunConfig(

@@ -51,6 +51,10 @@ def test_variants_parse_and_bad_ones_name_the_key():
     assert cfg.async_training.total_versions == 1 + 1  # 4 steps at trigger 4, plus the warm-up version
     with pytest.raises(ValueError, match="split 3\\+1 needs 4"):
         variant_config(args, "stream:split=3+1")
+    twice = AsyncBenchArgs(**{**TINY, "devices": ("cuda:0", "cuda:0")})
+    with pytest.raises(ValueError, match="--devices cuda:0 cuda:0 lists cuda:0 twice"):
+        variant_config(twice, "sync")  # colocated: a trainer rank on each device
+    assert variant_config(twice, "stale-partial").placement.agent_devices == ("cuda:0",)  # 1+1 may share a GPU
 
 
 def test_summarize_counts_only_versions_after_the_warm_up(tmp_path):
