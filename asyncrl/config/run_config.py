@@ -441,6 +441,10 @@ class RunConfig:
         if self.trainer.offload == "optimizer" and trainers > 1:
             _fail("trainer", "offload", "optimizer", f"a group of {trainers} trainer ranks already splits the optimizer "
                   "state over them; --trainer.offload params keeps each rank's shards in host memory")
+        if self.trainer.cuda_graphs and trainers > 1:
+            _fail("trainer", "cuda_graphs", True, f"a group of {trainers} trainer ranks (FSDP2) gathers each layer's "
+                  "weights into fresh memory every micro-batch, which a recorded CUDA graph cannot follow; its "
+                  "layers are compiled without graphs: leave --trainer.cuda-graphs off")
         if self.trainer.offload == "params" and self.placement.launcher == "local":
             _fail("trainer", "offload", "params", "FSDP2's CPU offload runs in a trainer process with its process "
                   "group; use --placement.launcher rpc (the default) or torchrun")

@@ -130,9 +130,9 @@ class TrainerConfig:
     activations are kept; measured 1.5x faster than whole layers on an H100 for ~10% more memory, see
     BENCHMARKS.md), or each whole layer (least memory)."""
     compile_layers: bool = True
-    """torch.compile each decoder layer of the trained models (regional compilation; CUDA, one trainer
-    process: an FSDP2-sharded group runs its layers eagerly). Measured 1.6-2x faster on an H100; the first
-    steps take ~1 min longer while it compiles."""
+    """torch.compile each decoder layer of the trained models (regional compilation; CUDA; an FSDP2 trainer
+    group compiles each layer between its gathers). Measured 1.6-2x faster on an H100; the first steps take
+    ~1 min longer while it compiles."""
     compile_scope: Literal["layer", "model"] = "layer"
     """With compile_layers: compile each decoder layer on its own (one graph serves every layer; ~10 s to
     compile), or the model's whole forward as one region (one call a micro-batch instead of one per layer;
@@ -142,6 +142,10 @@ class TrainerConfig:
     padded to a few shapes (length to a multiple of 512, document count and the flash bound bucketed) so
     the recorded graphs are replayed; needs compiled layers and packed sequences. Measured no faster at
     the layer scope (Qwen2.5-0.5B ragged, H100) and the first step records for ~1 min: see BENCHMARKS.md."""
+    fsdp_reshard_after_forward: bool = True
+    """A trainer group (FSDP2, 2+ trainer devices): free each decoder layer's gathered weights after its
+    forward and gather them again for its backward. Off: keep them from forward to backward (one all-gather
+    fewer per layer and micro-batch; every rank holds the whole bf16 model while a micro-batch runs)."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -75,7 +75,7 @@ HARMLESS = ("wandb", "checkpoint_every", "strict_rewards", "placement.", "async_
             "rollout.cuda_graphs", "rollout.decode_attention", "trainer.use_dynamic_bsz", "trainer.max_tokens_per_micro_batch",
             "trainer.micro_batch_size", "trainer.logits_chunk_tokens", "trainer.pack_sequences",
             "trainer.gradient_checkpointing", "trainer.checkpoint_scope", "trainer.compile_layers",
-            "trainer.compile_scope", "trainer.cuda_graphs",
+            "trainer.compile_scope", "trainer.cuda_graphs", "trainer.fsdp_reshard_after_forward",
             "trainer.fused_optimizer", "trainer.fused_kernels", "trainer.autocast_bf16", "reward.timeout_s",
             "reward.max_concurrency", "reward.error_warn_share", "env.max_concurrency", "algorithm.critic.device")
 """Fields (exact, or prefixes ending in '.') that change speed, logging or limits, not what is learned."""

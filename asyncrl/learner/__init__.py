@@ -27,15 +27,16 @@ The package, by concern:
 from asyncrl.learner.batch import RolloutBatch, collate, filter_groups
 from asyncrl.learner.forward import response_logprobs, response_values
 from asyncrl.learner.head import linear_logprobs
-from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
+from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.publication import published_weights, publishes_adapters
-from asyncrl.learner.sharding import full_weights, grad_norm_, shard_model
+from asyncrl.learner.sharding import full_weights, grad_norm_, shard_model, sharding_options
 from asyncrl.learner.state import LearnerState, build_learner, make_scheduler
 from asyncrl.learner.step import memory_metrics, policy_gradients, train_step
 
 __all__ = [
     "RolloutBatch", "collate", "filter_groups", "LearnerState", "build_learner", "train_step", "shard_model",
+    "sharding_options",
     "full_weights", "published_weights", "publishes_adapters", "make_scheduler", "response_logprobs",
-    "response_values", "linear_logprobs", "split_rows",
+    "response_values", "linear_logprobs", "split_rows", "balance_groups",
     "plan_micro_batches", "MicroBatch", "policy_gradients", "grad_norm_", "memory_metrics",
 ]

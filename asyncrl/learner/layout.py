@@ -19,11 +19,28 @@ from torch import Tensor
 from asyncrl.config import TrainerConfig
 from asyncrl.policies.attention_layouts import DocumentLayout
 
-__all__ = ["MicroBatch", "RowLengths", "split_rows", "plan_micro_batches", "BucketedLayout", "PACK_MULTIPLE",
-           "DOC_MULTIPLE"]
+__all__ = ["MicroBatch", "RowLengths", "split_rows", "balance_groups", "plan_micro_batches", "BucketedLayout",
+           "PACK_MULTIPLE", "DOC_MULTIPLE"]
 
 PACK_MULTIPLE = 512  # bucketed: a packed micro-batch's length is padded up to a multiple of this
 DOC_MULTIPLE = 16  # bucketed: its cu_seqlens entries (documents + 1) to a multiple of this
+
+
+def balance_groups(groups: list[int], tokens: dict[int, int], ranks: int) -> list[list[int]]:
+    """Deal a mini-batch's `groups` to `ranks` trainer ranks so their token counts come out even: largest group
+    first, each to the rank holding the fewest tokens so far (the lower rank on a tie); `tokens[g]` is group g's
+    prompt + response tokens over its rows. A step waits for its slowest rank, so dealing every world-th group
+    (equal group counts, ragged token counts) left the others idle; this greedy deal's largest rank exceeds
+    the even share by at most one group. A pure function of its inputs: every rank computes the same deal.
+    Returns each rank's groups, in mini-batch order."""
+    load = [0] * ranks
+    dealt: list[list[int]] = [[] for _ in range(ranks)]
+    position = {g: i for i, g in enumerate(groups)}
+    for g in sorted(groups, key=lambda g: (-tokens[g], position[g])):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        dealt[rank].append(g)
+        load[rank] += tokens[g]
+    return [sorted(d, key=position.__getitem__) for d in dealt]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_model", "grad_norm_", "full_weights", "compute_device"]
+__all__ = ["shard_model", "sharding_options", "layer_precision", "grad_norm_", "full_weights", "compute_device"]
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: float, group=None) -> Tensor:
@@ -52,7 +52,26 @@ def compute_device(model: nn.Module) -> torch.device:
     return p.device
 
 
-def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, offload: bool = False) -> nn.Module:
+def layer_precision(*, mixed_precision: bool) -> MixedPrecisionPolicy | None:
+    """A decoder layer's FSDP2 precision policy: with `mixed_precision` its fp32 shards are all-gathered as bf16
+    (half the bytes gathered and held) and its gradients reduce-scattered in fp32 onto the fp32 shards, which
+    stay the master weights the optimizer steps. Forward inputs are not cast (`cast_forward_inputs=False`): the
+    residual stream stays fp32, as in one process under autocast, where each linear layer's matmul runs in bf16
+    anyway; only the layer's own small weights (norms, biases) are rounded to bf16 on the way."""
+    if not mixed_precision:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def sharding_options(config, device_type: str) -> dict[str, bool]:
+    """`shard_model`'s options for a trainer group on `device_type` from its `TrainerConfig`: bf16 layer gathers
+    where the group computes under bf16 autocast on GPUs (`layer_precision`), and its reshard setting."""
+    return {"mixed_precision": device_type == "cuda" and config.autocast_bf16,
+            "reshard_after_forward": config.fsdp_reshard_after_forward}
+
+
+def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, offload: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
     """Shard a CausalLM / ValueModel with FSDP2 (`fully_shard`): each decoder layer, then the root.
 
     The root (embeddings, final norm, heads) stays gathered from its forward to the end of its backward, so
@@ -60,7 +79,11 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, o
     one reduce-scatter of the root per micro-batch, whatever the number of LM-head chunks. (Registering the
     heads as FSDP forward methods instead costs a gather and a reduce-scatter per chunk, and the chunk
     count differs between ranks holding different rows: the collectives stop lining up and NCCL hangs.)
-    `mixed_precision` keeps fp32 master weights and computes in bf16 with fp32 gradient reduction (GPU).
+    `mixed_precision` (GPU, fp32 weights under bf16 autocast) gathers the layers in bf16 and reduces their
+    gradients in fp32 (`layer_precision`); the root is gathered as stored (the LM head casts its weight
+    per chunk under autocast, as in one process). `reshard_after_forward` frees each layer's gathered
+    weights after its forward and gathers them again for its backward (False keeps them from forward to
+    backward: one gather fewer per layer and micro-batch, a whole unsharded model more memory).
     `offload` keeps the shards, their gradients and so the optimizer's state in pinned host memory (FSDP2's
     `CPUOffloadPolicy`): each layer's weights are copied to the mesh's device for its forward and backward,
     and the optimizer steps on the CPU. Build the model on the CPU first: it never needs the GPU whole.
@@ -72,12 +95,12 @@ def shard_model(model: nn.Module, mesh=None, *, mixed_precision: bool = False, o
     both kinds of parameter (mixed dtypes, bf16 base and fp32 adapters, gather together).
     """
     kwargs = {"mesh": mesh} if mesh is not None else {}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh is not None and mesh.device_type == "cuda")
+    precision = layer_precision(mixed_precision=mixed_precision)
     for layer in model.blocks():
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward,
+                    **kwargs, **({"mp_policy": precision} if precision is not None else {}))
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 

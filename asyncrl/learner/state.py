@@ -12,7 +12,7 @@ from torch import nn
 
 from asyncrl.config import AlgorithmConfig, TrainerConfig
 from asyncrl.learner.offload import HostAdamW
-from asyncrl.learner.sharding import compute_device, shard_model
+from asyncrl.learner.sharding import compute_device, shard_model, sharding_options
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
 from asyncrl.policies.value import ValueModel
@@ -118,29 +118,37 @@ def layer_compile_options() -> dict[str, bool]:
 
 
 def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
-    """Train mode, gradient checkpointing of the configured scope, and (CUDA, unsharded) each decoder layer
-    compiled. FSDP2's hooks sit on the layers themselves, where compiling would trace them: a sharded model
-    keeps eager layers. With `cuda_graphs` the compiled layers replay CUDA graphs (inductor's graph trees)
-    and every trained parameter gets a zeroed `.grad` that stays allocated (a gradient first allocated inside
-    a recorded backward would live in the graphs' memory and be overwritten by the next replay)."""
+    """Train mode, gradient checkpointing of the configured scope, and (CUDA) each decoder layer compiled.
+
+    An FSDP2-sharded model compiles its layers too (the way torchtitan does): FSDP2's hooks sit on each layer,
+    and Dynamo skips them (`torch._dynamo.config.skip_fsdp_hooks`), so the gathers run eagerly around each
+    compiled layer body. A sharded model compiles each layer, whatever `compile_scope` says (the whole model
+    would hold every layer's gathers in one frame), and never as CUDA graphs (each step gathers its weights
+    into fresh memory, which a recorded graph cannot follow; the checks before launch refuse that pair).
+    Shards offloaded to the host (`--trainer.offload params`) stay eager. With `cuda_graphs` the compiled
+    layers replay CUDA graphs (inductor's graph trees) and every trained parameter gets a zeroed `.grad` that
+    stays allocated (a gradient first allocated inside a recorded backward would live in the graphs' memory
+    and be overwritten by the next replay)."""
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     model.checkpoint_scope = config.checkpoint_scope
     params = list(model.parameters())
     sharded = any(hasattr(p, "device_mesh") for p in params)
-    if config.compile_layers and params[0].is_cuda and not sharded:
-        options = layer_compile_options()
-        if config.cuda_graphs:
-            options["triton.cudagraphs"] = True
-        if config.compile_scope == "model":
-            model.compile(dynamic=True, options=options)
-        else:
-            for layer in model.blocks():
-                layer.compile(dynamic=True, options=options)
-        if config.cuda_graphs:  # gradients accumulate in place into stable buffers, never into graph memory
-            for p in params:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+    if not (config.compile_layers and params[0].is_cuda):
+        return
+    options = layer_compile_options()
+    graphs = config.cuda_graphs and not sharded
+    if graphs:
+        options["triton.cudagraphs"] = True
+    if config.compile_scope == "model" and not sharded:
+        model.compile(dynamic=True, options=options)
+    else:
+        for layer in model.blocks():
+            layer.compile(dynamic=True, options=options)
+    if graphs:  # gradients accumulate in place into stable buffers, never into graph memory
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: AlgorithmConfig, *,
@@ -161,7 +169,8 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
         critic = ValueModel.from_policy(policy, device=algorithm.critic.device)
         mesh = getattr(next(policy.parameters()), "device_mesh", None)
         if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
-            shard_model(critic, mesh, offload=compute_device(policy) != next(policy.parameters()).device)
+            shard_model(critic, mesh, offload=compute_device(policy) != next(policy.parameters()).device,
+                        **sharding_options(config, mesh.device_type))
     _prepare_for_training(policy, config)
     device = compute_device(policy)
     if config.fused_kernels and device.type == "cuda":

@@ -3,10 +3,10 @@ and normalised by the mini-batch's global token/row counts (so accumulation is e
 clipping and an optimizer step, skipped (and counted) on a non-finite gradient. One loop serves the actor
 and the critic; they differ only in the loss of a micro-batch.
 
-Distributed (FSDP2 over the trainer group): each rank takes every world-th group of a mini-batch, counts are
-all-reduced, and ranks run equal numbers of micro-batches (padding with zero-weight ones) so collectives
-line up. Statistics stay on the device and are read back once per update, so nothing in the micro-batch
-loop waits for the device.
+Distributed (FSDP2 over the trainer group): each rank takes the groups of a mini-batch that `balance_groups`
+deals it (token counts even over the ranks), counts are all-reduced, and ranks run equal numbers of
+micro-batches (padding with zero-weight ones) so collectives line up. Statistics stay on the device and are
+read back once per update, so nothing in the micro-batch loop waits for the device.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from asyncrl import algos
 from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
-from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
+from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
@@ -103,10 +103,19 @@ def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[
 
 
 def _local_rows(state: LearnerState, prep: Prepared, groups: list[int]) -> list[int]:
-    """This rank's rows of a mini-batch: those of every world-th group."""
+    """This rank's rows of a mini-batch: those of the groups `balance_groups` deals it (token counts even
+    over the ranks)."""
     rank, size = world(state)
-    chosen = set(groups[rank::size])
-    return [r for r, g in enumerate(prep.batch.group_index.tolist()) if g in chosen]
+    index = prep.batch.group_index.tolist()
+    if size == 1:
+        chosen = set(groups)
+    else:
+        tokens = dict.fromkeys(groups, 0)
+        for g, total in zip(index, prep.totals()):
+            if g in tokens:
+                tokens[g] += total
+        chosen = set(balance_groups(groups, tokens, size)[rank])
+    return [r for r, g in enumerate(index) if g in chosen]
 
 
 def _plan(state: LearnerState, prep: Prepared, rows: list[int], device: torch.device) -> list[MicroBatch]:

@@ -20,7 +20,7 @@ from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.checkpoint.repair import ChooseError, choose_checkpoint
 from asyncrl.config import AsyncConfig
 from asyncrl.data.sources import PromptSource
-from asyncrl.learner import LearnerState, build_learner, shard_model
+from asyncrl.learner import LearnerState, build_learner, shard_model, sharding_options
 from asyncrl.policies.lora import apply_lora
 from asyncrl.policies.protocol import RolloutEngine
 from asyncrl.runtime.controller import CheckpointPolicy
@@ -63,7 +63,9 @@ def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | N
             apply_lora(policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
     reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
     if group is not None and (dist.get_world_size(group) > 1 or offload):
-        shard_model(policy, DeviceMesh.from_group(group, torch.device(device).type), offload=offload)
+        device_type = torch.device(device).type
+        shard_model(policy, DeviceMesh.from_group(group, device_type), offload=offload,
+                    **sharding_options(spec.trainer, device_type))
     else:
         group = None
     return build_learner(policy, spec.trainer, spec.algorithm, reference=reference, group=group)

@@ -3,8 +3,8 @@ the policy gradient (packed micro-batches on the ranks, against packed and padde
 whole train_step (GRPO, and PPO with its critic; also with the shards offloaded to the host), and checkpoints
 written by one layout and read by the other.
 
-Each rank of a sharded learner takes every world-th group of a mini-batch. With 5 groups the ranks hold
-different row counts and different numbers of micro-batches (the learner pads with empty ones so the FSDP2
+Each rank of a sharded learner takes the groups `balance_groups` deals it (token counts even). With 5 groups
+the ranks hold different row counts and different numbers of micro-batches (the learner pads with empty ones so the FSDP2
 collectives line up), and the one-group mini-batches of a train_step (mini_batch_size=2) leave rank 1
 with no rows at all.
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from asyncrl.learner import policy_gradients, split_rows, train_step
+from asyncrl.learner import balance_groups, policy_gradients, split_rows, train_step
 from asyncrl.policies import load_pretrained
 from tests.dist_helpers import (
     build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, tiny_policy,
@@ -59,7 +59,9 @@ def test_the_ranks_get_different_rows_and_micro_batch_counts(groups):
     """The premise of the gradient test: the split of the 5 groups is uneven in rows and micro-batches."""
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
     group_of_row = [k for k, g in enumerate(groups) for _ in g.completions]
-    rows = [[r for r, k in enumerate(group_of_row) if k % WORLD == rank] for rank in range(WORLD)]
+    tokens = {k: sum(n for n, g in zip(lengths, group_of_row) if g == k) for k in range(len(groups))}
+    dealt = balance_groups(list(range(len(groups))), tokens, WORLD)
+    rows = [[r for r, k in enumerate(group_of_row) if k in dealt[rank]] for rank in range(WORLD)]
     micros = [split_rows(r, lengths, trainer_config()) for r in rows]
     assert len(rows[0]) != len(rows[1])
     assert len(micros[0]) != len(micros[1]), micros
