@@ -47,6 +47,7 @@ from asyncrl.policies import load_model
 from asyncrl.types import Completion, Group
 from asyncrl_bench.flops import body_params, flops_config, row_lengths, train_flops
 from asyncrl_bench.learner_args import LearnerBenchArgs
+from asyncrl_bench.learner_group import bench_learner_group
 from asyncrl_bench.lora import bench_learner_lora
 from asyncrl_bench.roofline import flop_roofline, peak_flops
 from asyncrl_bench.shared import device_name, hf_copy, write_json
@@ -135,7 +136,8 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     on_cuda = args.device.startswith("cuda")
     lora = args.lora.rank > 0
     dtype = torch.bfloat16 if (lora and on_cuda) or args.param_dtype == "bfloat16" else torch.float32
-    model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" else args.device,
+    group = args.ranks > 1  # the ranks load their own copies; this one gives the vocabulary and the FLOPs
+    model = load_model(args.model, dtype=dtype, device="cpu" if args.offload == "params" or group else args.device,
                        impl=args.impl)
     step_groups = [groups_for(args, model.config.vocab_size, seed) for seed in range(args.warmup_steps + args.steps)]
     timed_rows = [row_lengths(groups) for groups in step_groups[args.warmup_steps:]]
@@ -150,6 +152,12 @@ def bench_learner(args: LearnerBenchArgs) -> dict:
     row = {**_learner_row(args, timed_rows), **flop_roofline(flops / args.steps, args.device)}
     if getattr(model, "impl", "own") == "hf":  # what the load-time probes left on, and why
         row["hf_features"] = dataclasses.asdict(model.features)
+    if group:
+        del model
+        row = bench_learner_group(args, step_groups, row, flops)
+        print(json.dumps(row), flush=True)
+        write_json(args.out, row)
+        return row
     tokens = row["tokens_per_step"] * args.steps
     reference = _host_copy(model, args.device) if args.baseline and args.offload != "params" else None
     if on_cuda:

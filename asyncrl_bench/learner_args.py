@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import torch
+
 from asyncrl.config import LoraConfig, OptimConfig, RolloutConfig, TrainerConfig
 
 __all__ = ["LearnerBenchArgs", "TRAINER_KNOBS"]
 
 TRAINER_KNOBS = ("max_tokens_per_micro_batch", "pack_sequences", "gradient_checkpointing", "checkpoint_scope",
-                 "compile_layers", "compile_scope", "cuda_graphs", "fused_optimizer", "offload", "param_dtype")
+                 "compile_layers", "compile_scope", "cuda_graphs", "fused_optimizer", "offload", "param_dtype",
+                 "fsdp_reshard_after_forward")
 """The flags that are `TrainerConfig` fields of the same name and default (`--trainer.<name>` in a run)."""
 
 LearnerWorkload = Literal["fixed", "ragged"]
@@ -70,6 +73,8 @@ class LearnerBenchArgs:
     """Ours: the compiled layers replayed as CUDA graphs over bucketed packed lengths."""
     fused_optimizer: bool = TrainerConfig.fused_optimizer
     """Fused AdamW on CUDA, ours and HF's."""
+    fsdp_reshard_after_forward: bool = TrainerConfig.fsdp_reshard_after_forward
+    """With --ranks N > 1: free each layer's gathered weights after its forward (gather again for the backward)."""
     offload: Literal["none", "optimizer", "params"] = TrainerConfig.offload
     """Ours (optimizer: AdamW state in host memory, stepped on the GPU; params: FSDP2's CPU offload on a
     one-rank group)."""
@@ -80,6 +85,11 @@ class LearnerBenchArgs:
     warmup_steps: int = 2
     """Untimed optimizer steps first, on their own rows (the first compiles; the next ones let the caching
     allocator settle), so the timed steps are steady state. The first step's seconds are reported apart."""
+    ranks: int = 1
+    """Trainer ranks: N > 1 times our step on a trainer group of N processes (FSDP2, one device each: cuda:0..N-1,
+    or gloo processes on CPU), each step's --rows shared among them as a run's group shares a batch
+    (`asyncrl_bench.learner_group`); the row gives the group's tok/s, per GPU, and each rank's peak memory.
+    Ours only: add --no-baseline."""
     baseline: bool = True
     """Also time a transformers training step (with --lora.rank: transformers + peft's LoRA)."""
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
@@ -105,6 +115,19 @@ class LearnerBenchArgs:
                              "--offload none): add --no-baseline, and leave --lora.rank at 0")
         if self.group_size < 1 or self.rows < self.group_size or self.rows % self.group_size:
             raise ValueError(f"--rows {self.rows} must be a positive multiple of --group-size {self.group_size}")
+        if self.ranks < 1:
+            raise ValueError(f"--ranks {self.ranks} must be >= 1")
+        if self.ranks > 1 and (self.baseline or self.lora.rank > 0 or self.offload == "optimizer"):
+            raise ValueError(f"--ranks {self.ranks} times our own trainer group only: add --no-baseline, leave "
+                             "--lora.rank at 0 and --offload at none or params (the group shards the optimizer)")
+        if self.ranks > 1 and self.device.startswith("cuda"):
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.ranks > count:
+                raise ValueError(f"--ranks {self.ranks} needs a GPU per rank (cuda:0..cuda:{self.ranks - 1}); this "
+                                 f"machine has {count}")
+        if self.ranks > 1 and self.rows // self.group_size < self.ranks:
+            raise ValueError(f"--rows {self.rows}: each of the --ranks {self.ranks} trains its own groups of "
+                             f"--group-size {self.group_size}; give at least {self.ranks * self.group_size} rows")
         for flag, value in (("--steps", self.steps), ("--max-tokens-per-micro-batch", self.max_tokens_per_micro_batch)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be >= 1")

@@ -39,7 +39,7 @@ bench() {  # bench NAME DEVICES... -- ARGS...
   local name=$1; shift
   local devices=()
   while [ "$1" != "--" ]; do devices+=("$1"); shift; done; shift
-  timeout "$LIMIT" python3 -m asyncrl.cli bench async --devices "${devices[@]}" --out "$OUT/$name" "$@" ${BENCH_ARGS:-} \
+  timeout "$LIMIT" python3 scripts/bench_async.py --devices "${devices[@]}" --out "$OUT/$name" "$@" ${BENCH_ARGS:-} \
     > "$OUT/$name.log" 2>&1
   echo "== $name (exit $?)"; tail -n 20 "$OUT/$name.log" | grep '^|\|bare broadcast' || tail -n 5 "$OUT/$name.log"
 }

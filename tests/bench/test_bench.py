@@ -222,6 +222,10 @@ def test_time_steps_counts_compilation_in_the_warmup_only():
     (dict(rows=6, group_size=4), "--rows 6 must be a positive multiple of --group-size 4"),
     (dict(workload="fixed", response_len=0), "--response-len 0 must be >= 1"),
     (dict(warmup_steps=-1), "--warmup-steps -1 must be >= 0"),
+    (dict(ranks=0), "--ranks 0 must be >= 1"),
+    (dict(ranks=2), "--ranks 2 times our own trainer group only: add --no-baseline"),
+    (dict(ranks=2, baseline=False, offload="optimizer"), "leave --lora.rank at 0 and --offload at none or params"),
+    (dict(ranks=3, baseline=False, rows=8, group_size=4), "give at least 12 rows"),
 ])
 def test_learner_bench_refuses_bad_shapes_before_loading(change, flag):
     args = LearnerBenchArgs(**{**TINY_RAGGED, "model": "/no/such/model", **change})  # loading would fail otherwise
@@ -358,3 +362,15 @@ def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):
     on_cpu = run_roofline(dict(row, trainer_devices=["cpu"], agent_devices=["cpu"]), model, colocated=True)
     assert on_cpu["roofline_tok_s"] is None and "no known peak" in on_cpu["roofline_note"]
     assert _meta_model("/no/such/model") is None
+
+
+def test_a_group_row_waits_for_its_slowest_rank():
+    """Two ranks over 2 timed steps of 1,000 tokens each: rank 1 took 1.5 s, so the group's rate is 2,000 / 1.5
+    tokens/s, 666.7 a GPU; each step's seconds are the slower rank's."""
+    from asyncrl_bench.learner_group import group_row
+    args = LearnerBenchArgs(**{**TINY_RAGGED, "ranks": 2, "baseline": False})
+    ranks = [dict(timed_s=1.0, first_s=5.0, step_s=[0.4, 0.6], compiles_timed={"frames": 0}, peak_gib=None),
+             dict(timed_s=1.5, first_s=4.0, step_s=[0.9, 0.6], compiles_timed={"frames": 0}, peak_gib=None)]
+    row = group_row(args, ranks, tokens=2000.0, flops=1e12)
+    assert row["ours_tok_s"] == pytest.approx(2000 / 1.5) and row["ours_tok_s_per_gpu"] == pytest.approx(2000 / 3)
+    assert row["ours_step_s"] == [0.9, 0.6] and row["ours_first_step_s"] == 5.0 and row["ours_mfu"] is None
