@@ -12,7 +12,7 @@ Units: tokens/s, seconds, GiB (2**30 bytes). A sample is one response and its pr
 `trigger` steps and one publication. Assumptions, each one a measurement can overrule:
 
 - the learner's tok/s does not depend on row length (packed micro-batches of one token budget) and scales
-  linearly over k FSDP2 ranks, except that 2+ ranks run their layers eagerly (FSDP_EAGER);
+  over k FSDP2 ranks at the measured per-GPU efficiency of a compiled group (FSDP_GROUP);
 - an engine's tok/s at b sequences decoded together is interpolated between measured batches: linear between
   them, the largest batch's tok/s above, each sequence at the smallest batch's speed below; KV length is ignored;
 - every generated sample is trained; responses started together finish after the longest (`max_response_len`);
@@ -30,7 +30,7 @@ from asyncrl.planning.memory import GIB, engine_bytes, trainer_state_bytes
 
 __all__ = ["ModelShape", "Workload", "WORKLOADS", "Rates", "Knobs", "Layout", "Prediction", "Plan",
            "engine_tok_s", "memory_gib", "sync_seconds", "layouts", "predict", "recommend", "plan", "layout_of",
-           "timeline", "trainer_scale", "ADVICE_GAIN"]
+           "timeline", "trainer_scale", "group_efficiency", "ADVICE_GAIN"]
 
 Kind = Literal["split", "shared", "colocated"]
 SYNC_BYTES_PER_S = {"split": 75e9, "shared": 0.55e9, "colocated": 7e9}
@@ -42,10 +42,11 @@ GPU_BUSY_LEARNER, GPU_BUSY_ENGINE = 0.56, 0.78
 """The share of its time each side keeps a GPU busy (both are host-bound): a learner step 47-66 % (docs/limits.md);
 a decode step ~1 ms of host work in 4.54 ms (docs/benchmarks/archive/engine-h100-2026-11-22.md, batch 256). On one shared GPU the two run at
 once, slowed only where their summed demand exceeds the GPU."""
-FSDP_EAGER = 0.55
-"""Per-GPU learner speed of a 2+ rank FSDP2 group, whose layers run eagerly (docs/limits.md), over a compiled
-single process: eager ran 0.47-0.61 of compiled (docs/benchmarks/archive/learner-h100-2026-11-24.md, "What each
-piece gave")."""
+FSDP_GROUP = {2: 0.82, 4: 0.66}
+"""Per-GPU learner speed of a k-rank FSDP2 group (compiled layers, bf16 layer gathers, groups dealt by tokens) over
+one compiled process, measured at the Qwen3-1.7B shape on 4 x H100 (docs/benchmarks/one-node-4xh100-2026-11-27.md:
+one process ~38,400 tok/s; 2 ranks 31,410 a GPU; 4 ranks 25,248). Other k: linear in log2 k between and beyond
+the measured points (`group_efficiency`)."""
 ACTIVATION_BYTES = 32
 """Learner memory above its states, per micro-batch token, layer and hidden unit, where no peak was measured: the
 0.5B shape peaked 9-11 GiB above its 7.4 GiB of states at a 16,384 budget (rough: 9.5 GiB at 8,192)."""
@@ -241,9 +242,22 @@ def engine_tok_s(points: tuple[tuple[float, float], ...], batch: float) -> float
     return pts[-1][1]
 
 
+def group_efficiency(k: int) -> float:
+    """Per-GPU speed of a k-rank trainer group over one compiled process (`FSDP_GROUP`; 1.0 for k = 1), linear in
+    log2 k through the measured points, at least 0.25."""
+    if k <= 1:
+        return 1.0
+    if k in FSDP_GROUP:
+        return FSDP_GROUP[k]
+    (k1, e1), (k2, e2) = sorted(FSDP_GROUP.items())[:2]
+    slope = (e2 - e1) / (math.log2(k2) - math.log2(k1))
+    return max(0.25, e1 + slope * (math.log2(k) - math.log2(k1)))
+
+
 def trainer_scale(k: int, compiled: bool) -> float:
-    """A group of k trainer GPUs trains this many times one GPU's measured tok/s."""
-    return k * (FSDP_EAGER if k > 1 and compiled else 1.0)
+    """A group of k trainer GPUs trains this many times one GPU's measured tok/s (`compiled`: the measured GPU
+    compiled its layers, as the group does; an eager measurement scales linearly)."""
+    return k * (group_efficiency(k) if compiled else 1.0)
 
 
 def _trainer_tok_s(rates: Rates, k: int) -> float:

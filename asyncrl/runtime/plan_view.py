@@ -58,7 +58,7 @@ def runtime_plan(layout: Layout, *, tokens: float, response_tokens: float, train
     what was trained in it (steady state); busy times measured beside the other side already hold any sharing of a
     GPU, so a shared layout is predicted as a split one, with no boundary wait. For a split, its neighbours (a GPU
     moved from one side to the other, or one more on a side) are predicted with rates linear in GPUs
-    (`trainer_scale`: FSDP2's eager layers where the group grows from one `compiled` rank); the best move wins,
+    (`trainer_scale`: a group's per-GPU efficiency where it grows from one `compiled` rank); the best move wins,
     else the best addition, if it gains ADVICE_GAIN. None without both busy times."""
     if min(tokens, train_s, gen_s) <= 0:
         return None

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncrl.planning.predict import (
-    FSDP_EAGER, GIB, MIN_GAIN, Knobs, Layout, ModelShape, Rates, Workload, engine_tok_s, layout_of, layouts,
+    FSDP_GROUP, GIB, MIN_GAIN, Knobs, Layout, ModelShape, Rates, Workload, engine_tok_s, layout_of, layouts,
     memory_gib, plan, predict, recommend, sync_seconds,
 )
 from asyncrl.policies.loading import ARCH_PRESETS
@@ -79,7 +79,7 @@ def test_colocated_golden_values():
     assert p.trainer_idle == pytest.approx(8 / version) and p.rollout_idle == pytest.approx(1 - 8 / version)
     compiled = predict(SHAPE, WORK, Rates(10_000, 1000, 1000, ((100, 5000.0),), learner_compiled=True),
                        Layout("colocated", 2, 2), KNOBS)
-    assert compiled.version_s == pytest.approx(8 + 0.5 / FSDP_EAGER + 2.25e9 / 7e9)  # 2 ranks run eagerly
+    assert compiled.version_s == pytest.approx(8 + 0.5 / FSDP_GROUP[2] + 2.25e9 / 7e9)  # 2 ranks: 0.82 a GPU
 
 
 def test_memory_golden_values():
