@@ -7,7 +7,8 @@ Every variant is one real training run (the multi-process launcher, `asyncrl.lau
 data and hyperparameters; only the mode and the placement differ:
 
     sync           colocated: every device hosts a trainer rank (FSDP2) and an engine; generate, then train
-                   (staleness 0, trigger 1, no partial rollout) — verl's colocated baseline
+                   (staleness 0, trigger 1, no partial rollout) — verl's colocated baseline; the engines free
+                   their KV cache while training, as a run does by default (`sync:sleep=0` keeps it)
     one-step-off   split: generation of batch k+1 overlaps training on batch k (staleness 1, trigger 1, version
                    lag capped at 1 with lag policy "wait")
     stream         split: the trainer takes mini-batches as they stream in (staleness 0, trigger 4)
@@ -182,7 +183,8 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                               optim=OptimConfig(lr=args.lr)),
         async_training=AsyncConfig(staleness_threshold=k["staleness"], trigger_parameter_sync_step=trigger,
                                    partial_rollout=k["partial"], colocated=bool(k.get("colocated")),
-                                   colocated_sleep=k.get("sleep", False), max_version_lag=k.get("lag"),
+                                   colocated_sleep=k.get("sleep", AsyncConfig.colocated_sleep),
+                                   max_version_lag=k.get("lag"),
                                    lag_policy="wait" if k.get("lag") is not None else "drop",
                                    total_versions=math.ceil(args.steps / trigger) + 1,  # + the warm-up version
                                    time_budget_s=args.time_budget_s, sync_timeout_s=args.sync_timeout_s),

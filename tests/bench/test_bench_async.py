@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from asyncrl.config import AsyncConfig
+
 from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async, parse_variant, summarize, variant_config
 
 pytestmark = pytest.mark.slow
@@ -55,6 +57,9 @@ def test_variants_parse_and_bad_ones_name_the_key():
     with pytest.raises(ValueError, match="--devices cuda:0 cuda:0 lists cuda:0 twice"):
         variant_config(twice, "sync")  # colocated: a trainer rank on each device
     assert variant_config(twice, "stale-partial").placement.agent_devices == ("cuda:0",)  # 1+1 may share a GPU
+    sync = variant_config(args, "sync").async_training  # a run's default: colocated engines sleep while training
+    assert sync.colocated and sync.colocated_sleep is AsyncConfig.colocated_sleep is True
+    assert variant_config(args, "sync:sleep=0").async_training.colocated_sleep is False
 
 
 def test_summarize_counts_only_versions_after_the_warm_up(tmp_path):
