@@ -175,3 +175,19 @@ def test_an_8b_full_fine_tune_fits_one_gpu_only_with_the_optimizer_offloaded(tmp
         plan_main(base)
     assert exit_.value.code == 1
     assert "no layout fits in --gpu-memory-gib" in capsys.readouterr().out
+
+
+def test_the_one_node_report_s_blind_prediction_for_the_1_7b_shape_on_4_gpus(capsys):
+    """docs/benchmarks/one-node-4xh100-2026-11-27.md's planner table comes from the transcribed 1.7B rates
+    (examples/plan/*qwen3-1.7b*.json): 2 + 2 picked at 44,739 trained tok/s, colocated sync 25,046, so the best
+    split is 1.79x sync."""
+    plan_main(["--model", "random:qwen3-1.7b", "--gpus", "4",
+               "--learner-json", str(ROOT / "examples/plan/learner-h100-qwen3-1.7b.json"),
+               "--engine-json", str(ROOT / "examples/plan/engine-h100-qwen3-1.7b.json"),
+               "--prompt-len", "110", "--response-len", "1024", "--mini-batch-size", "16",
+               "--staleness-threshold", "0.5", "--trigger", "4", "--slots", "256"])
+    text = capsys.readouterr().out
+    assert "* 2 trainer + 2 agent             44,739" in text
+    for row in ("1 trainer + 3 agent             34,359", "3 trainer + 1 agent             37,138",
+                "colocated sync (4)              25,046"):
+        assert row in text
