@@ -38,7 +38,7 @@ from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
 from asyncrl.planning import Layout
 from asyncrl.runtime.eval_schedule import EvalSchedule
-from asyncrl.runtime.lifecycle import StopRequest
+from asyncrl.runtime.lifecycle import RunFailed, StopRequest
 from asyncrl.runtime.plan_view import PlanAdvisor
 from asyncrl.runtime.queue import QueueTimeout, SampleQueue
 from asyncrl.runtime.roster import Roster
@@ -46,7 +46,7 @@ from asyncrl.runtime.run_log import QuietLog, RunLog
 from asyncrl.types import Group
 
 __all__ = ["Controller", "RunParts", "CheckpointPolicy", "RunSummary", "TrainingEnd", "Interrupted",
-           "WeightPublisher", "Trainers"]
+           "WeightPublisher", "Trainers", "BatchTimeout", "batch_timeout_message"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,23 @@ class TrainingEnd(NamedTuple):
 
 class Interrupted(Exception):
     """A stop was requested while the trainer waited for samples."""
+
+
+class BatchTimeout(RunFailed):
+    """The trainer waited --async-training.take-timeout-s for a learner step's groups and did not get them: a run
+    failure its message explains in full (`batch_timeout_message`), reported as one line without a traceback."""
+
+
+def batch_timeout_message(*, waited_s: float, want: int, have: int, in_flight: int, mini_batch_size: int,
+                          require_batches: int, take_timeout_s: float) -> str:
+    """Why the trainer gave up on a learner step of `want` groups: how long it really waited, the `have` groups it
+    had (taken or queued) and the prompts agents still held, and the flags to change."""
+    step = f"--trainer.mini-batch-size {mini_batch_size}" + (
+        f" × --async-training.require-batches {require_batches}" if require_batches != 1 else "")
+    return (f"the trainer waited {waited_s:.0f} s for a learner step's {want} groups ({step}) and got {have} "
+            f"({in_flight} prompts still in flight), past --async-training.take-timeout-s {take_timeout_s:g}; the "
+            "rollout agents may be dead, idle or slower than that: raise --async-training.take-timeout-s, or lower "
+            "--trainer.mini-batch-size")
 
 
 @dataclasses.dataclass
@@ -199,10 +216,14 @@ class Controller:
                 return None
             try:
                 groups = self.queue.take(n - len(out), timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
-            except QueueTimeout:
+            except QueueTimeout as err:
                 if time.monotonic() > deadline:
                     self.queue.put_back(out)
-                    raise
+                    raise BatchTimeout(batch_timeout_message(
+                        waited_s=time.monotonic() - start, want=n, have=len(out) + err.have,
+                        in_flight=err.in_flight, mini_batch_size=self.state.config.mini_batch_size,
+                        require_batches=self.config.require_batches,
+                        take_timeout_s=self.config.take_timeout_s)) from None
                 continue
             algo = self.state.algorithm
             if algo.filter_groups:

@@ -31,7 +31,12 @@ __all__ = ["Task", "Ledger", "SampleQueue", "QueueTimeout"]
 
 
 class QueueTimeout(TimeoutError):
-    """The trainer waited longer than its timeout for groups (every agent idle, dead or too slow)."""
+    """The trainer waited longer than its timeout for groups (every agent idle, dead or too slow). `have`: the
+    groups queued then; `in_flight`: the prompts agents held then."""
+
+    def __init__(self, message: str, *, have: int = 0, in_flight: int = 0):
+        super().__init__(message)
+        self.have, self.in_flight = have, in_flight
 
 
 @dataclasses.dataclass
@@ -172,7 +177,8 @@ class SampleQueue:
     def take(self, n: int, *, timeout: float, should_stop=lambda: False) -> list[Group]:
         """The `n` oldest queued groups (by min token version, then arrival). Blocks until there are n;
         drops groups over `max_version_lag` when lag_policy is "drop". Raises QueueTimeout."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         with self.changed:
             while True:
                 self._drop_stale()
@@ -182,9 +188,11 @@ class SampleQueue:
                     return out
                 left = deadline - time.monotonic()
                 if left <= 0 or should_stop():
-                    raise QueueTimeout(f"waited {timeout:.0f} s for {n} groups, have {len(self.queue)} "
-                                       f"(in flight {len(self.ledger.ids('in_flight'))}); agents may be dead, "
-                                       "idle on an exhausted budget, or slower than the timeout")
+                    in_flight = len(self.ledger.ids("in_flight"))
+                    raise QueueTimeout(f"waited {time.monotonic() - start:.1f} s for {n} groups, have "
+                                       f"{len(self.queue)} (in flight {in_flight}); agents may be dead, idle on an "
+                                       "exhausted budget, or slower than the timeout",
+                                       have=len(self.queue), in_flight=in_flight)
                 self.changed.wait(min(left, 0.5))
 
     def _drop_stale(self) -> None:

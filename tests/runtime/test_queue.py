@@ -154,8 +154,9 @@ def test_take_blocks_until_enough_groups_then_times_out_cleanly():
     tasks = q.request("a0", 3)
     q.submit("a0", group_of(tasks[0]))
     start = time.monotonic()
-    with pytest.raises(QueueTimeout, match="waited"):
-        q.take(2, timeout=0.3)
+    with pytest.raises(QueueTimeout, match=r"waited \d+\.\d s for 2 groups, have 1 \(in flight 2\)") as err:
+        q.take(2, timeout=0.3)  # the time it really waited, not the timeout rounded ("waited 0 s")
+    assert (err.value.have, err.value.in_flight) == (1, 2)
     assert 0.25 < time.monotonic() - start < limit(3)
     assert len(q.queue) == 1 and q.ledger.state[0] == "queued"  # nothing lost by the timeout
 
