@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -24,8 +24,9 @@ from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.model_directory import has_recurrent_layers
 from asyncrl.policies.sampling import SamplingParams
 
-__all__ = ["LoadGroups", "RELOAD_LOSES", "engine_args", "experts_prefix", "vllm_add", "vllm_add_lora",
-           "vllm_generate", "vllm_llm", "vllm_llm_engine", "vllm_load_groups", "vllm_reload", "vllm_remove_lora"]
+__all__ = ["LoadGroups", "RELOAD_LOSES", "engine_args", "experts_prefix", "placement_args", "vllm_add",
+           "vllm_add_lora", "vllm_generate", "vllm_llm", "vllm_llm_engine", "vllm_load_groups", "vllm_reload",
+           "vllm_remove_lora"]
 
 
 def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
@@ -35,14 +36,13 @@ def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len:
         torch.cuda.set_device(torch.device(device))
     eager = options.enforce_eager if options.enforce_eager is not None else not device.startswith("cuda")
     tp = options.tensor_parallel_size
-    if tp > 1:
-        os.environ.update(_tp_placement(device, tp))
+    placement, env = placement_args(device, tp, cores=sorted(os.sched_getaffinity(0)), environ=os.environ)
+    os.environ.update(env)
     return dict(model=model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
                 max_num_seqs=max_slots, enforce_eager=eager, logprobs_mode="processed_logprobs",
                 skip_tokenizer_init=True, enable_prefix_caching=options.enable_prefix_caching, seed=seed,
                 gpu_memory_utilization=options.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
-                tensor_parallel_size=tp, disable_log_stats=True,
-                **(dict(distributed_executor_backend="mp") if tp > 1 else {}),  # workers: processes of their own
+                tensor_parallel_size=tp, disable_log_stats=True, **placement,
                 **(_lora_args(lora_rank) if lora_rank else {}),
                 enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
                 **({} if device.startswith("cuda") else _cpu_prefill(model_dir, max_slots, max_len)))
@@ -159,22 +159,34 @@ def _lora_args(rank: int) -> dict:
     return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
 
 
-def _tp_placement(device: str, tp: int) -> dict[str, str]:
-    """Where vLLM's `tp` worker processes run, as the environment they inherit. GPU: worker r takes the r-th
-    visible device, so the visible devices become the agent's and the `tp - 1` after it. CPU: each worker binds
-    its OpenMP threads to an equal share of the cores this process may use (vLLM's automatic binding wants a
-    NUMA node per worker). Checked by the preflight (`check_tensor_parallel`) before any process starts."""
+def placement_args(device: str, tp: int, *, cores: Sequence[int] = (),
+                   environ: Mapping[str, str] = {}) -> tuple[dict, dict[str, str]]:
+    """(vLLM engine arguments, environment for this process and the workers it starts) that put vLLM's model on
+    the agent's devices. Checked by the preflight (`check_tensor_parallel`) before any process starts.
+
+    GPU: `device_ids`, the agent's device and the `tp - 1` after it, numbered as this process sees them (vLLM
+    0.26 – 0.32 composes them with CUDA_VISIBLE_DEVICES and pins each worker to its GPU by physical id);
+    `CUDA_VISIBLE_DEVICES` is left alone: this process has initialised CUDA already (its model, its weight
+    channel), and a value changed afterwards reached vLLM's spawned workers but not this process, so the two
+    numbered the GPUs differently. Without `device_ids` vLLM 0.26 puts its worker 0 on cuda:0 whatever the
+    current device (its DeviceConfig carries no index), so an agent on cuda:1 would serve from the trainer's GPU.
+    With `tp` > 1 the workers are processes of their own ("mp"), started with spawn: a fork of a process that
+    holds a CUDA context cannot use CUDA (vLLM would switch to spawn itself, with a warning).
+    CPU: each worker binds its OpenMP threads to an equal share of `cores` (vLLM's automatic binding wants a
+    NUMA node per worker), unless `environ` sets VLLM_CPU_OMP_THREADS_BIND already."""
     if device.startswith("cuda"):
-        index = torch.device(device).index or 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[index:index + tp])}
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
+        first = torch.device(device).index or 0
+        args = dict(device_ids=list(range(first, first + tp)))
+        if tp == 1:
+            return args, {}
+        return dict(args, distributed_executor_backend="mp"), {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if tp == 1:
+        return {}, {}
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return dict(distributed_executor_backend="mp"), {}
     share = len(cores) // tp
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[r * share:(r + 1) * share]))
-                                                   for r in range(tp))}
+    binding = "|".join(",".join(map(str, cores[r * share:(r + 1) * share])) for r in range(tp))
+    return dict(distributed_executor_backend="mp"), {"VLLM_CPU_OMP_THREADS_BIND": binding}
 
 
 def vllm_llm_engine(model_dir: str, options: VLLMConfig, **kwargs):

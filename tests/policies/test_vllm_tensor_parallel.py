@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from asyncrl.config import RolloutConfig, VLLMConfig
 from asyncrl.policies import SamplingParams, load_model
 from asyncrl.launch.preflight import check_tensor_parallel
+from asyncrl.policies.vllm_calls import engine_args, placement_args
 from tests.policies.helpers import forward_logprobs, logprob_tol
 from tests.run_helpers import needs_vllm
 
@@ -79,3 +81,36 @@ def test_shardings_that_cannot_work_are_refused_before_anything_starts():
     RolloutConfig(vllm=VLLMConfig(tensor_parallel_size=2)).validate()  # auto: vLLM for some models (build_spec checks)
     with pytest.raises(ValueError, match="--rollout.vllm.tensor-parallel-size 0 is invalid"):
         RolloutConfig(backend="vllm", vllm=VLLMConfig(tensor_parallel_size=0)).validate()
+
+
+def test_gpu_shards_are_named_to_vllm_by_device_ids_and_the_environment_is_left_alone():
+    # an agent on cuda:2 with 2 shards: vLLM's workers take devices 2 and 3 of this process's numbering (vLLM
+    # composes device_ids with CUDA_VISIBLE_DEVICES), are processes of their own, started with spawn
+    args, env = placement_args("cuda:2", 2, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert args == {"device_ids": [2, 3], "distributed_executor_backend": "mp"}
+    assert env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # CUDA_VISIBLE_DEVICES is never rewritten
+    # one GPU of its own: vLLM would take cuda:0 (the trainer's) without device_ids; in-process, no env
+    assert placement_args("cuda:1", 1) == ({"device_ids": [1]}, {})
+    assert placement_args("cuda", 1) == ({"device_ids": [0]}, {})
+
+
+def test_cpu_shards_split_the_cores_unless_a_binding_is_given():
+    assert placement_args("cpu", 1, cores=[0, 1]) == ({}, {})
+    args, env = placement_args("cpu", 2, cores=[0, 1, 2, 3, 4])  # 5 cores, 2 each; the fifth is left out
+    assert args == {"distributed_executor_backend": "mp"} and env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    assert placement_args("cpu", 2, cores=[0, 1], environ={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) == (
+        {"distributed_executor_backend": "mp"}, {})
+
+
+def test_engine_args_on_gpu_pin_the_device_without_touching_cuda_visible_devices(monkeypatch, tmp_path):
+    set_devices = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_devices.append)  # no GPU here: record the call
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test, as are the two below
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # a fork of a CUDA process cannot use CUDA: replaced
+    args = engine_args(str(tmp_path), VLLMConfig(tensor_parallel_size=2), max_slots=8, max_len=64,
+                       dtype=torch.bfloat16, device="cuda:1", kv_bytes=None, seed=0)
+    assert args["device_ids"] == [1, 2] and args["tensor_parallel_size"] == 2
+    assert args["distributed_executor_backend"] == "mp" and args["enable_sleep_mode"] and not args["enforce_eager"]
+    assert set_devices == [torch.device("cuda:1")]
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
