@@ -88,7 +88,7 @@ DIFFERENT: dict[str, dict[str, tuple[str, str]]] = {
 
 OWN: dict[str, set[str]] = {
     "LearnerBenchArgs": {"device", "rows", "workload", "prompt_len", "response_len", "prompt_len_min", "prompt_len_max",
-                       "response_len_min", "response_len_max", "steps", "warmup_steps", "baseline", "out"},
+                       "response_len_min", "response_len_max", "steps", "warmup_steps", "baseline", "out", "ranks"},
     "AsyncBenchArgs": {"variants", "devices", "steps", "out", "nccl_reference"},
     "EngineBenchArgs": {"device", "backends", "batch_sizes", "prompt_len", "seeded", "out"},
     "AttentionBenchArgs": {"batch_sizes", "contexts", "lengths", "kernels", "dtype", "iters", "max_cache_gb", "seed",
