@@ -146,6 +146,11 @@ class TrainerConfig:
     """A trainer group (FSDP2, 2+ trainer devices): free each decoder layer's gathered weights after its
     forward and gather them again for its backward. Off: keep them from forward to backward (one all-gather
     fewer per layer and micro-batch; every rank holds the whole bf16 model while a micro-batch runs)."""
+    routing_replay: Literal["off", "r2"] = "off"
+    """Mixture-of-experts models: r2 records the experts each router picks for each token in the learner's
+    first pass over a batch (the one that computes π_old) and replays them in every update of that batch, so
+    the PPO ratio compares the same experts across updates and epochs while the routers still get gradients
+    (`asyncrl.policies.routing_replay`). off: each forward routes afresh."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -185,6 +190,9 @@ class TrainerConfig:
         if self.cuda_graphs and not (self.compile_layers and self.pack_sequences and self.use_dynamic_bsz):
             _fail(owner, "cuda_graphs", self.cuda_graphs, "replays compiled layers over packed micro-batches: "
                   "keep --trainer.compile-layers, --trainer.pack-sequences and --trainer.use-dynamic-bsz on")
+        if self.routing_replay != "off" and self.cuda_graphs:
+            _fail(owner, "routing_replay", self.routing_replay, "replays routes through each micro-batch's token "
+                  "cells, which the CUDA graphs' bucket padding shares; leave --trainer.cuda-graphs off")
         if self.temperature is not None and not self.temperature > 0:
             _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature), or None")
         self.optim.validate("trainer.optim")

@@ -97,6 +97,8 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
         resolve_backend(impl, cfg.rollout.backend)
     except ValueError as err:
         found.append(str(err))
+    if cfg.trainer.routing_replay != "off" and (problem := _routing_replay_problem(cfg, impl)) is not None:
+        found.append(problem)
     if impl == "hf" and cfg.algorithm.needs_critic:
         own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
         found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
@@ -104,6 +106,27 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
                          " or --model.impl own" if own else
                          f" (or one of asyncrl's own models: {', '.join(SUPPORTED_MODEL_TYPES)})"))
     return found
+
+
+MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json keys that give a mixture-of-experts model's routed experts per layer (their names differ by family)."""
+
+
+def _routing_replay_problem(cfg: RunConfig, impl: str) -> str | None:
+    """--trainer.routing-replay needs a mixture-of-experts model read through transformers (its routers)."""
+    flag = f"--trainer.routing-replay {cfg.trainer.routing_replay}"
+    if impl != "hf":
+        return (f"{flag}: {cfg.model.path} runs on asyncrl's own model, which has no mixture-of-experts routers; "
+                "leave it off (--trainer.routing-replay off)")
+    try:
+        config = model_config_dict(cfg.model.path)
+    except (OSError, ValueError):
+        return None  # the model checks say why
+    text = config.get("text_config") or config
+    if not any(isinstance(text.get(key), int) and text[key] > 1 for key in MOE_EXPERT_KEYS):
+        return (f"{flag}: {cfg.model.path} ({text.get('model_type', 'unknown type')}) is not a mixture-of-experts "
+                "model (its config names no routed experts); leave it off (--trainer.routing-replay off)")
+    return None
 
 
 def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:

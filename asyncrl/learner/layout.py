@@ -64,6 +64,9 @@ class MicroBatch:
     states [B·L] at the positions that predict them, `targets` [n] are their ids, and (`out_rows`,
     `out_cols`) [n] place them in the `[m, T]` response layout. `rows` [m] are the batch rows (`row_list`
     on the host); `empty` marks a placeholder that only keeps FSDP2's collectives in step (zero weight).
+    `token_index` [B·L] is where each of the forward's tokens sits in the batch's flattened `[N, S]` token grid
+    (a padded row's padding: its own cells past its length), so what travels with the tokens (MoE routes) is
+    laid out the same way.
     """
 
     row_list: list[int]
@@ -76,6 +79,7 @@ class MicroBatch:
     out_rows: Tensor
     out_cols: Tensor
     num_targets: int  # n, on the host
+    token_index: Tensor | None = None
     empty: bool = False
 
 
@@ -207,5 +211,6 @@ def plan_micro_batches(tokens: Tensor, micro_rows: list[list[int]], lengths: Row
             positions=rearrange(idx["positions"], rows_of, **axes) if packed else None,
             documents=layout(seq, idx["cu_seqlens"].to(torch.int32)) if packed else None,
             predict_at=idx["predict_at"], targets=flat_tokens[idx["target_index"]], out_rows=idx["out_rows"],
-            out_cols=idx["out_cols"], num_targets=sum(lengths.response[r] for r in rows), empty=not given))
+            out_cols=idx["out_cols"], num_targets=sum(lengths.response[r] for r in rows),
+            token_index=idx["token_index"], empty=not given))
     return out

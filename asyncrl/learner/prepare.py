@@ -4,6 +4,7 @@ number comes from `asyncrl.algos`; the forwards here run without gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -14,6 +15,7 @@ from asyncrl.config import OffPolicyConfig
 from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
 from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
+from asyncrl.learner.routes import empty_routes, store_routes
 from asyncrl.learner.sharding import compute_device
 from asyncrl.learner.state import LearnerState
 from asyncrl.policies.lora import adapters_off
@@ -35,6 +37,7 @@ class Prepared:
     is_weights: Tensor | None
     metrics: dict
     lengths: RowLengths  # on the host
+    routes: Tensor | None = None  # --trainer.routing-replay r2: [N·S, routers, top_k] (`asyncrl.learner.routes`)
 
     def totals(self) -> list[int]:
         """Prompt + response tokens of each row."""
@@ -43,9 +46,10 @@ class Prepared:
 
 @torch.no_grad()
 def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, lengths: RowLengths,
-                 values: bool = False) -> Tensor:
+                 values: bool = False, routes: Tensor | None = None) -> Tensor:
     """No-grad log-probs (or values) of every row, micro-batched like training, on the model's own device
-    (a reference or critic may live elsewhere); returned on the batch's device."""
+    (a reference or critic may live elsewhere); returned on the batch's device. With `routes` (a route grid,
+    `asyncrl.learner.routes`) the policy's routers' choices are recorded into it."""
     cfg = state.config
     home = batch.tokens.device
     tokens = batch.tokens.to(compute_device(model))
@@ -61,9 +65,13 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
             if values:
                 out[micro.rows] = micro_values(model, micro, width, autocast=cfg.autocast_bf16).to(out.dtype)
             else:
-                out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
-                                                 autocast=cfg.autocast_bf16,
-                                                 chunk_tokens=cfg.logits_chunk_tokens)[0].to(out.dtype)
+                recording = state.replay.recording() if routes is not None else contextlib.nullcontext()
+                with recording as recorded:
+                    out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
+                                                     autocast=cfg.autocast_bf16,
+                                                     chunk_tokens=cfg.logits_chunk_tokens)[0].to(out.dtype)
+                if routes is not None:
+                    store_routes(routes, micro, recorded.routes())
     finally:
         model.train(was_training)
     return out.to(home)
@@ -127,7 +135,10 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     algo, off = state.algorithm, state.config.off_policy
     metrics: dict = {}
     lengths = row_lengths(batch)
-    logp_old = batch.logp_behaviour if off.use_rollout_log_probs else _forward_all(state, state.policy, batch, lengths)
+    routes = _route_grid(state, batch)  # r2: recorded in the pass that computes π_old (run for it alone if need be)
+    own = (_forward_all(state, state.policy, batch, lengths, routes=routes)
+           if routes is not None or not off.use_rollout_log_probs else None)
+    logp_old = batch.logp_behaviour if off.use_rollout_log_probs else own
     logp_ref = _reference_logprobs(state, batch, lengths)
     values_old = (_forward_all(state, state.critic, batch, lengths, values=True)
                   if state.critic is not None else None)
@@ -149,4 +160,15 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     if not off.use_rollout_log_probs:
         metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - logp_old, mask))
     return Prepared(batch, logp_old, adv.advantages, adv.returns if values_old is not None else None, values_old,
-                    logp_ref, mask, is_weights, metrics, lengths)
+                    logp_ref, mask, is_weights, metrics, lengths, routes)
+
+
+def _route_grid(state: LearnerState, batch: RolloutBatch) -> Tensor | None:
+    """An empty route grid for `batch` where the learner replays routes (`--trainer.routing-replay r2`), else None."""
+    if state.replay is None:
+        return None
+    top_k = {int(router.top_k) for _, router in state.replay.routers}
+    if len(top_k) != 1:
+        raise ValueError(f"--trainer.routing-replay: the routers choose {sorted(top_k)} experts; one top_k is needed")
+    return empty_routes(batch.num_rows, batch.tokens.shape[1], routers=len(state.replay.routers), top_k=top_k.pop(),
+                        device=batch.tokens.device)

@@ -15,6 +15,7 @@ from asyncrl.learner.offload import HostAdamW
 from asyncrl.learner.sharding import compute_device, shard_model, sharding_options
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
+from asyncrl.policies.routing_replay import RoutingReplay
 from asyncrl.policies.value import ValueModel
 
 __all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config"]
@@ -41,6 +42,7 @@ class LearnerState:
     critic_skipped_updates: int = 0
     group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
     reference_is_base: bool = False  # π_ref = the LoRA policy's base, its adapters off (no second model)
+    replay: RoutingReplay | None = None  # --trainer.routing-replay: the policy's MoE routers
 
     @property
     def device(self) -> torch.device:
@@ -180,6 +182,11 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
                          reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group,
                          reference_is_base=algorithm.needs_reference and reference is None)
+    if config.routing_replay != "off":
+        try:
+            state.replay = RoutingReplay(policy)
+        except ValueError as err:
+            raise ValueError(f"--trainer.routing-replay {config.routing_replay}: {err}") from None
     if reference is not None:
         reference.eval().requires_grad_(False)
     if critic is not None:

@@ -23,6 +23,7 @@ from asyncrl import algos
 from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
 from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
+from asyncrl.learner.routes import micro_routes, real_tokens
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
@@ -140,7 +141,19 @@ def _counts(state: LearnerState, prep: Prepared, rows: list[int]) -> Counts:
 
 # -------------------------------------------------------------------------------------- the losses
 def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
-    """Policy loss (− entropy bonus + KL loss) of one micro-batch; backward; detached statistics."""
+    """Policy loss (− entropy bonus + KL loss) of one micro-batch; backward; detached statistics. With routes
+    (`--trainer.routing-replay r2`) the routers pick the recorded experts, and `routing_disagreement` is the
+    share of (token, router) pairs whose own choice differed."""
+    if prep.routes is None:
+        return _actor_loss(state, prep, micro, counts)
+    routes, counted = micro_routes(prep.routes, micro), real_tokens(micro, prep.lengths)
+    with state.replay.replaying(routes, counted) as replayed:  # the forward and its backward's recompute
+        stats = _actor_loss(state, prep, micro, counts)
+    stats.means["routing_disagreement"] = torch.tensor(replayed.disagreement(), device=stats.tokens.device)
+    return stats
+
+
+def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
     cfg, algo = state.config, state.algorithm
     size = world(state)[1]
     idx = micro.rows

@@ -185,10 +185,11 @@ class RoutingReplay:
             yield recorded
 
     @contextlib.contextmanager
-    def replaying(self, routes: Tensor) -> Iterator[Replayed]:
+    def replaying(self, routes: Tensor, counted: Tensor | None = None) -> Iterator[Replayed]:
         """Within: router r picks `routes[:, r]` ([tokens, routers, top_k], the tokens in the order the forward
         runs them), weighted by its rule from its own logits, in every call (a recompute gets the same). A forward
-        over another number of tokens raises."""
+        over another number of tokens raises. `counted` (bool [tokens]; None: all) marks the tokens whose
+        disagreement counts (not a padded row's padding, whose routes are placeholders)."""
         if routes.dim() != 3 or routes.shape[1] != len(self.routers):
             raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}; expected [tokens, "
                              f"{len(self.routers)} routers, top_k]")
@@ -203,8 +204,12 @@ class RoutingReplay:
                 if chosen.shape != own.shape:
                     raise RuntimeError(f"routing replay: router {name} ran {tuple(own.shape)} (tokens, top_k) but "
                                        f"the routes hold {tuple(chosen.shape)}: routes and tokens are out of step")
-                replayed.differed = replayed.differed + route_disagreement(own, chosen).sum().cpu()
-                replayed.tokens += own.shape[0]  # a recompute counts its tokens again: the share is unchanged
+                differs = route_disagreement(own, chosen)
+                if counted is not None:
+                    differs = differs & counted.to(differs.device)
+                replayed.differed = replayed.differed + differs.sum().cpu()
+                # a recompute counts its tokens again: the share is unchanged
+                replayed.tokens += own.shape[0] if counted is None else int(counted.sum())
                 return logits, rule(module, logits, chosen).to(weights.dtype), chosen
             return hook
 

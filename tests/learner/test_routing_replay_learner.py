@@ -1,0 +1,108 @@
+"""`--trainer.routing-replay r2` in the learner: routes recorded in the pass that computes π_old travel with their
+tokens through any micro-batch layout (the route grid of asyncrl/learner/routes.py), are replayed in the updates,
+and `actor/routing_disagreement` reports how many choices the updated routers would have changed; configurations
+that cannot replay are refused naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.config import GRPO, TrainerConfig
+from asyncrl.learner import build_learner, collate, plan_micro_batches, split_rows, train_step
+from asyncrl.learner.forward import micro_logprobs, row_lengths
+from asyncrl.learner.layout import RowLengths
+from asyncrl.learner.prepare import prepare
+from asyncrl.learner.routes import empty_routes, micro_routes, real_tokens, store_routes
+from asyncrl.policies import load_model
+from tests.learner_helpers import on_policy, synthetic_groups, tiny_policy, trainer_config
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 9)), min_size=1, max_size=8),
+       st.integers(4, 40), st.integers(4, 40), st.booleans(), st.booleans())
+def test_routes_written_in_one_layout_are_read_by_their_tokens_in_another(rows, budget_a, budget_b, packed_a,
+                                                                           packed_b):
+    """Each token's route is its own grid cell's number: written through layout A's micro-batches, read through
+    B's (packed or padded, other splits), every real token reads its own number."""
+    prompt, response = [p for p, _ in rows], [r for _, r in rows]
+    width = max(p + r for p, r in rows) + 2
+    lengths = RowLengths(prompt, response, width)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    totals = [lengths.total(r) for r in range(len(rows))]
+    grid = empty_routes(len(rows), width, routers=1, top_k=1, device="cpu")
+    for packed, budget, write in ((packed_a, budget_a, True), (packed_b, budget_b, False)):
+        cfg = TrainerConfig(max_tokens_per_micro_batch=budget, pack_sequences=packed)
+        for micro in plan_micro_batches(tokens, split_rows(list(range(len(rows))), totals, cfg), lengths,
+                                        packed=packed):
+            if write:
+                store_routes(grid, micro, micro.token_index.view(-1, 1, 1))
+                continue
+            read = micro_routes(grid, micro).view(-1)
+            real = real_tokens(micro, lengths)
+            assert torch.equal(read[real], micro.token_index[real])
+
+
+@pytest.fixture(scope="module")
+def moe_policy(hf_zoo):
+    return load_model(str(hf_zoo("qwen3_moe")))
+
+
+def test_r2_routes_follow_their_tokens_from_the_packed_pass_into_padded_updates(moe_policy):
+    """π_old's pass (packed, 64-token micro-batches) records the routes; a padded layout of other micro-batches
+    replays them: no router's choice differs from the replayed one, and the log-probs equal the unreplayed ones."""
+    groups = on_policy(moe_policy, synthetic_groups(3, 3, seed=4, prompt_lens=(2, 9), response_lens=(1, 12)))
+    state = build_learner(moe_policy, trainer_config(routing_replay="r2", use_dynamic_bsz=True,
+                                                     max_tokens_per_micro_batch=64), GRPO())
+    batch = collate(groups)
+    prep = prepare(state, batch)
+    assert prep.routes is not None and prep.routes.shape[1:] == (2, 2)
+    lengths = row_lengths(batch)
+    padded = TrainerConfig(max_tokens_per_micro_batch=100, pack_sequences=False)
+    for micro in plan_micro_batches(batch.tokens, split_rows(list(range(batch.num_rows)), prep.totals(), padded),
+                                    lengths, packed=False):
+        with torch.no_grad():
+            plain, _ = micro_logprobs(state.policy, micro, batch.response_mask.shape[1])
+            with state.replay.replaying(micro_routes(prep.routes, micro), real_tokens(micro, lengths)) as replayed:
+                again, _ = micro_logprobs(state.policy, micro, batch.response_mask.shape[1])
+        assert replayed.disagreement() == 0.0
+        assert torch.allclose(again, plain, atol=1e-5)
+
+
+def test_an_r2_step_reports_the_routers_disagreement(hf_zoo):
+    """Two epochs at a large learning rate move the routers: the step trains, and the metric is a share."""
+    policy = load_model(str(hf_zoo("qwen3_moe")))
+    groups = on_policy(policy, synthetic_groups(4, 4, seed=5, prompt_lens=(2, 9), response_lens=(2, 12)))
+    state = build_learner(policy, trainer_config(routing_replay="r2", ppo_epochs=2, lr=5e-2, mini_batch_size=2),
+                          GRPO())
+    _, metrics = train_step(state, groups)
+    assert 0.0 <= metrics["actor/routing_disagreement"] <= 1.0
+    assert metrics["actor/routing_disagreement"] > 0  # the first update moved the routers of the later ones
+
+
+def test_configurations_that_cannot_replay_are_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--trainer.routing-replay r2: .*no mixture-of-experts router"):
+        build_learner(tiny_policy(), trainer_config(routing_replay="r2"), GRPO())
+    with pytest.raises(ValueError, match="--trainer.cuda-graphs"):
+        TrainerConfig(routing_replay="r2", cuda_graphs=True).validate()
+
+
+def test_the_checks_before_launch_refuse_replay_without_moe_routers(hf_zoo):
+    """Before any process: an own model and a dense HF-path model are refused naming the flag; a MoE passes."""
+    import dataclasses
+
+    from asyncrl.config.presets import CPU_DEMO
+    from asyncrl.launch.model_checks import implementation_problems
+
+    def problems(path: str) -> list[str]:
+        cfg = dataclasses.replace(CPU_DEMO, model=dataclasses.replace(CPU_DEMO.model, path=path),
+                                  trainer=dataclasses.replace(CPU_DEMO.trainer, routing_replay="r2"))
+        return [p for p in implementation_problems(cfg) if "routing-replay" in p]
+
+    assert problems(str(hf_zoo("qwen3_moe"))) == []
+    dense, = problems(str(hf_zoo("olmo2")))
+    assert dense.startswith("--trainer.routing-replay r2: ") and "(olmo2) is not a mixture-of-experts model" in dense
+    own, = problems("random:tiny-qwen2")
+    assert "runs on asyncrl's own model, which has no mixture-of-experts routers" in own
