@@ -149,7 +149,7 @@ def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: C
     routes, counted = micro_routes(prep.routes, micro), real_tokens(micro, prep.lengths)
     with state.replay.replaying(routes, counted) as replayed:  # the forward and its backward's recompute
         stats = _actor_loss(state, prep, micro, counts)
-    stats.means["routing_disagreement"] = torch.tensor(replayed.disagreement(), device=stats.tokens.device)
+    stats.means["routing_disagreement"] = replayed.share().to(stats.tokens.device)
     return stats
 
 

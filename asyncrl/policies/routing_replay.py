@@ -130,14 +130,20 @@ class Recorded:
 
 @dataclasses.dataclass
 class Replayed:
-    """What one replay saw: per router, tokens whose own top-k differed from the replayed one, and tokens."""
+    """What one replay saw, summed over its router calls on the routers' device (read back only when asked):
+    (token, router) pairs whose own top-k differed from the replayed one, and pairs counted."""
 
-    differed: Tensor = dataclasses.field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    tokens: int = 0
+    differed: Tensor | int = 0
+    tokens: Tensor | int = 0
+
+    def share(self) -> Tensor:
+        """`disagreement` as a 0-d float tensor on the routers' device (no read-back)."""
+        return torch.as_tensor(self.differed, dtype=torch.float32) / torch.as_tensor(self.tokens).clamp(min=1)
 
     def disagreement(self) -> float:
         """The share of (token, router) pairs whose own choice differed from the replayed one (0 when none ran)."""
-        return float(self.differed) / self.tokens if self.tokens else 0.0
+        tokens = int(self.tokens)
+        return int(self.differed) / tokens if tokens else 0.0
 
 
 class RoutingReplay:
@@ -204,12 +210,10 @@ class RoutingReplay:
                 if chosen.shape != own.shape:
                     raise RuntimeError(f"routing replay: router {name} ran {tuple(own.shape)} (tokens, top_k) but "
                                        f"the routes hold {tuple(chosen.shape)}: routes and tokens are out of step")
-                differs = route_disagreement(own, chosen)
-                if counted is not None:
-                    differs = differs & counted.to(differs.device)
-                replayed.differed = replayed.differed + differs.sum().cpu()
+                weight = torch.ones_like(own[:, 0], dtype=torch.bool) if counted is None else counted.to(own.device)
                 # a recompute counts its tokens again: the share is unchanged
-                replayed.tokens += own.shape[0] if counted is None else int(counted.sum())
+                replayed.differed = replayed.differed + (route_disagreement(own, chosen) & weight).sum()
+                replayed.tokens = replayed.tokens + weight.sum()
                 return logits, rule(module, logits, chosen).to(weights.dtype), chosen
             return hook
 
