@@ -151,6 +151,9 @@ class TrainerConfig:
     first pass over a batch (the one that computes π_old) and replays them in every update of that batch, so
     the PPO ratio compares the same experts across updates and epochs while the routers still get gradients
     (`asyncrl.policies.routing_replay`). off: each forward routes afresh."""
+    freeze_router: bool = False
+    """Mixture-of-experts models: keep every router's weights as loaded (no gradient, no update), so the experts
+    each token goes to change only through the hidden states reaching the routers."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"

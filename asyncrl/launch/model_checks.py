@@ -97,8 +97,7 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
         resolve_backend(impl, cfg.rollout.backend)
     except ValueError as err:
         found.append(str(err))
-    if cfg.trainer.routing_replay != "off" and (problem := _routing_replay_problem(cfg, impl)) is not None:
-        found.append(problem)
+    found += _moe_flag_problems(cfg, impl)
     if impl == "hf" and cfg.algorithm.needs_critic:
         own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
         found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
@@ -112,21 +111,28 @@ MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_
 """config.json keys that give a mixture-of-experts model's routed experts per layer (their names differ by family)."""
 
 
-def _routing_replay_problem(cfg: RunConfig, impl: str) -> str | None:
-    """--trainer.routing-replay needs a mixture-of-experts model read through transformers (its routers)."""
-    flag = f"--trainer.routing-replay {cfg.trainer.routing_replay}"
+def _moe_flag_problems(cfg: RunConfig, impl: str) -> list[str]:
+    """The flags that act on mixture-of-experts routers (--trainer.routing-replay, --trainer.freeze-router) need a
+    model that has them: one read through transformers whose config names routed experts."""
+    trainer = cfg.trainer
+    replay = f"--trainer.routing-replay {trainer.routing_replay}"
+    flags = [flag for flag, on in ((replay, trainer.routing_replay != "off"),
+                                   ("--trainer.freeze-router", trainer.freeze_router)) if on]
+    if not flags:
+        return []
     if impl != "hf":
-        return (f"{flag}: {cfg.model.path} runs on asyncrl's own model, which has no mixture-of-experts routers; "
-                "leave it off (--trainer.routing-replay off)")
-    try:
-        config = model_config_dict(cfg.model.path)
-    except (OSError, ValueError):
-        return None  # the model checks say why
-    text = config.get("text_config") or config
-    if not any(isinstance(text.get(key), int) and text[key] > 1 for key in MOE_EXPERT_KEYS):
-        return (f"{flag}: {cfg.model.path} ({text.get('model_type', 'unknown type')}) is not a mixture-of-experts "
-                "model (its config names no routed experts); leave it off (--trainer.routing-replay off)")
-    return None
+        why = "runs on asyncrl's own model, which has no mixture-of-experts routers"
+    else:
+        try:
+            config = model_config_dict(cfg.model.path)
+        except (OSError, ValueError):
+            return []  # the model checks say why
+        text = config.get("text_config") or config
+        if any(isinstance(text.get(key), int) and text[key] > 1 for key in MOE_EXPERT_KEYS):
+            return []
+        why = (f"({text.get('model_type', 'unknown type')}) is not a mixture-of-experts model (its config names no "
+               "routed experts)")
+    return [f"{flag}: {cfg.model.path} {why}; leave it off" for flag in flags]
 
 
 def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:

@@ -15,7 +15,7 @@ from asyncrl.learner.offload import HostAdamW
 from asyncrl.learner.sharding import compute_device, shard_model, sharding_options
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
-from asyncrl.policies.routing_replay import RoutingReplay
+from asyncrl.policies.routing_replay import RoutingReplay, find_routers
 from asyncrl.policies.value import ValueModel
 
 __all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config"]
@@ -153,6 +153,16 @@ def _prepare_for_training(model: nn.Module, config: TrainerConfig) -> None:
                 p.grad = torch.zeros_like(p)
 
 
+def _freeze_routers(policy: nn.Module) -> None:
+    """--trainer.freeze-router: every MoE router's parameters out of training (before the optimizer sees them)."""
+    routers = find_routers(policy)
+    if not routers:
+        raise ValueError(f"--trainer.freeze-router: {type(policy).__name__} has no mixture-of-experts router to "
+                         "freeze; leave it off")
+    for _, router in routers:
+        router.requires_grad_(False)
+
+
 def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: AlgorithmConfig, *,
                   reference: nn.Module | None = None, critic: nn.Module | None = None,
                   group: dist.ProcessGroup | None = None) -> LearnerState:
@@ -173,6 +183,8 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
         if mesh is not None:  # a sharded policy gets a critic sharded alike (unsharded, the ranks' copies drift)
             shard_model(critic, mesh, offload=compute_device(policy) != next(policy.parameters()).device,
                         **sharding_options(config, mesh.device_type))
+    if config.freeze_router:
+        _freeze_routers(policy)
     _prepare_for_training(policy, config)
     device = compute_device(policy)
     if config.fused_kernels and device.type == "cuda":

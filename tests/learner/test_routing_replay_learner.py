@@ -97,12 +97,28 @@ def test_the_checks_before_launch_refuse_replay_without_moe_routers(hf_zoo):
     from asyncrl.launch.model_checks import implementation_problems
 
     def problems(path: str) -> list[str]:
-        cfg = dataclasses.replace(CPU_DEMO, model=dataclasses.replace(CPU_DEMO.model, path=path),
-                                  trainer=dataclasses.replace(CPU_DEMO.trainer, routing_replay="r2"))
-        return [p for p in implementation_problems(cfg) if "routing-replay" in p]
+        trainer = dataclasses.replace(CPU_DEMO.trainer, routing_replay="r2", freeze_router=True)
+        cfg = dataclasses.replace(CPU_DEMO, model=dataclasses.replace(CPU_DEMO.model, path=path), trainer=trainer)
+        return [p for p in implementation_problems(cfg) if "mixture-of-experts" in p]
 
     assert problems(str(hf_zoo("qwen3_moe"))) == []
-    dense, = problems(str(hf_zoo("olmo2")))
-    assert dense.startswith("--trainer.routing-replay r2: ") and "(olmo2) is not a mixture-of-experts model" in dense
-    own, = problems("random:tiny-qwen2")
-    assert "runs on asyncrl's own model, which has no mixture-of-experts routers" in own
+    replay, freeze = problems(str(hf_zoo("olmo2")))
+    assert replay.startswith("--trainer.routing-replay r2: ") and "(olmo2) is not a mixture-of-experts model" in replay
+    assert freeze.startswith("--trainer.freeze-router: ") and replay.endswith("; leave it off")
+    own = problems("random:tiny-qwen2")
+    assert len(own) == 2 and "runs on asyncrl's own model, which has no mixture-of-experts routers" in own[0]
+
+
+def test_frozen_routers_keep_their_weights_while_the_experts_train(hf_zoo):
+    policy = load_model(str(hf_zoo("qwen3_moe")))
+    from asyncrl.policies.routing_replay import find_routers
+    before = {name: r.weight.detach().clone() for name, r in find_routers(policy)}
+    experts = policy.hf.model.layers[0].mlp.experts.down_proj.detach().clone()
+    groups = on_policy(policy, synthetic_groups(2, 4, seed=6, prompt_lens=(2, 6), response_lens=(2, 8)))
+    state = build_learner(policy, trainer_config(freeze_router=True, lr=1e-2), GRPO())
+    train_step(state, groups)
+    for name, router in find_routers(policy):
+        assert torch.equal(router.weight, before[name]) and not router.weight.requires_grad
+    assert not torch.equal(policy.hf.model.layers[0].mlp.experts.down_proj, experts)
+    with pytest.raises(ValueError, match="--trainer.freeze-router: CausalLM has no mixture-of-experts router"):
+        build_learner(tiny_policy(), trainer_config(freeze_router=True), GRPO())
