@@ -21,6 +21,7 @@ from asyncrl.algos.losses import (
     ppo_clip_loss, reinforce_loss, value_loss,
 )
 from asyncrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, seq_lengths
+from asyncrl.algos.moe import LoadBalance, load_balancing
 from asyncrl.algos.staleness import (
     VerlBudget, VersionLag, areal_capacity, staleness_mask, verl_admit, verl_max_required_samples,
     verl_on_new_version, verl_release, version_lag,
@@ -44,4 +45,6 @@ __all__ = [
     "verl_release", "verl_on_new_version", "areal_capacity",
     # masked reductions
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "seq_lengths",
+    # mixture-of-experts routers
+    "LoadBalance", "load_balancing",
 ]

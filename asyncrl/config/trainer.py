@@ -151,6 +151,10 @@ class TrainerConfig:
     first pass over a batch (the one that computes π_old) and replays them in every update of that batch, so
     the PPO ratio compares the same experts across updates and epochs while the routers still get gradients
     (`asyncrl.policies.routing_replay`). off: each forward routes afresh."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the load-balancing auxiliary loss (Switch Transformer's, per router,
+    averaged over routers: `asyncrl.algos.moe`) added to the policy loss. 0 (the default): RL post-training
+    leaves the pretrained routing alone; the expert load is reported either way (`moe/expert_load_*`)."""
     freeze_router: bool = False
     """Mixture-of-experts models: keep every router's weights as loaded (no gradient, no update), so the experts
     each token goes to change only through the hidden states reaching the routers."""
@@ -193,6 +197,8 @@ class TrainerConfig:
         if self.cuda_graphs and not (self.compile_layers and self.pack_sequences and self.use_dynamic_bsz):
             _fail(owner, "cuda_graphs", self.cuda_graphs, "replays compiled layers over packed micro-batches: "
                   "keep --trainer.compile-layers, --trainer.pack-sequences and --trainer.use-dynamic-bsz on")
+        if not self.router_aux_loss_coef >= 0:
+            _fail(owner, "router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0: no auxiliary loss)")
         if self.routing_replay != "off" and self.cuda_graphs:
             _fail(owner, "routing_replay", self.routing_replay, "replays routes through each micro-batch's token "
                   "cells, which the CUDA graphs' bucket padding shares; leave --trainer.cuda-graphs off")

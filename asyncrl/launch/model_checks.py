@@ -112,12 +112,15 @@ MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_
 
 
 def _moe_flag_problems(cfg: RunConfig, impl: str) -> list[str]:
-    """The flags that act on mixture-of-experts routers (--trainer.routing-replay, --trainer.freeze-router) need a
-    model that has them: one read through transformers whose config names routed experts."""
+    """The flags that act on mixture-of-experts routers (--trainer.routing-replay, --trainer.freeze-router,
+    --trainer.router-aux-loss-coef) need a model that has them: one read through transformers whose config names
+    routed experts."""
     trainer = cfg.trainer
     replay = f"--trainer.routing-replay {trainer.routing_replay}"
     flags = [flag for flag, on in ((replay, trainer.routing_replay != "off"),
-                                   ("--trainer.freeze-router", trainer.freeze_router)) if on]
+                                   ("--trainer.freeze-router", trainer.freeze_router),
+                                   (f"--trainer.router-aux-loss-coef {trainer.router_aux_loss_coef:g}",
+                                    trainer.router_aux_loss_coef > 0)) if on]
     if not flags:
         return []
     if impl != "hf":

@@ -42,7 +42,8 @@ class LearnerState:
     critic_skipped_updates: int = 0
     group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
     reference_is_base: bool = False  # π_ref = the LoRA policy's base, its adapters off (no second model)
-    replay: RoutingReplay | None = None  # --trainer.routing-replay: the policy's MoE routers
+    replay: RoutingReplay | None = None  # --trainer.routing-replay: the policy's MoE routers and their rules
+    routers: list = dataclasses.field(default_factory=list)  # (name, module) of the policy's MoE routers
 
     @property
     def device(self) -> torch.device:
@@ -194,6 +195,10 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
                          reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group,
                          reference_is_base=algorithm.needs_reference and reference is None)
+    state.routers = find_routers(policy)
+    if config.router_aux_loss_coef > 0 and not state.routers:
+        raise ValueError(f"--trainer.router-aux-loss-coef {config.router_aux_loss_coef:g}: {type(policy).__name__} "
+                         "has no mixture-of-experts router; leave it at 0")
     if config.routing_replay != "off":
         try:
             state.replay = RoutingReplay(policy)

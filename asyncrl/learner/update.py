@@ -11,6 +11,7 @@ read back once per update, so nothing in the micro-batch loop waits for the devi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable
@@ -24,6 +25,7 @@ from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
 from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.routes import micro_routes, real_tokens
+from asyncrl.policies.routing_replay import router_outputs
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
@@ -143,17 +145,32 @@ def _counts(state: LearnerState, prep: Prepared, rows: list[int]) -> Counts:
 def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
     """Policy loss (− entropy bonus + KL loss) of one micro-batch; backward; detached statistics. With routes
     (`--trainer.routing-replay r2`) the routers pick the recorded experts, and `routing_disagreement` is the
-    share of (token, router) pairs whose own choice differed."""
-    if prep.routes is None:
+    share of (token, router) pairs whose own choice differed. A MoE policy's routers are tapped: their load
+    (`asyncrl.algos.moe`) is reported, and with `--trainer.router-aux-loss-coef` its auxiliary loss trains."""
+    if not state.routers:
         return _actor_loss(state, prep, micro, counts)
-    routes, counted = micro_routes(prep.routes, micro), real_tokens(micro, prep.lengths)
-    with state.replay.replaying(routes, counted) as replayed:  # the forward and its backward's recompute
-        stats = _actor_loss(state, prep, micro, counts)
-    stats.means["routing_disagreement"] = replayed.share().to(stats.tokens.device)
+    counted = real_tokens(micro, prep.lengths)
+    with contextlib.ExitStack() as stack:  # the forward and its backward's recompute
+        replayed = (stack.enter_context(state.replay.replaying(micro_routes(prep.routes, micro), counted))
+                    if prep.routes is not None else None)
+        tapped = stack.enter_context(router_outputs(state.routers))
+        stats = _actor_loss(state, prep, micro, counts, lambda: _router_terms(tapped, counted))
+    if replayed is not None:
+        stats.means["routing_disagreement"] = replayed.share().to(stats.tokens.device)
     return stats
 
 
-def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts) -> MicroStats:
+def _router_terms(tapped: dict, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The routers' mean auxiliary loss and their load statistics (over the tapped routers, in forward order)."""
+    terms = [algos.load_balancing(logits, indices, counted) for logits, indices in tapped.values()]
+    loads = torch.stack([t.load for t in terms]).detach()
+    aux = torch.stack([t.loss for t in terms]).mean()
+    return aux, {"moe/expert_load_max": loads.max(), "moe/expert_load_mean": loads.mean(),
+                 "moe/aux_loss": aux.detach()}
+
+
+def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: Counts,
+                router_terms=None) -> MicroStats:
     cfg, algo = state.config, state.algorithm
     size = world(state)[1]
     idx = micro.rows
@@ -173,10 +190,16 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
     behaviour_kl = algos.agg_loss(algos.kl_k3(logp, prep.batch.logp_behaviour[idx]), mask, **agg)
     if cfg.off_policy.behaviour_kl_coef > 0:
         loss = loss + cfg.off_policy.behaviour_kl_coef * behaviour_kl
+    moe: dict[str, Tensor] = {}
+    if router_terms is not None:
+        aux, moe = router_terms()
+        if cfg.router_aux_loss_coef > 0:  # weighted by this micro-batch's share of the mini-batch's tokens
+            loss = loss + cfg.router_aux_loss_coef * aux * (mask.sum() / counts.tokens)
     (loss * size).backward()  # FSDP2 averages gradients over ranks; counts are already global
     return MicroStats(sums={"pg_loss": pg.loss.detach() * size, "entropy": entropy.detach() * size,
                             "kl_loss": kl_loss.detach() * size, "behaviour_kl": behaviour_kl.detach() * size},
-                      means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower},
+                      means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower,
+                             **moe},
                       tokens=mask.sum())
 
 

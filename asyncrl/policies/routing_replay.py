@@ -36,7 +36,8 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_rule", "route_disagreement"]
+__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_rule", "route_disagreement",
+           "router_outputs"]
 
 
 def _softmax(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -219,3 +220,23 @@ class RoutingReplay:
 
         with self._hooked(hook_for):
             yield replayed
+
+
+@contextlib.contextmanager
+def router_outputs(routers: list[tuple[str, nn.Module]]) -> Iterator[dict[str, tuple[Tensor, Tensor]]]:
+    """Within: each router's (logits [N, E], indices [N, k]) of its first call (the forward; a checkpointed
+    recompute calls it again), the logits with their graph (an auxiliary loss on them reaches the router), the
+    indices those the forward used (a replay registered before this tap has already replaced them)."""
+    seen: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def hook_for(name: str):
+        def hook(module, args, out):
+            seen.setdefault(name, (out[0], out[2]))
+        return hook
+
+    handles = [router.register_forward_hook(hook_for(name)) for name, router in routers]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

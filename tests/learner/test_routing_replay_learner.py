@@ -97,16 +97,18 @@ def test_the_checks_before_launch_refuse_replay_without_moe_routers(hf_zoo):
     from asyncrl.launch.model_checks import implementation_problems
 
     def problems(path: str) -> list[str]:
-        trainer = dataclasses.replace(CPU_DEMO.trainer, routing_replay="r2", freeze_router=True)
+        trainer = dataclasses.replace(CPU_DEMO.trainer, routing_replay="r2", freeze_router=True,
+                                      router_aux_loss_coef=0.01)
         cfg = dataclasses.replace(CPU_DEMO, model=dataclasses.replace(CPU_DEMO.model, path=path), trainer=trainer)
         return [p for p in implementation_problems(cfg) if "mixture-of-experts" in p]
 
     assert problems(str(hf_zoo("qwen3_moe"))) == []
-    replay, freeze = problems(str(hf_zoo("olmo2")))
+    replay, freeze, aux = problems(str(hf_zoo("olmo2")))
+    assert aux.startswith("--trainer.router-aux-loss-coef 0.01: ")
     assert replay.startswith("--trainer.routing-replay r2: ") and "(olmo2) is not a mixture-of-experts model" in replay
     assert freeze.startswith("--trainer.freeze-router: ") and replay.endswith("; leave it off")
     own = problems("random:tiny-qwen2")
-    assert len(own) == 2 and "runs on asyncrl's own model, which has no mixture-of-experts routers" in own[0]
+    assert len(own) == 3 and "runs on asyncrl's own model, which has no mixture-of-experts routers" in own[0]
 
 
 def test_frozen_routers_keep_their_weights_while_the_experts_train(hf_zoo):
@@ -122,3 +124,21 @@ def test_frozen_routers_keep_their_weights_while_the_experts_train(hf_zoo):
     assert not torch.equal(policy.hf.model.layers[0].mlp.experts.down_proj, experts)
     with pytest.raises(ValueError, match="--trainer.freeze-router: CausalLM has no mixture-of-experts router"):
         build_learner(tiny_policy(), trainer_config(freeze_router=True), GRPO())
+
+
+def test_a_moe_step_reports_expert_load_and_the_aux_loss_trains_the_routers(hf_zoo):
+    from asyncrl.learner import policy_gradients
+    from asyncrl.policies.routing_replay import find_routers
+    policy = load_model(str(hf_zoo("qwen3_moe")))
+    groups = on_policy(policy, synthetic_groups(2, 4, seed=7, prompt_lens=(2, 6), response_lens=(2, 8)))
+    grads = {}
+    for coef in (0.0, 0.5):
+        state = build_learner(load_model(str(hf_zoo("qwen3_moe"))), trainer_config(router_aux_loss_coef=coef), GRPO())
+        grads[coef] = policy_gradients(state, groups)
+    routers = [f"{name}.weight" for name, _ in find_routers(policy)]
+    assert routers == ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    assert all(not torch.allclose(grads[0.0][k], grads[0.5][k]) for k in routers)
+    _, metrics = train_step(build_learner(policy, trainer_config(), GRPO()), groups)
+    assert 1.0 <= metrics["actor/moe/expert_load_max"] <= 4.0 and metrics["actor/moe/aux_loss"] > 0
+    with pytest.raises(ValueError, match="--trainer.router-aux-loss-coef 0.1: CausalLM has no mixture-of-experts"):
+        build_learner(tiny_policy(), trainer_config(router_aux_loss_coef=0.1), GRPO())
