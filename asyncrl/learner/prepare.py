@@ -65,7 +65,7 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
             if values:
                 out[micro.rows] = micro_values(model, micro, width, autocast=cfg.autocast_bf16).to(out.dtype)
             else:
-                recording = state.replay.recording() if routes is not None else contextlib.nullcontext()
+                recording = state.moe.recording() if routes is not None else contextlib.nullcontext()
                 with recording as recorded:
                     out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
                                                      autocast=cfg.autocast_bf16,
@@ -165,10 +165,10 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
 
 def _route_grid(state: LearnerState, batch: RolloutBatch) -> Tensor | None:
     """An empty route grid for `batch` where the learner replays routes (`--trainer.routing-replay r2`), else None."""
-    if state.replay is None:
+    if state.config.routing_replay == "off":
         return None
-    top_k = {int(router.top_k) for _, router in state.replay.routers}
+    top_k = {int(router.top_k) for _, router in state.moe.routers}
     if len(top_k) != 1:
         raise ValueError(f"--trainer.routing-replay: the routers choose {sorted(top_k)} experts; one top_k is needed")
-    return empty_routes(batch.num_rows, batch.tokens.shape[1], routers=len(state.replay.routers), top_k=top_k.pop(),
+    return empty_routes(batch.num_rows, batch.tokens.shape[1], routers=len(state.moe.routers), top_k=top_k.pop(),
                         device=batch.tokens.device)

@@ -42,8 +42,7 @@ class LearnerState:
     critic_skipped_updates: int = 0
     group: dist.ProcessGroup | None = None  # the trainer group (FSDP2), None = one process
     reference_is_base: bool = False  # π_ref = the LoRA policy's base, its adapters off (no second model)
-    replay: RoutingReplay | None = None  # --trainer.routing-replay: the policy's MoE routers and their rules
-    routers: list = dataclasses.field(default_factory=list)  # (name, module) of the policy's MoE routers
+    moe: RoutingReplay | None = None  # a MoE policy's routers (tapped each micro-batch; replayed with r2)
 
     @property
     def device(self) -> torch.device:
@@ -164,6 +163,23 @@ def _freeze_routers(policy: nn.Module) -> None:
         router.requires_grad_(False)
 
 
+def _attach_routers(state: LearnerState, policy: nn.Module, config: TrainerConfig) -> None:
+    """A MoE policy's routers on `state.moe`; the flags that need them refused on a policy without, and replay
+    refused where a router follows no known rule."""
+    if find_routers(policy):
+        state.moe = RoutingReplay(policy)
+    aux = f"--trainer.router-aux-loss-coef {config.router_aux_loss_coef:g}"
+    for flag, on in ((aux, config.router_aux_loss_coef > 0),
+                     (f"--trainer.routing-replay {config.routing_replay}", config.routing_replay != "off")):
+        if on and state.moe is None:
+            raise ValueError(f"{flag}: {type(policy).__name__} has no mixture-of-experts router; leave it off")
+    if config.routing_replay != "off":
+        try:
+            state.moe.check_rules()
+        except ValueError as err:
+            raise ValueError(f"--trainer.routing-replay {config.routing_replay}: {err}") from None
+
+
 def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: AlgorithmConfig, *,
                   reference: nn.Module | None = None, critic: nn.Module | None = None,
                   group: dist.ProcessGroup | None = None) -> LearnerState:
@@ -195,15 +211,7 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
     state = LearnerState(policy, optimizer, make_scheduler(optimizer, config.optim), config, algorithm,
                          reference=reference, critic=critic, kl_coef=algorithm.kl_in_reward_coef, group=group,
                          reference_is_base=algorithm.needs_reference and reference is None)
-    state.routers = find_routers(policy)
-    if config.router_aux_loss_coef > 0 and not state.routers:
-        raise ValueError(f"--trainer.router-aux-loss-coef {config.router_aux_loss_coef:g}: {type(policy).__name__} "
-                         "has no mixture-of-experts router; leave it at 0")
-    if config.routing_replay != "off":
-        try:
-            state.replay = RoutingReplay(policy)
-        except ValueError as err:
-            raise ValueError(f"--trainer.routing-replay {config.routing_replay}: {err}") from None
+    _attach_routers(state, policy, config)
     if reference is not None:
         reference.eval().requires_grad_(False)
     if critic is not None:

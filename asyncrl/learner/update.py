@@ -25,7 +25,6 @@ from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
 from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.routes import micro_routes, real_tokens
-from asyncrl.policies.routing_replay import router_outputs
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState
@@ -147,13 +146,13 @@ def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: C
     (`--trainer.routing-replay r2`) the routers pick the recorded experts, and `routing_disagreement` is the
     share of (token, router) pairs whose own choice differed. A MoE policy's routers are tapped: their load
     (`asyncrl.algos.moe`) is reported, and with `--trainer.router-aux-loss-coef` its auxiliary loss trains."""
-    if not state.routers:
+    if state.moe is None:
         return _actor_loss(state, prep, micro, counts)
     counted = real_tokens(micro, prep.lengths)
     with contextlib.ExitStack() as stack:  # the forward and its backward's recompute
-        replayed = (stack.enter_context(state.replay.replaying(micro_routes(prep.routes, micro), counted))
+        replayed = (stack.enter_context(state.moe.replaying(micro_routes(prep.routes, micro), counted))
                     if prep.routes is not None else None)
-        tapped = stack.enter_context(router_outputs(state.routers))
+        tapped = stack.enter_context(state.moe.tapping())
         stats = _actor_loss(state, prep, micro, counts, lambda: _router_terms(tapped, counted))
     if replayed is not None:
         stats.means["routing_disagreement"] = replayed.share().to(stats.tokens.device)

@@ -2,7 +2,7 @@
 for each token, and make the routers pick those experts again in a later forward (and in its recompute under
 gradient checkpointing) while their weights still get gradients.
 
-    replay = RoutingReplay(model)                     # finds the routers and their rule; refuses unknown ones
+    replay = RoutingReplay(model)                     # finds the routers, hooks each once
     with replay.recording() as recorded:
         model(tokens)
     routes = recorded.routes()                        # [tokens, routers, top_k] int64, in the order tokens ran
@@ -36,8 +36,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_rule", "route_disagreement",
-           "router_outputs"]
+__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_rule", "route_disagreement"]
 
 
 def _softmax(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -148,8 +147,11 @@ class Replayed:
 
 
 class RoutingReplay:
-    """The routers of `model` and each one's rule (`router_rule`), found once; raises ValueError naming the first
-    router no rule reproduces, or when the model has none."""
+    """The MoE routers of `model`, each with one forward hook registered here, for good: what the hook does is
+    chosen by the contexts below (record, replay, tap; several at once), so nothing is registered or removed per
+    forward (a compiled layer then sees the same hooks every call). Raises ValueError when the model has no
+    router. Each router's rule (`router_rule`) is probed on the first replay, or by `check_rules`, which raises
+    naming the first router no rule reproduces."""
 
     def __init__(self, model: nn.Module):
         self.routers = find_routers(model)
@@ -157,39 +159,59 @@ class RoutingReplay:
             raise ValueError(f"{type(model).__name__}: no mixture-of-experts router to replay (routing replay is for "
                              "MoE models)")
         self.rules: dict[str, str] = {}
+        self._recorded: Recorded | None = None
+        self._replay: tuple[Tensor, Tensor | None, Replayed] | None = None
+        self._tapped: dict[str, tuple[Tensor, Tensor]] | None = None
+        for i, (name, router) in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i, name))
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.routers]
+
+    def check_rules(self) -> None:
+        """Probe every router's rule (once); ValueError naming the first router no rule reproduces."""
         for name, router in self.routers:
+            if name in self.rules:
+                continue
             rule = router_rule(router)
             if rule is None:
                 raise ValueError(f"routing replay: router {name} ({type(router).__name__}) weights its experts by no "
                                  f"known rule ({', '.join(RULES)}); it cannot be replayed")
             self.rules[name] = rule
 
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _ in self.routers]
+    def _hook(self, i: int, name: str):
+        def hook(module, args, out):
+            if self._replay is not None:
+                out = self._replayed(i, name, module, out)
+            if self._recorded is not None:
+                self._recorded.calls.setdefault(name, []).append(out[2].detach())
+            if self._tapped is not None:
+                self._tapped.setdefault(name, (out[0], out[2]))
+            return out
+        return hook
 
-    @contextlib.contextmanager
-    def _hooked(self, hook_for: Callable[[int, str, nn.Module], Callable]) -> Iterator[None]:
-        handles = [router.register_forward_hook(hook_for(i, name, router))
-                   for i, (name, router) in enumerate(self.routers)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    def _replayed(self, i: int, name: str, module: nn.Module, out: tuple) -> tuple:
+        routes, counted, replayed = self._replay
+        logits, weights, own = out
+        chosen = routes[:, i].to(own.device)
+        if chosen.shape != own.shape:
+            raise RuntimeError(f"routing replay: router {name} ran {tuple(own.shape)} (tokens, top_k) but the routes "
+                               f"hold {tuple(chosen.shape)}: routes and tokens are out of step")
+        weight = torch.ones_like(own[:, 0], dtype=torch.bool) if counted is None else counted.to(own.device)
+        # a recompute counts its tokens again: the share is unchanged
+        replayed.differed = replayed.differed + (route_disagreement(own, chosen) & weight).sum()
+        replayed.tokens = replayed.tokens + weight.sum()
+        return logits, RULES[self.rules[name]](module, logits, chosen).to(weights.dtype), chosen
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[Recorded]:
         """Within: every router's chosen indices are kept (detached), per call."""
-        recorded = Recorded(self.names)
-
-        def hook_for(i: int, name: str, router: nn.Module):
-            def hook(module, args, out):
-                recorded.calls.setdefault(name, []).append(out[2].detach())
-            return hook
-
-        with self._hooked(hook_for):
-            yield recorded
+        self._recorded = Recorded(self.names)
+        try:
+            yield self._recorded
+        finally:
+            self._recorded = None
 
     @contextlib.contextmanager
     def replaying(self, routes: Tensor, counted: Tensor | None = None) -> Iterator[Replayed]:
@@ -200,43 +222,20 @@ class RoutingReplay:
         if routes.dim() != 3 or routes.shape[1] != len(self.routers):
             raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}; expected [tokens, "
                              f"{len(self.routers)} routers, top_k]")
-        replayed = Replayed()
+        self.check_rules()
+        self._replay = (routes, counted, Replayed())
+        try:
+            yield self._replay[2]
+        finally:
+            self._replay = None
 
-        def hook_for(i: int, name: str, router: nn.Module):
-            rule = RULES[self.rules[name]]
-
-            def hook(module, args, out):
-                logits, weights, own = out
-                chosen = routes[:, i].to(own.device)
-                if chosen.shape != own.shape:
-                    raise RuntimeError(f"routing replay: router {name} ran {tuple(own.shape)} (tokens, top_k) but "
-                                       f"the routes hold {tuple(chosen.shape)}: routes and tokens are out of step")
-                weight = torch.ones_like(own[:, 0], dtype=torch.bool) if counted is None else counted.to(own.device)
-                # a recompute counts its tokens again: the share is unchanged
-                replayed.differed = replayed.differed + (route_disagreement(own, chosen) & weight).sum()
-                replayed.tokens = replayed.tokens + weight.sum()
-                return logits, rule(module, logits, chosen).to(weights.dtype), chosen
-            return hook
-
-        with self._hooked(hook_for):
-            yield replayed
-
-
-@contextlib.contextmanager
-def router_outputs(routers: list[tuple[str, nn.Module]]) -> Iterator[dict[str, tuple[Tensor, Tensor]]]:
-    """Within: each router's (logits [N, E], indices [N, k]) of its first call (the forward; a checkpointed
-    recompute calls it again), the logits with their graph (an auxiliary loss on them reaches the router), the
-    indices those the forward used (a replay registered before this tap has already replaced them)."""
-    seen: dict[str, tuple[Tensor, Tensor]] = {}
-
-    def hook_for(name: str):
-        def hook(module, args, out):
-            seen.setdefault(name, (out[0], out[2]))
-        return hook
-
-    handles = [router.register_forward_hook(hook_for(name)) for name, router in routers]
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
+    @contextlib.contextmanager
+    def tapping(self) -> Iterator[dict[str, tuple[Tensor, Tensor]]]:
+        """Within: each router's (logits [N, E], indices [N, k]) of its first call (the forward; a checkpointed
+        recompute calls it again), the logits with their graph (an auxiliary loss on them reaches the router), the
+        indices those the forward used (replayed ones under `replaying`)."""
+        self._tapped = {}
+        try:
+            yield self._tapped
+        finally:
+            self._tapped = None

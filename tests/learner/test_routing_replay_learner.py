@@ -65,7 +65,7 @@ def test_r2_routes_follow_their_tokens_from_the_packed_pass_into_padded_updates(
                                     lengths, packed=False):
         with torch.no_grad():
             plain, _ = micro_logprobs(state.policy, micro, batch.response_mask.shape[1])
-            with state.replay.replaying(micro_routes(prep.routes, micro), real_tokens(micro, lengths)) as replayed:
+            with state.moe.replaying(micro_routes(prep.routes, micro), real_tokens(micro, lengths)) as replayed:
                 again, _ = micro_logprobs(state.policy, micro, batch.response_mask.shape[1])
         assert replayed.disagreement() == 0.0
         assert torch.allclose(again, plain, atol=1e-5)

@@ -47,6 +47,7 @@ def _tokens(seed: int = 1) -> torch.Tensor:
 def test_each_router_s_rule_is_found_by_the_probe(moe):
     model_type, model = moe
     replay = RoutingReplay(model)
+    replay.check_rules()
     assert len(replay.routers) == 2 and set(replay.rules.values()) == {RULE[model_type]}
 
 
@@ -129,8 +130,10 @@ def test_routes_out_of_step_with_the_tokens_and_unknown_routers_are_refused():
 
     holder = nn.Sequential(CubedRouter())
     assert router_rule(holder[0]) is None
+    cubed = RoutingReplay(holder)  # found and hooked; refused where a replay needs its rule
     with pytest.raises(ValueError, match="router 0 \\(CubedRouter\\) weights its experts by no known rule"):
-        RoutingReplay(holder)
+        with cubed.replaying(torch.zeros(3, 1, 2, dtype=torch.long)):
+            pass
     with pytest.raises(ValueError, match="no mixture-of-experts router"):
         RoutingReplay(nn.Linear(2, 2))
 
