@@ -173,6 +173,11 @@ def _attach_routers(state: LearnerState, policy: nn.Module, config: TrainerConfi
                      (f"--trainer.routing-replay {config.routing_replay}", config.routing_replay != "off")):
         if on and state.moe is None:
             raise ValueError(f"{flag}: {type(policy).__name__} has no mixture-of-experts router; leave it off")
+    features = getattr(policy, "features", None)
+    if config.routing_replay != "off" and config.pack_sequences and features is not None and not features.packing:
+        raise ValueError(f"--trainer.routing-replay {config.routing_replay}: this model runs a packed micro-batch as "
+                         "padded rows of its own (its packing probe failed), whose tokens the routes cannot follow; "
+                         "add --trainer.no-pack-sequences")
     if config.routing_replay != "off":
         try:
             state.moe.check_rules()

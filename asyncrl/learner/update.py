@@ -160,8 +160,11 @@ def actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: C
 
 
 def _router_terms(tapped: dict, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """The routers' mean auxiliary loss and their load statistics (over the tapped routers, in forward order)."""
-    terms = [algos.load_balancing(logits, indices, counted) for logits, indices in tapped.values()]
+    """The routers' mean auxiliary loss and their load statistics (over the tapped routers, in forward order).
+    A model that runs a packed micro-batch as padded rows of its own (its packing probe failed) shows its routers
+    other tokens than the micro-batch's: there every token they saw counts, its padding too."""
+    terms = [algos.load_balancing(logits, indices, counted if counted.shape[0] == logits.shape[0] else None)
+             for logits, indices in tapped.values()]
     loads = torch.stack([t.load for t in terms]).detach()
     aux = torch.stack([t.loss for t in terms]).mean()
     return aux, {"moe/expert_load_max": loads.max(), "moe/expert_load_mean": loads.mean(),

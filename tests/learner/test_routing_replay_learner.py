@@ -142,3 +142,18 @@ def test_a_moe_step_reports_expert_load_and_the_aux_loss_trains_the_routers(hf_z
     assert 1.0 <= metrics["actor/moe/expert_load_max"] <= 4.0 and metrics["actor/moe/aux_loss"] > 0
     with pytest.raises(ValueError, match="--trainer.router-aux-loss-coef 0.1: CausalLM has no mixture-of-experts"):
         build_learner(tiny_policy(), trainer_config(router_aux_loss_coef=0.1), GRPO())
+
+
+def test_a_model_that_repads_packed_rows_trains_and_replays_only_unpacked(hf_zoo):
+    """Qwen3-Next (linear attention: packing off by its probe) runs a packed micro-batch as padded rows of its own:
+    a step still reports its routers' load; r2 asks for --trainer.no-pack-sequences, with which it replays."""
+    policy = load_model(str(hf_zoo("qwen3_next")))
+    assert not policy.features.packing
+    groups = on_policy(policy, synthetic_groups(2, 2, seed=8, prompt_lens=(2, 6), response_lens=(2, 6)))
+    _, metrics = train_step(build_learner(policy, trainer_config(), GRPO()), groups)
+    assert metrics["actor/moe/expert_load_max"] >= 1.0
+    with pytest.raises(ValueError, match="packing probe failed.*add --trainer.no-pack-sequences"):
+        build_learner(policy, trainer_config(routing_replay="r2", pack_sequences=True, use_dynamic_bsz=True), GRPO())
+    state = build_learner(policy, trainer_config(routing_replay="r2", pack_sequences=False), GRPO())
+    _, metrics = train_step(state, groups)
+    assert metrics["actor/routing_disagreement"] >= 0.0
