@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class RemoteRoster:
-    """The run's roster as seen from an agent process: RPCs with a timeout. A call that rank 0 cannot even
-    attribute (this agent was evicted from the RPC group after it was declared dead) raises `Fenced`."""
+    """The run's roster as seen from an agent process: RPCs with a timeout. A call the roster refuses (this agent
+    was declared dead or left: `Fenced` on rank 0, which torch's RPC hands back as a RuntimeError naming it), or
+    that rank 0 cannot even attribute, raises `Fenced` here."""
 
     def __init__(self, rref: rpc.RRef, timeout: float):
         self.rref, self.timeout = rref, timeout
@@ -51,7 +53,11 @@ class RemoteRoster:
         try:
             return getattr(self.rref.rpc_sync(timeout=self.timeout), method)(*args)
         except RuntimeError as err:
-            if "could not find destination" in str(err):
+            text = str(err)
+            if text.startswith(f"{Fenced.__name__}:"):
+                said = re.search(r"Fenced\('(.*?)'\)", text)
+                raise Fenced(said.group(1) if said else text.splitlines()[0]) from None
+            if "could not find destination" in text:
                 raise Fenced(f"agent {args[0]} was removed from the run (declared dead while it was silent)") from None
             raise
 

@@ -4,11 +4,12 @@ torch.distributed.rpc has a dynamic mode (`init_rpc(world_size=None)`): a proces
 the group's store, contacting every member, then releasing the token. Two things make it unfit for faults on
 its own: a member that died (kill -9) or hangs (SIGSTOP) stays listed, so every later join tries to reach it
 and fails; and a join that fails keeps the token, blocking every later join. Rank 0 therefore manages the
-group: `evict(name)` removes a member it declared dead or that left (from the group's list, which a joining
-process reads to know whom to contact, and from rank 0's own view) and releases a token the member held; agents never leave through torch's graceful shutdown but
-ask rank 0 to evict them, then shut their RPC agent down locally.
+group: `evict(name)` removes a member it declared dead or that left from the group's list, which a joining
+process reads to know whom to contact, and releases a token the member held; agents never leave through torch's
+graceful shutdown but ask rank 0 to evict them, then shut their RPC agent down locally. Rank 0's own RPC agent is
+not told (see `RpcMembership.evict`).
 
-These are the only calls into torch's RPC internals (the group's worker list key and membership updates);
+These are the only calls into torch's RPC internals (the group's worker list key and its membership token);
 they are checked by the fault tests on the installed torch.
 """
 
@@ -93,25 +94,26 @@ class RpcMembership:
         return rpc_api._get_current_rpc_agent()
 
     def members(self) -> list[str]:
-        return [w.name for w in self._agent.get_worker_infos()]
+        """The group's members as its store lists them (what a joining process contacts; evicted ones are gone)."""
+        return [entry.rsplit("-", 1)[0] for entry in self._listed()]
+
+    def _listed(self) -> list[str]:
+        store = self._agent.store
+        raw = store.get(_WORKERS_KEY).decode() if store.check([_WORKERS_KEY]) else ""
+        return [entry for entry in raw.split(",") if entry]
 
     def evict(self, name: str) -> None:
         """Remove `name` from the group: its entry in the group's list (so a later join does not try to reach
-        it), rank 0's view, and a membership token it held."""
-        agent = self._agent
-        try:
-            info = agent.get_worker_info(name)
-        except RuntimeError:
-            return
-        store = agent.store
-        entry = f"{info.name}-{info.id}".encode()
+        it) and a membership token it held. Rank 0's own RPC agent keeps knowing the name (unused from here on:
+        a restarted agent joins under a new name and rank): torch 2.13's leave update of an agent's view erases its
+        maps without the lock its sends and lookups take, and a concurrent RPC then crashed the trainer (SIGSEGV)."""
+        store = self._agent.store
         for _ in range(100):
-            current = store.get(_WORKERS_KEY)
-            kept = b"".join(e + b"," for e in current.split(b",") if e and e != entry)
-            if store.compare_set(_WORKERS_KEY, current, kept) == kept:
+            current = store.get(_WORKERS_KEY) if store.check([_WORKERS_KEY]) else b""
+            kept = b"".join(e + b"," for e in current.split(b",") if e and e.decode().rsplit("-", 1)[0] != name)
+            if kept == current or store.compare_set(_WORKERS_KEY, current, kept) == kept:
                 break
         self._release_token_of(name)
-        agent._update_group_membership(info, [], {}, False)
 
     def _release_token_of(self, name: str) -> None:
         store = self._agent.store
