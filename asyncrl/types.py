@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["FinishReason", "Completion", "GenerationOutput", "Group", "GroupInfo", "Prompt"]
 
@@ -21,6 +24,11 @@ class Completion:
     loss_mask: list[bool] | None = None
     """Per token: True for the model's tokens (trained), False for tokens an environment appended (a tool's
     output, the next user message: never trained, log-prob 0). None: every token is the model's."""
+    routes: "np.ndarray | None" = None
+    """Mixture-of-experts models, when the engine returns them (vLLM's routed experts, for
+    --trainer.routing-replay r3): the experts each MoE layer chose for each position of prompt + response that the
+    engine ran, int [positions, layers, top_k], position t the token at t (the last token was never run). Travels
+    with the sample to the learner; never written to a checkpoint."""
 
     @property
     def finished(self) -> bool:
@@ -50,7 +58,8 @@ class GenerationOutput:
     @classmethod
     def snapshot(cls, request_id: str, prompt_ids: list[int], completions: list[Completion],
                  cached_prompt_tokens: int = 0) -> "GenerationOutput":
-        """An output holding copies of an engine's live completions (the engine goes on appending to its own)."""
+        """An output holding copies of an engine's live completions (the engine goes on appending to its own;
+        routes it sets once, when a sample ends, so they are shared)."""
         copies = [dataclasses.replace(c, token_ids=list(c.token_ids), logprobs=list(c.logprobs),
                                       versions=list(c.versions),
                                       loss_mask=None if c.loss_mask is None else list(c.loss_mask))

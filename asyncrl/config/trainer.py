@@ -146,11 +146,14 @@ class TrainerConfig:
     """A trainer group (FSDP2, 2+ trainer devices): free each decoder layer's gathered weights after its
     forward and gather them again for its backward. Off: keep them from forward to backward (one all-gather
     fewer per layer and micro-batch; every rank holds the whole bf16 model while a micro-batch runs)."""
-    routing_replay: Literal["off", "r2"] = "off"
+    routing_replay: Literal["off", "r2", "r3"] = "off"
     """Mixture-of-experts models: r2 records the experts each router picks for each token in the learner's
     first pass over a batch (the one that computes π_old) and replays them in every update of that batch, so
     the PPO ratio compares the same experts across updates and epochs while the routers still get gradients
-    (`asyncrl.policies.routing_replay`). off: each forward routes afresh."""
+    (`asyncrl.policies.routing_replay`). r3 replays the experts the rollout engine picked (vLLM on GPUs returns
+    them with each sample) in that first pass and every update, so the learner's log-probs are those of the
+    experts that sampled the tokens; positions the engine did not route (a sample resumed from a checkpoint, a
+    response's last token) are routed by the learner and kept as in r2. off: each forward routes afresh."""
     router_aux_loss_coef: float = 0.0
     """Mixture-of-experts models: weight of the load-balancing auxiliary loss (Switch Transformer's, per router,
     averaged over routers: `asyncrl.algos.moe`) added to the policy loss. 0 (the default): RL post-training

@@ -5,7 +5,7 @@ the episode did, for the metrics."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 from asyncrl.envs.protocol import Environment, Turn
 from asyncrl.types import Completion
@@ -59,6 +59,9 @@ class Episode:
     done: bool = False
     failed: bool = False
     """The environment failed: the episode scores 0 and none of its tokens is trained."""
+    routes: Any = None
+    """MoE routes of the latest model turn that came with them (`Completion.routes`): that turn's prompt was the
+    whole episode so far, so they cover every position up to its last token."""
 
     @property
     def remaining(self) -> int:
@@ -77,6 +80,8 @@ class Episode:
         self.versions += completion.versions
         self.loss_mask += [True] * n
         self.finish_reason = completion.finish_reason
+        if completion.routes is not None:
+            self.routes = completion.routes
         self.stats.turns += 1
         self.stats.model_tokens += n
         return Turn(text=text, token_ids=tuple(completion.token_ids), index=self.stats.turns - 1,
@@ -94,7 +99,7 @@ class Episode:
     def completion(self) -> Completion:
         mask = [False] * len(self.loss_mask) if self.failed else list(self.loss_mask)
         return Completion(list(self.token_ids), list(self.logprobs), list(self.versions),
-                          finish_reason=self.finish_reason or "stop", loss_mask=mask)
+                          finish_reason=self.finish_reason or "stop", loss_mask=mask, routes=self.routes)
 
     @property
     def env_reward(self) -> float | None:

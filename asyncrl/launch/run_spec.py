@@ -269,7 +269,8 @@ def build_spec(cfg: RunConfig, *, validated: bool = False) -> RunSpec:
     model = ModelSpec(path=cfg.model.path, seed=cfg.model.seed, dtype=cfg.trainer.param_dtype, impl=impl)
     factory = build_embedded_engine
     if resolve_backend(impl, cfg.rollout.backend) == "vllm":
-        factory = functools.partial(build_vllm_engine, options=cfg.rollout.vllm)
+        factory = functools.partial(build_vllm_engine, options=cfg.rollout.vllm,
+                                    return_routes=cfg.trainer.routing_replay == "r3")
     elif cfg.rollout.vllm.tensor_parallel_size != 1:
         raise ValueError(f"--rollout.vllm.tensor-parallel-size {cfg.rollout.vllm.tensor_parallel_size} shards vLLM's "
                          f"model, but --rollout.backend {cfg.rollout.backend} runs the embedded engine for "

@@ -29,6 +29,10 @@ class RolloutBatch:
     prompt_ids: list[int]  # [G] prompt id of each group
     response_lens: Tensor  # [N] int64: response tokens, environment tokens included (the mask leaves those out)
     nonfinite_logprobs: int = 0  # generated tokens left out of the mask: their behaviour log-prob was NaN or ±inf
+    rollout_routes: Tensor | None = None
+    """MoE routes the engine returned (`Completion.routes`), in the token grid: [N·S, layers, top_k] int16, cell
+    i·S + t the experts each of the engine's layers chose for token t of row i. None: no sample brought any."""
+    routed: Tensor | None = None  # [N·S] bool: the cells `rollout_routes` holds the engine's routes for
 
     @property
     def num_rows(self) -> int:
@@ -77,8 +81,32 @@ def collate(groups: list[Group], *, pad_id: int = 0, max_response_length: int | 
     bad = mask & ~torch.isfinite(logp)  # an engine or transport fault: never trained on, counted in the metrics
     if bad.any():
         mask, logp = mask & ~bad, torch.where(bad, torch.zeros_like(logp), logp)
+    routes, routed = _route_grid([c.routes for _, c in rows], [len(g.prompt_ids) + len(c.token_ids) for g, c in rows],
+                                 width=s)
     return RolloutBatch(tokens, prompt_lens, mask, logp, versions, rewards, group_index, [g.prompt_id for g in groups],
-                        response_lens=lengths, nonfinite_logprobs=int(bad.sum()))
+                        response_lens=lengths, nonfinite_logprobs=int(bad.sum()), rollout_routes=routes, routed=routed)
+
+
+def _route_grid(routes: list, totals: list[int], *, width: int) -> tuple[Tensor | None, Tensor | None]:
+    """The rows' engine routes in the token grid (see `RolloutBatch.rollout_routes`) and which cells they fill:
+    a row's first min(len(routes), total − 1) positions (the engine never runs a row's last token); a row whose
+    routes are not [positions, layers, top_k] like the others' raises."""
+    given = [(i, torch.as_tensor(r)) for i, r in enumerate(routes) if r is not None]
+    if not given:
+        return None, None
+    shapes = {tuple(r.shape[1:]) for _, r in given}
+    if len(shapes) != 1 or any(r.dim() != 3 for _, r in given):
+        seen = sorted({tuple(r.shape[1:]) for _, r in given})[:3]
+        raise ValueError(f"collate: the samples' MoE routes disagree in shape (per position: {seen}); each must be "
+                         "[positions, layers, top_k] of one model")
+    layers, top_k = shapes.pop()
+    grid = torch.zeros(len(routes) * width, layers, top_k, dtype=torch.int16)
+    routed = torch.zeros(len(routes) * width, dtype=torch.bool)
+    for i, r in given:
+        known = min(r.shape[0], totals[i] - 1)
+        grid[i * width:i * width + known] = r[:known].to(torch.int16)
+        routed[i * width:i * width + known] = True
+    return grid, routed
 
 
 def filter_groups(groups: list[Group]) -> tuple[list[Group], list[Group]]:

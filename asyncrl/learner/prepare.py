@@ -15,10 +15,11 @@ from asyncrl.config import OffPolicyConfig
 from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
 from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
-from asyncrl.learner.routes import empty_routes, store_routes
+from asyncrl.learner.routes import empty_routes, micro_routes, store_routes
 from asyncrl.learner.sharding import compute_device
 from asyncrl.learner.state import LearnerState
 from asyncrl.policies.lora import adapters_off
+from asyncrl.policies.routing_replay import Replayed, router_layers
 
 __all__ = ["Prepared", "prepare"]
 
@@ -37,7 +38,7 @@ class Prepared:
     is_weights: Tensor | None
     metrics: dict
     lengths: RowLengths  # on the host
-    routes: Tensor | None = None  # --trainer.routing-replay r2: [N·S, routers, top_k] (`asyncrl.learner.routes`)
+    routes: Tensor | None = None  # --trainer.routing-replay: [N·S, routers, top_k] (`asyncrl.learner.routes`)
 
     def totals(self) -> list[int]:
         """Prompt + response tokens of each row."""
@@ -46,10 +47,12 @@ class Prepared:
 
 @torch.no_grad()
 def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, lengths: RowLengths,
-                 values: bool = False, routes: Tensor | None = None) -> Tensor:
+                 values: bool = False, routes: Tensor | None = None, known: Tensor | None = None,
+                 replayed: Replayed | None = None) -> Tensor:
     """No-grad log-probs (or values) of every row, micro-batched like training, on the model's own device
     (a reference or critic may live elsewhere); returned on the batch's device. With `routes` (a route grid,
-    `asyncrl.learner.routes`) the policy's routers' choices are recorded into it."""
+    `asyncrl.learner.routes`) the policy's routers' choices are recorded into it; with `known` too (bool [N·S])
+    the routers first replay the grid's routes at those cells (counted into `replayed`) and choose elsewhere."""
     cfg = state.config
     home = batch.tokens.device
     tokens = batch.tokens.to(compute_device(model))
@@ -65,12 +68,17 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
             if values:
                 out[micro.rows] = micro_values(model, micro, width, autocast=cfg.autocast_bf16).to(out.dtype)
             else:
-                recording = state.moe.recording() if routes is not None else contextlib.nullcontext()
-                with recording as recorded:
+                with contextlib.ExitStack() as stack:
+                    replay = (stack.enter_context(state.moe.replaying(micro_routes(routes, micro),
+                                                                      known=micro_routes(known, micro)))
+                              if known is not None else None)
+                    recorded = stack.enter_context(state.moe.recording()) if routes is not None else None
                     out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
                                                      autocast=cfg.autocast_bf16,
                                                      chunk_tokens=cfg.logits_chunk_tokens)[0].to(out.dtype)
-                if routes is not None:
+                if replay is not None:
+                    replayed.add(replay)
+                if recorded is not None:
                     store_routes(routes, micro, recorded.routes())
     finally:
         model.train(was_training)
@@ -135,9 +143,14 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     algo, off = state.algorithm, state.config.off_policy
     metrics: dict = {}
     lengths = row_lengths(batch)
-    routes = _route_grid(state, batch)  # r2: recorded in the pass that computes π_old (run for it alone if need be)
-    own = (_forward_all(state, state.policy, batch, lengths, routes=routes)
+    routes, known = _route_grid(state, batch)  # recorded (r3: replayed first) in the pass that computes π_old
+    vs_rollout = Replayed()
+    own = (_forward_all(state, state.policy, batch, lengths, routes=routes, known=known, replayed=vs_rollout)
            if routes is not None or not off.use_rollout_log_probs else None)
+    if known is not None:
+        metrics["rollout_corr/routing_disagreement"] = vs_rollout.disagreement()
+        real = sum(lengths.total(r) for r in range(batch.num_rows))
+        metrics["rollout_corr/routed_fraction"] = float(known.sum()) / max(real, 1)  # of the rows' tokens
     logp_old = batch.logp_behaviour if off.use_rollout_log_probs else own
     logp_ref = _reference_logprobs(state, batch, lengths)
     values_old = (_forward_all(state, state.critic, batch, lengths, values=True)
@@ -157,18 +170,32 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     is_weights, is_metrics = _is_weights(off, batch, logp_old, mask)
     metrics.update(mask_metrics)
     metrics.update(is_metrics)
-    if not off.use_rollout_log_probs:
-        metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - logp_old, mask))
+    if own is not None:  # how far the behaviour log-probs are from the learner's (with r3: on the engine's experts)
+        metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - own, mask))
     return Prepared(batch, logp_old, adv.advantages, adv.returns if values_old is not None else None, values_old,
                     logp_ref, mask, is_weights, metrics, lengths, routes)
 
 
-def _route_grid(state: LearnerState, batch: RolloutBatch) -> Tensor | None:
-    """An empty route grid for `batch` where the learner replays routes (`--trainer.routing-replay r2`), else None."""
-    if state.config.routing_replay == "off":
-        return None
+def _route_grid(state: LearnerState, batch: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
+    """Where the learner replays routes (`--trainer.routing-replay`): the batch's route grid and, with r3 and a
+    batch that brought the engine's routes, the cells holding them (bool [N·S]); else (None, None)."""
+    replay = state.config.routing_replay
+    if replay == "off":
+        return None, None
     top_k = {int(router.top_k) for _, router in state.moe.routers}
     if len(top_k) != 1:
         raise ValueError(f"--trainer.routing-replay: the routers choose {sorted(top_k)} experts; one top_k is needed")
-    return empty_routes(batch.num_rows, batch.tokens.shape[1], routers=len(state.moe.routers), top_k=top_k.pop(),
+    k = top_k.pop()
+    grid = empty_routes(batch.num_rows, batch.tokens.shape[1], routers=len(state.moe.routers), top_k=k,
                         device=batch.tokens.device)
+    engine = batch.rollout_routes
+    if replay != "r3" or engine is None:
+        return grid, None
+    layers = router_layers(state.moe.names)
+    if engine.shape[2] != k or max(layers) >= engine.shape[1]:
+        raise ValueError(f"--trainer.routing-replay r3: the engine's routes are [positions, {engine.shape[1]} layers, "
+                         f"top_k {engine.shape[2]}], but the learner's routers sit in layers up to {max(layers)} and "
+                         f"choose {k} experts: the engine serves another model")
+    known = batch.routed.to(grid.device)
+    grid[known] = engine.to(grid.device)[known][:, layers].to(grid.dtype)
+    return grid, known

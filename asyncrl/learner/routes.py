@@ -2,7 +2,7 @@
 cell per token of the flattened `[N, S]` tokens, so any micro-batch layout (packed or padded, any split of rows,
 any rank's share) reads and writes them through its `token_index`, exactly as it gathers its tokens.
 
-    grid = empty_routes(num_rows, width, routers=2, top_k=2, device)     # [N·S, routers, top_k] int64
+    grid = empty_routes(num_rows, width, routers=2, top_k=2, device)     # [N·S, routers, top_k] int16
     store_routes(grid, micro, recorded)                                  # a forward's routes [B·L, routers, k]
     routes = micro_routes(grid, micro)                                   # the same tokens' routes, another layout
 
@@ -20,8 +20,9 @@ __all__ = ["empty_routes", "store_routes", "micro_routes", "real_tokens"]
 
 
 def empty_routes(num_rows: int, width: int, *, routers: int, top_k: int, device: torch.device | str) -> Tensor:
-    """A batch's route grid: [num_rows · width, routers, top_k] int64, every cell experts 0..top_k−1."""
-    return torch.arange(top_k, device=device).expand(num_rows * width, routers, top_k).clone()
+    """A batch's route grid: [num_rows · width, routers, top_k] int16 (expert ids; a quarter of int64's memory),
+    every cell experts 0..top_k−1."""
+    return torch.arange(top_k, device=device, dtype=torch.int16).expand(num_rows * width, routers, top_k).clone()
 
 
 def store_routes(grid: Tensor, micro: MicroBatch, routes: Tensor) -> None:
@@ -30,11 +31,12 @@ def store_routes(grid: Tensor, micro: MicroBatch, routes: Tensor) -> None:
     if micro.token_index is None or routes.shape[0] != micro.token_index.numel():
         raise ValueError(f"routes for {routes.shape[0]} tokens, but the micro-batch ran "
                          f"{None if micro.token_index is None else micro.token_index.numel()}")
-    grid[micro.token_index.to(grid.device)] = routes.to(grid.device)
+    grid[micro.token_index.to(grid.device)] = routes.to(grid.device, grid.dtype)
 
 
 def micro_routes(grid: Tensor, micro: MicroBatch) -> Tensor:
-    """The routes of a micro-batch's tokens [B·L, routers, top_k], in the order its forward runs them."""
+    """The routes of a micro-batch's tokens [B·L, routers, top_k], in the order its forward runs them (of any
+    per-token grid [N·S, ...]: the same cells)."""
     if micro.token_index is None:
         raise ValueError("the micro-batch has no token_index (a layout that cannot carry routes)")
     return grid[micro.token_index.to(grid.device)]

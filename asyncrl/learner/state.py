@@ -15,7 +15,7 @@ from asyncrl.learner.offload import HostAdamW
 from asyncrl.learner.sharding import compute_device, shard_model, sharding_options
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
-from asyncrl.policies.routing_replay import RoutingReplay, find_routers
+from asyncrl.policies.routing_replay import RoutingReplay, find_routers, router_layers
 from asyncrl.policies.value import ValueModel
 
 __all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config"]
@@ -181,6 +181,8 @@ def _attach_routers(state: LearnerState, policy: nn.Module, config: TrainerConfi
     if config.routing_replay != "off":
         try:
             state.moe.check_rules()
+            if config.routing_replay == "r3":
+                router_layers(state.moe.names)
         except ValueError as err:
             raise ValueError(f"--trainer.routing-replay {config.routing_replay}: {err}") from None
 

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_rule", "route_disagreement"]
+__all__ = ["RULES", "RoutingReplay", "Recorded", "Replayed", "find_routers", "router_layers", "router_rule",
+           "route_disagreement"]
 
 
 def _softmax(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -74,6 +76,20 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     "Router" and that choose `top_k` experts (transformers 5.x names them `*TopKRouter` / `*TopkRouter`)."""
     return [(name, m) for name, m in model.named_modules()
             if type(m).__name__.lower().endswith("router") and isinstance(getattr(m, "top_k", None), int)]
+
+
+def router_layers(names: list[str]) -> list[int]:
+    """The decoder layer of each router, from its qualified name (`model.layers.7.mlp.gate` -> 7): the index an
+    engine's per-layer routes use (vLLM's routed experts are [positions, num_hidden_layers, top_k]). Raises
+    ValueError naming a router whose name holds no layer index."""
+    layers = []
+    for name in names:
+        found = re.findall(r"(?:^|\.)layers\.(\d+)\.", name)
+        if not found:
+            raise ValueError(f"router {name}: no decoder layer index in its name (…layers.N…), so an engine's "
+                             "per-layer routes cannot be matched to it")
+        layers.append(int(found[-1]))
+    return layers
 
 
 def _hidden_size(router: nn.Module) -> int:
@@ -136,6 +152,11 @@ class Replayed:
     differed: Tensor | int = 0
     tokens: Tensor | int = 0
 
+    def add(self, other: "Replayed") -> None:
+        """Count another replay's pairs here too."""
+        self.differed = self.differed + other.differed
+        self.tokens = self.tokens + other.tokens
+
     def share(self) -> Tensor:
         """`disagreement` as a 0-d float tensor on the routers' device (no read-back)."""
         return torch.as_tensor(self.differed, dtype=torch.float32) / torch.as_tensor(self.tokens).clamp(min=1)
@@ -192,13 +213,17 @@ class RoutingReplay:
         return hook
 
     def _replayed(self, i: int, name: str, module: nn.Module, out: tuple) -> tuple:
-        routes, counted, replayed = self._replay
+        routes, counted, known, replayed = self._replay
         logits, weights, own = out
-        chosen = routes[:, i].to(own.device)
+        chosen = routes[:, i].to(own.device, own.dtype)
         if chosen.shape != own.shape:
             raise RuntimeError(f"routing replay: router {name} ran {tuple(own.shape)} (tokens, top_k) but the routes "
                                f"hold {tuple(chosen.shape)}: routes and tokens are out of step")
         weight = torch.ones_like(own[:, 0], dtype=torch.bool) if counted is None else counted.to(own.device)
+        if known is not None:  # the other tokens keep the router's own choice
+            known = known.to(own.device)
+            chosen = torch.where(known[:, None], chosen, own)
+            weight = weight & known
         # a recompute counts its tokens again: the share is unchanged
         replayed.differed = replayed.differed + (route_disagreement(own, chosen) & weight).sum()
         replayed.tokens = replayed.tokens + weight.sum()
@@ -214,18 +239,20 @@ class RoutingReplay:
             self._recorded = None
 
     @contextlib.contextmanager
-    def replaying(self, routes: Tensor, counted: Tensor | None = None) -> Iterator[Replayed]:
+    def replaying(self, routes: Tensor, counted: Tensor | None = None, known: Tensor | None = None
+                  ) -> Iterator[Replayed]:
         """Within: router r picks `routes[:, r]` ([tokens, routers, top_k], the tokens in the order the forward
         runs them), weighted by its rule from its own logits, in every call (a recompute gets the same). A forward
         over another number of tokens raises. `counted` (bool [tokens]; None: all) marks the tokens whose
-        disagreement counts (not a padded row's padding, whose routes are placeholders)."""
+        disagreement counts (not a padded row's padding, whose routes are placeholders). `known` (bool [tokens];
+        None: all) marks the tokens replayed; the others keep the router's own choice (and are not counted)."""
         if routes.dim() != 3 or routes.shape[1] != len(self.routers):
             raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}; expected [tokens, "
                              f"{len(self.routers)} routers, top_k]")
         self.check_rules()
-        self._replay = (routes, counted, Replayed())
+        self._replay = (routes, counted, known, Replayed())
         try:
-            yield self._replay[2]
+            yield self._replay[3]
         finally:
             self._replay = None
 

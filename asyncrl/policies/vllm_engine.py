@@ -86,6 +86,7 @@ import time
 import weakref
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -155,7 +156,7 @@ class VLLMEngine(EngineControl[_Request]):
                  options: VLLMConfig = VLLMConfig(), kv_bytes: int | None = None, seed: int = 0, version: int = 0,
                  lora_rank: int = 0, lora_alpha: float = 0.0,
                  lora_base: dict[str, Tensor] | DirectoryWeights | None = None,
-                 lora_targets: Sequence[str] = LORA_TARGETS):
+                 lora_targets: Sequence[str] = LORA_TARGETS, return_routes: bool = False):
         missing = vllm_missing()
         if missing:
             raise ValueError(f"--rollout.backend vllm: {missing}")
@@ -176,7 +177,8 @@ class VLLMEngine(EngineControl[_Request]):
             weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
         self._engine = vllm_llm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
                                        device=device, kv_bytes=kv_bytes, seed=seed,
-                                       lora_rank=lora_rank if self._lora_mode == "adapter" else 0)
+                                       lora_rank=lora_rank if self._lora_mode == "adapter" else 0,
+                                       return_routes=return_routes)
         self._groups = vllm_load_groups(self._engine, weight_shapes)  # what an update must bring whole
         self._live: dict[str, tuple[_Request, _Sample]] = {}  # vLLM request id -> the sample it generates
         self._held: list[tuple[_Request, _Sample]] = []  # samples to queue in vLLM on resume / wake-up
@@ -262,6 +264,9 @@ class VLLMEngine(EngineControl[_Request]):
         del self._live[out.request_id]
         sample.vllm_id = None
         sample.completion.finish_reason = _FINISH.get(str(result.finish_reason), "abort")
+        routes = getattr(result, "routed_experts", None)  # the last piece ran every position: prompt and tokens
+        if routes is not None:
+            sample.completion.routes = np.asarray(routes)
         return request if request.finished else None
 
     def _release_held(self) -> None:
@@ -355,7 +360,7 @@ class VLLMEngine(EngineControl[_Request]):
 
 
 def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *, agent: str,
-                      options: VLLMConfig = VLLMConfig()) -> VLLMEngine:
+                      options: VLLMConfig = VLLMConfig(), return_routes: bool = False) -> VLLMEngine:
     """The engine factory of vLLM rollout. `model` is either
     * asyncrl's own `CausalLM` (the run's initial weights): vLLM loads it from a Hugging Face directory written for
       it and removed once loaded; a LoRA engine in "merge" mode keeps its linear weights (on its device) as the
@@ -365,9 +370,10 @@ def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *,
       a "merge" LoRA engine reads each adapted layer's base from the directory when it first needs it.
     The KV cache is what the embedded engine would take (for a directory, the config's estimate:
     `ModelDirectory.kv_cache_bytes`), unless --rollout.vllm.kv-cache-gb or (GPU)
-    --rollout.vllm.gpu-memory-utilization say otherwise."""
+    --rollout.vllm.gpu-memory-utilization say otherwise. `return_routes` (--trainer.routing-replay r3): vLLM
+    records the experts every MoE layer picks, and each finished sample carries them (`Completion.routes`)."""
     if isinstance(model, ModelDirectory):
-        return _from_directory(model, config, options)
+        return _from_directory(model, config, options, return_routes)
     shapes = {name: tuple(t.shape) for name, t in named_weights(model)}
     base = None
     if config.lora_rank and options.lora_mode == "merge":
@@ -379,17 +385,18 @@ def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *,
                           eos_token_ids=model.config.eos_token_ids, max_slots=config.max_slots,
                           max_len=config.max_len, dtype=model.dtype, device=str(model.device), options=options,
                           kv_bytes=kv, seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
-                          lora_base=base, lora_targets=config.lora_targets)
+                          lora_base=base, lora_targets=config.lora_targets, return_routes=return_routes)
 
 
-def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VLLMConfig) -> VLLMEngine:
+def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VLLMConfig,
+                    return_routes: bool) -> VLLMEngine:
     base = DirectoryWeights(directory) if config.lora_rank and options.lora_mode == "merge" else None
     kv = _kv_bytes(directory.device, options, lambda: directory.kv_cache_bytes(config.max_slots, config.max_len))
     return VLLMEngine(directory.path, weight_shapes=directory.weight_shapes(), vocab_size=directory.vocab_size,
                       eos_token_ids=directory.eos_token_ids, max_slots=config.max_slots, max_len=config.max_len,
                       dtype=directory.dtype, device=directory.device, options=options, kv_bytes=kv,
                       seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_base=base,
-                      lora_targets=config.lora_targets)
+                      lora_targets=config.lora_targets, return_routes=return_routes)
 
 
 def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,

@@ -312,7 +312,10 @@ def _keys_int(d: dict) -> dict:
 
 
 def _group_json(group: Group) -> dict:
-    return dataclasses.asdict(group)
+    """A queued group as JSON-able data; MoE routes (`Completion.routes`) are left out: a resumed run's learner
+    routes those samples itself."""
+    return dataclasses.asdict(dataclasses.replace(
+        group, completions=[dataclasses.replace(c, routes=None) for c in group.completions]))
 
 
 def _group_from_json(raw: dict) -> Group:

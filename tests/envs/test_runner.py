@@ -110,3 +110,20 @@ def test_a_failing_environment_ends_only_its_episodes_counted_scored_0_and_untra
     assert bad.env_rewards == [0.0, 0.0]
     for c in bad.completions:
         assert not any(c.loss_mask) and c.finish_reason == "abort"
+
+
+def test_an_episode_carries_the_routes_of_its_latest_routed_turn():
+    """A later turn's prompt is the whole episode so far, so its routes (vLLM's, for r3) cover every earlier turn:
+    the episode's completion carries the latest ones; a turn without routes keeps the earlier ones."""
+    import numpy as np
+
+    from asyncrl.envs.episode import Episode
+    from asyncrl.types import Completion
+    episode = Episode("s0", prompt_ids=[1, 2], budget=32)
+    first, later = np.zeros((3, 2, 2), dtype=np.int16), np.ones((6, 2, 2), dtype=np.int16)
+    episode.add_model_turn(Completion([5, 6], [-1.0, -1.0], [0, 0], "stop", routes=first), "a")
+    episode.add_env_tokens([7, 8])
+    episode.add_model_turn(Completion([9], [-1.0], [0], "stop", routes=later), "b")
+    assert episode.completion().routes is later
+    episode.add_model_turn(Completion([10], [-1.0], [1], "stop"), "c")
+    assert episode.completion().routes is later

@@ -42,7 +42,7 @@ def test_routes_written_in_one_layout_are_read_by_their_tokens_in_another(rows, 
                 continue
             read = micro_routes(grid, micro).view(-1)
             real = real_tokens(micro, lengths)
-            assert torch.equal(read[real], micro.token_index[real])
+            assert torch.equal(read[real].long(), micro.token_index[real])
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,114 @@ def test_a_model_that_repads_packed_rows_trains_and_replays_only_unpacked(hf_zoo
     state = build_learner(policy, trainer_config(routing_replay="r2", pack_sequences=False), GRPO())
     _, metrics = train_step(state, groups)
     assert metrics["actor/routing_disagreement"] >= 0.0
+
+
+def _engine_routes(state, groups, *, flip: float = 0.0, seed: int = 0) -> list:
+    """Per completion, what vLLM returns for it: the experts each layer chose for each position but the last
+    ([total − 1, layers, top_k], here the policy's own choices), with a share `flip` of positions sent to other
+    experts (an engine whose kernels routed them otherwise)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = int(state.moe.routers[0][1].num_experts)
+    out = []
+    for g in groups:
+        for c in g.completions:
+            row = torch.tensor([g.prompt_ids + c.token_ids])
+            with torch.no_grad(), state.moe.recording() as recorded:
+                state.policy.hf(input_ids=row, use_cache=False)
+            routes = recorded.routes()[:-1].clone()  # [positions, routers (= layers here), top_k]
+            flipped = torch.rand(routes.shape[0], generator=gen) < flip
+            routes[flipped] = (routes[flipped] + 1) % experts  # distinct experts, all of them others
+            out.append(routes.to(torch.int16).numpy())
+    return out
+
+
+def _with_routes(groups, routes: list) -> list:
+    import dataclasses
+    it = iter(routes)
+    return [dataclasses.replace(g, completions=[dataclasses.replace(c, routes=next(it)) for c in g.completions])
+            for g in groups]
+
+
+def test_r3_replays_the_engines_own_routes_to_the_same_logprobs_and_keeps_them_in_the_grid(hf_zoo):
+    """Routes an engine running the same weights returns: π_old replayed on them equals the unreplayed π_old (fp32),
+    no router disagrees, the grid holds them, and every position but each row's last came from the engine."""
+    policy = load_model(str(hf_zoo("qwen3_moe")))
+    groups = on_policy(policy, synthetic_groups(3, 2, seed=9, prompt_lens=(2, 9), response_lens=(1, 12)))
+    plain = prepare(build_learner(policy, trainer_config(routing_replay="r2", use_dynamic_bsz=True,
+                                                         max_tokens_per_micro_batch=48), GRPO()), collate(groups))
+    state = build_learner(policy, trainer_config(routing_replay="r3", use_dynamic_bsz=True,
+                                                 max_tokens_per_micro_batch=48), GRPO())
+    batch = collate(_with_routes(groups, _engine_routes(state, groups)))
+    assert batch.rollout_routes.dtype == torch.int16 and batch.rollout_routes.shape[1:] == (2, 2)
+    prep = prepare(state, batch)
+    assert prep.metrics["rollout_corr/routing_disagreement"] == 0.0
+    rows = prep.totals()
+    assert prep.metrics["rollout_corr/routed_fraction"] == pytest.approx(1 - len(rows) / sum(rows))
+    assert torch.allclose(prep.logp_old, plain.logp_old, atol=1e-6)
+    assert torch.equal(prep.routes, plain.routes)  # the engine's routes, and the learner's at each last position
+    assert abs(prep.metrics["rollout_corr/mismatch_kl"]) < 1e-5
+
+
+def test_r3_keeps_the_engines_experts_where_the_learner_would_choose_others(hf_zoo):
+    """A third of the positions routed otherwise by the engine: the π_old pass replays them (its disagreement is
+    that share), they stay in the grid for the updates, and the step's updates replay them with gradients reaching
+    the routers; a sample without routes (resumed from a checkpoint) is routed by the learner."""
+    policy = load_model(str(hf_zoo("qwen3_moe")))
+    groups = on_policy(policy, synthetic_groups(3, 2, seed=10, prompt_lens=(3, 9), response_lens=(4, 12)))
+    state = build_learner(policy, trainer_config(routing_replay="r3", lr=1e-2), GRPO())
+    routes = _engine_routes(state, groups, flip=1 / 3, seed=1)
+    routes[0] = None  # this sample brings none
+    batch = collate(_with_routes(groups, routes))
+    prep = prepare(state, batch)
+    share = prep.metrics["rollout_corr/routing_disagreement"]
+    assert 0.15 < share < 0.6
+    width = batch.tokens.shape[1]
+    for i, r in enumerate(routes):
+        cells = prep.routes[i * width:i * width + prep.totals()[i] - 1]
+        if r is not None:
+            assert torch.equal(cells, torch.as_tensor(r))
+    own = _engine_routes(state, groups[:1])[0]
+    assert torch.equal(prep.routes[:own.shape[0]], torch.as_tensor(own))  # the learner's own choices
+    from asyncrl.policies.routing_replay import find_routers
+    before = {name: r.weight.detach().clone() for name, r in find_routers(policy)}
+    _, metrics = train_step(state, groups=_with_routes(groups, routes))
+    assert metrics["rollout_corr/routing_disagreement"] == pytest.approx(share)
+    assert all(not torch.equal(r.weight, before[name]) for name, r in find_routers(policy))
+
+
+def test_collate_places_each_samples_routes_at_its_own_positions_and_refuses_mixed_shapes():
+    import numpy as np
+    groups = synthetic_groups(2, 2, seed=11, prompt_lens=(2, 5), response_lens=(1, 6))
+    totals = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
+    routes = [np.full((t - 1, 3, 2), i, dtype=np.int16) for i, t in enumerate(totals)]
+    routes[1] = routes[1][:1]  # an engine that ran fewer positions
+    routes[2] = np.full((totals[2] + 4, 3, 2), 2, dtype=np.int16)  # more than the row has: cut
+    routes[3] = None
+    batch = collate(_with_routes(groups, routes))
+    width = batch.tokens.shape[1]
+    known = batch.routed.view(-1, width)
+    assert known.sum(1).tolist() == [totals[0] - 1, 1, totals[2] - 1, 0]
+    for i in range(3):
+        assert (batch.rollout_routes.view(-1, width, 3, 2)[i][known[i]] == i).all()
+    with pytest.raises(ValueError, match="routes disagree in shape"):
+        collate(_with_routes(groups, [np.zeros((1, 3, 2)), np.zeros((1, 4, 2)), None, None]))
+    assert collate(groups).rollout_routes is None
+
+
+def test_r3_is_refused_before_launch_without_vllm_on_gpus(hf_zoo):
+    import dataclasses
+
+    from asyncrl.config.presets import CPU_DEMO
+    from asyncrl.launch.model_checks import implementation_problems
+
+    def problems(**rollout) -> list[str]:
+        cfg = dataclasses.replace(CPU_DEMO, model=dataclasses.replace(CPU_DEMO.model, path=str(hf_zoo("qwen3_moe"))),
+                                  trainer=dataclasses.replace(CPU_DEMO.trainer, routing_replay="r3"),
+                                  rollout=dataclasses.replace(CPU_DEMO.rollout, **rollout))
+        return [p for p in implementation_problems(cfg) if p.startswith("--trainer.routing-replay r3")]
+
+    (cpu,) = problems(backend="vllm")
+    assert "vLLM returns routes on GPUs only" in cpu and "use --trainer.routing-replay r2 on CPU" in cpu
+    with pytest.raises(ValueError, match="no decoder layer index"):
+        from asyncrl.policies.routing_replay import router_layers
+        router_layers(["model.mlp.gate"])

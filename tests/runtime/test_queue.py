@@ -486,3 +486,22 @@ def test_random_event_simulation_keeps_budget_and_books(data):
     if sim.cap is None or sim.policy == "wait":
         assert "stale" not in q.ledger.dropped.values()
     assert copy.deepcopy(q.state_dict())["unfinished"] == []
+
+
+def test_a_checkpoint_leaves_moe_routes_out_and_the_restored_group_has_none():
+    """Routes travel with a sample to the learner, never into a checkpoint (JSON-able, and a resumed learner routes
+    those samples itself)."""
+    import dataclasses
+    import json
+
+    import numpy as np
+    q = make_queue(4)
+    (t,) = q.request("a0", 1)
+    group = group_of(t)
+    routed = [dataclasses.replace(c, routes=np.zeros((3, 2, 2), dtype=np.int16)) for c in group.completions]
+    q.submit("a0", dataclasses.replace(group, completions=routed))
+    state = json.loads(json.dumps(q.state_dict()))
+    assert q.queue[0].completions[0].routes is not None  # the live group keeps them
+    r = make_queue(4)
+    r.load_state_dict(state)
+    assert [c.routes for c in r.queue[0].completions] == [None] * len(routed)
