@@ -7,7 +7,9 @@ benchmarks count with these.
 
 from __future__ import annotations
 
-__all__ = ["body_params", "row_lengths", "train_flops"]
+import dataclasses
+
+__all__ = ["body_params", "expert_share", "row_lengths", "train_flops"]
 
 
 def row_lengths(groups: list) -> list[tuple[int, int]]:
@@ -16,18 +18,49 @@ def row_lengths(groups: list) -> list[tuple[int, int]]:
 
 
 def body_params(model) -> int:
-    """Parameters of the decoder layers and the final norm: no embedding, no LM head."""
+    """Parameters of the decoder layers and the final norm: no embedding, no LM head. A mixture-of-experts
+    model's routed experts count by the share of them a token runs (top_k / experts): its active parameters."""
+    share = expert_share(getattr(model.config, "hf_config", None) or model.config)
     body = (model.model.layers, model.model.norm)
-    return sum(p.numel() for module in body for p in module.parameters())
+    return int(sum(p.numel() * (share if ".experts." in f".{name}." else 1.0)
+                   for module in body for name, p in module.named_parameters()))
+
+
+def expert_share(config) -> float:
+    """top_k / routed experts of a mixture-of-experts config (1.0 for a dense one); `config` an HF config or a dict."""
+    text = _field(config, "text_config") or config
+    experts = next((_field(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if _field(text, k)), None)
+    top_k = _field(text, "num_experts_per_tok") or _field(text, "top_k_experts")
+    return top_k / experts if isinstance(experts, int) and isinstance(top_k, int) and experts > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsShape:
+    """What `train_flops` reads of a model's config."""
+
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
 
 
 def flops_config(model):
-    """The config `train_flops` reads: the model's own, or for an HF-path model of a Llama-family type the
-    `TransformerConfig` of its HF config (the same shape)."""
+    """The config `train_flops` reads: the model's own, or for an HF-path model (any type) the shape its HF
+    config gives (its text config for a multimodal one)."""
     if getattr(model, "impl", "own") != "hf":
         return model.config
-    from asyncrl.policies.model import TransformerConfig
-    return TransformerConfig.from_hf(model.config.hf_config)
+    text = _field(model.config.hf_config, "text_config") or model.config.hf_config
+    heads, hidden = _field(text, "num_attention_heads"), _field(text, "hidden_size")
+    return FlopsShape(num_heads=heads, head_dim=_field(text, "head_dim") or hidden // heads,
+                      vocab_size=_field(text, "vocab_size"), hidden_size=hidden,
+                      num_layers=_field(text, "num_hidden_layers"))
+
+
+def _field(config, key: str):
+    """A key of an HF config, as an object or a dict (None when absent)."""
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
 def train_flops(config, n_body: int, rows: list[tuple[int, int]]) -> float:

@@ -256,6 +256,22 @@ def test_body_params_counts_the_decoder_without_embeddings():
     assert body_params(model) == sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
 
 
+def test_a_moe_models_body_counts_its_routed_experts_by_the_share_a_token_runs(hf_zoo):
+    """Qwen3-MoE (tiny: 2 of 4 experts a token): the experts' 3-D tensors count half, everything else whole; its MFU
+    shape comes from its HF config."""
+    from asyncrl.policies import load_model
+    from asyncrl_bench.flops import expert_share, flops_config
+    model = load_model(str(hf_zoo("qwen3_moe")))
+    layers = list(model.model.layers) + [model.model.norm]
+    experts = sum(p.numel() for m in layers for n, p in m.named_parameters() if ".experts." in f".{n}.")
+    total = sum(p.numel() for m in layers for p in m.parameters())
+    assert experts > 0 and expert_share(model.config.hf_config) == 0.5
+    assert body_params(model) == total - experts // 2
+    shape = flops_config(model)
+    assert (shape.num_layers, shape.hidden_size) == (2, model.config.hf_config["hidden_size"])
+    assert expert_share({"num_experts": 64, "num_experts_per_tok": 8}) == 0.125 and expert_share({}) == 1.0
+
+
 def test_step_bytes_counts_weights_once_and_the_kv():
     model = random_model("tiny-qwen2")
     cfg = model.config
