@@ -10,6 +10,8 @@
 #                                            #   (device_ids [0, 1]): generate, update every weight, generate again
 #   bash scripts/gpu_vllm_tp.sh own OUT      # a training run: trainer cuda:0, agent cuda:1 (vLLM, NCCL weight channel)
 #   bash scripts/gpu_vllm_tp.sh tp-run OUT   # a training run: trainer cuda:0, agent cuda:1 with 2 shards (cuda:1,2)
+#   bash scripts/gpu_vllm_tp.sh tp-shared OUT  # a training run on 2 GPUs: trainer cuda:0, agent cuda:0 with 2 shards
+#                                            #   (cuda:0,1), the first beside the trainer
 #
 # MODEL (default random:qwen2.5-0.5b: 14 heads, 2 KV heads) and LIMIT (seconds a job, default 300).
 set -u
@@ -86,5 +88,8 @@ PY
   tp-run)
     run tp-run --placement.trainer-devices cuda:0 --placement.agent-devices cuda:1 \
       --rollout.vllm.tensor-parallel-size 2 ;;
-  *) echo "unknown stage $STAGE (bare | engine | own | tp-run)"; exit 2 ;;
+  tp-shared)
+    run tp-shared --placement.trainer-devices cuda:0 --placement.agent-devices cuda:0 \
+      --rollout.vllm.tensor-parallel-size 2 ;;
+  *) echo "unknown stage $STAGE (bare | engine | own | tp-run | tp-shared)"; exit 2 ;;
 esac
