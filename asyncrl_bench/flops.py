@@ -49,7 +49,7 @@ class FlopsShape:
 def flops_config(model):
     """The config `train_flops` reads: the model's own, or for an HF-path model (any type) the shape its HF
     config gives (its text config for a multimodal one)."""
-    if getattr(model, "impl", "own") != "hf":
+    if hasattr(model.config, "num_heads"):  # asyncrl's own model's TransformerConfig
         return model.config
     text = _field(model.config.hf_config, "text_config") or model.config.hf_config
     heads, hidden = _field(text, "num_attention_heads"), _field(text, "hidden_size")

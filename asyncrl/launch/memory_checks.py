@@ -24,7 +24,7 @@ import dataclasses
 from typing import Protocol
 
 from asyncrl.config import RunConfig
-from asyncrl.planning.memory import (CUDA_CONTEXT_GIB, GIB, EngineBytes, engine_bytes,
+from asyncrl.planning.memory import (ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB, EngineBytes, engine_bytes,
                                      trainer_activation_bytes, trainer_state_bytes)
 from asyncrl.planning.predict import ModelShape
 
@@ -172,6 +172,9 @@ def device_needs(cfg: RunConfig, shape: ModelShape, slots: int, totals: dict[int
     if colocated and cfg.async_training.colocated_sleep:
         for need in needs.values():
             need.shared = min(need.activations, need.kv_cache)
+    for index, need in needs.items():  # a trainer's allocator slack is lost to another process on its GPU
+        if need.trainer and sum(1 for _, i in opened if i == index) > 1:
+            need.trainer += ALLOCATOR_SLACK * (need.trainer - CUDA_CONTEXT_GIB * GIB)
     return needs
 
 

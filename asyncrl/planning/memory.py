@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from asyncrl.planning.predict import ModelShape
 
-__all__ = ["GIB", "ENGINE_OVERHEAD_GIB", "CUDA_CONTEXT_GIB", "ACTIVATION_BYTES_BY_SCOPE", "LOGITS_BYTES",
+__all__ = ["GIB", "ENGINE_OVERHEAD_GIB", "CUDA_CONTEXT_GIB", "ALLOCATOR_SLACK", "ACTIVATION_BYTES_BY_SCOPE", "LOGITS_BYTES",
            "CAST_BYTES", "EngineBytes", "trainer_state_bytes", "trainer_activation_bytes", "engine_bytes",
            "adapted_params"]
 
@@ -33,6 +33,11 @@ cache and logits make 5.6."""
 CUDA_CONTEXT_GIB = 0.5
 """What a process's CUDA context takes on each GPU it uses, outside PyTorch's allocator (kernels, cuBLAS
 workspaces): 0.3-0.6 GiB on H100s with CUDA 12."""
+ALLOCATOR_SLACK = 0.13
+"""A trainer process's memory held by PyTorch's caching allocator beyond what it has allocated at its peak
+(reserved / allocated − 1), lost to any other process on its GPU: 35.9 / 31.7 GiB in the qwen3-8b-lora fully async
+recipe on one H100 (2026-11-27), whose agent then failed to allocate (cuBLAS, at 80 slots). Within one process
+(colocated) the engine reuses it."""
 ACTIVATION_BYTES_BY_SCOPE = {"none": 41.0, "mlp": 17.5, "layer": 4.0}
 """Learner activations per micro-batch token, decoder layer and hidden unit, by what gradient checkpointing
 recomputes (none: nothing; mlp: each layer's MLP; layer: whole layers, which keep only each layer's bf16 input and

@@ -98,7 +98,8 @@ class AgentServer:
         self.agent = RolloutAgent(name, engine, spec.scorer_factory(workers=self.workers), spec.rollout,
                                   RemoteRoster(roster, spec.rpc_timeout_s), colocated=colocated,
                                   heartbeat_s=heartbeat_period(spec.async_.agent_timeout_s), on_exit=self._loop_ended,
-                                  env=spec.env_setup(workers=self.workers) if spec.env_setup is not None else None)
+                                  env=spec.env_setup(workers=self.workers) if spec.env_setup is not None else None,
+                                  device=self.device)  # a vLLM engine of an HF directory has no model here
         self.channel: WeightChannel | None = None
         self._leaving = threading.Event()
 

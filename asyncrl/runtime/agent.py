@@ -109,8 +109,11 @@ class RolloutAgent:
     def __init__(self, name: str, engine: RolloutEngine, scorer: Scorer, rollout: RolloutConfig,
                  roster: RosterHandle, *, colocated: bool = False, idle_sleep_s: float = 0.01,
                  heartbeat_s: float = 1.0, on_exit: Callable[[BaseException | None], None] | None = None,
-                 env: EnvRuntime | None = None):
+                 env: EnvRuntime | None = None, device: torch.device | str | None = None):
         self.name, self.engine, self.scorer, self.rollout = name, engine, scorer, rollout
+        self.device = torch.device(device) if device is not None else getattr(getattr(engine, "model", None),
+                                                                                "device", None)
+        """The engine's device (the generation thread makes it current): given, or its model's."""
         self.roster, self.colocated = roster, colocated
         self.idle_sleep_s, self.heartbeat_s = idle_sleep_s, heartbeat_s
         self.on_exit = on_exit
@@ -150,9 +153,8 @@ class RolloutAgent:
 
     def _run(self) -> None:
         try:
-            device = getattr(getattr(self.engine, "model", None), "device", None)
-            if device is not None and device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread; this one works on the engine's
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread; this one works on the engine's
             while not self._stop.is_set():
                 self._tick()
         except Fenced as err:  # declared dead while stuck (or stopped): nothing of ours is accepted any more
