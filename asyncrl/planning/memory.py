@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from asyncrl.planning.predict import ModelShape
 
-__all__ = ["GIB", "ENGINE_OVERHEAD_GIB", "CUDA_CONTEXT_GIB", "ALLOCATOR_SLACK", "ACTIVATION_BYTES_BY_SCOPE", "LOGITS_BYTES",
-           "CAST_BYTES", "EngineBytes", "trainer_state_bytes", "trainer_activation_bytes", "engine_bytes",
-           "adapted_params"]
+__all__ = ["GIB", "ENGINE_OVERHEAD_GIB", "CUDA_CONTEXT_GIB", "ALLOCATOR_SLACK", "ACTIVATION_BYTES_BY_SCOPE",
+           "LOGITS_BYTES", "CAST_BYTES", "EngineBytes", "trainer_state_bytes", "trainer_activation_bytes",
+           "engine_bytes", "adapted_params"]
 
 GIB = 2**30
 Checkpointing = Literal["none", "mlp", "layer"]

@@ -122,6 +122,22 @@ def router_rule(router: nn.Module, *, tokens: int = 32, seed: int = 0) -> str | 
     return (same or close or [None])[0]
 
 
+@contextlib.contextmanager
+def _gathered(model: nn.Module, name: str) -> Iterator[None]:
+    """Within: the FSDP2 modules that hold the module `name` of `model` (none when it is not sharded) have their
+    parameters gathered, so it can run outside their forward (a collective: every rank of the group enters)."""
+    from torch.distributed.fsdp import FSDPModule
+    owners = [m for prefix, m in model.named_modules()
+              if isinstance(m, FSDPModule) and (not prefix or name.startswith(prefix + "."))]
+    for owner in owners:
+        owner.unshard()
+    try:
+        yield
+    finally:
+        for owner in reversed(owners):
+            owner.reshard()
+
+
 def route_disagreement(own: Tensor, replayed: Tensor) -> Tensor:
     """Per token (a bool [N]): whether the expert set a router chose itself (`own`, [N, k]) differs from the
     replayed one ([N, k]); the order within the k does not count."""
@@ -176,6 +192,7 @@ class RoutingReplay:
 
     def __init__(self, model: nn.Module):
         self.routers = find_routers(model)
+        self._model = model
         if not self.routers:
             raise ValueError(f"{type(model).__name__}: no mixture-of-experts router to replay (routing replay is for "
                              "MoE models)")
@@ -195,7 +212,8 @@ class RoutingReplay:
         for name, router in self.routers:
             if name in self.rules:
                 continue
-            rule = router_rule(router)
+            with _gathered(self._model, name):
+                rule = router_rule(router)
             if rule is None:
                 raise ValueError(f"routing replay: router {name} ({type(router).__name__}) weights its experts by no "
                                  f"known rule ({', '.join(RULES)}); it cannot be replayed")
