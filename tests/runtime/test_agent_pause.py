@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from asyncrl.config import RolloutConfig
 from asyncrl.runtime.agent import RolloutAgent
@@ -92,3 +93,14 @@ def test_a_sync_pauses_the_busy_loop_at_the_next_step_boundary():
     finally:
         agent.stop()
     assert engine.pause_modes == ["keep"] * 5 and agent.error is None
+
+
+def test_the_agent_knows_its_engines_device_given_or_from_the_engines_model():
+    """The generation thread makes this device current (on CUDA: a vLLM engine over an HF directory has no model of
+    its own to ask, and its first step failed on cuda:1 when the thread's current device stayed cuda:0)."""
+    import types
+    engine = BusyEngine()
+    assert RolloutAgent("a", engine, None, RolloutConfig(), IdleRoster()).device is None
+    assert RolloutAgent("a", engine, None, RolloutConfig(), IdleRoster(), device="cpu").device == torch.device("cpu")
+    engine.model = types.SimpleNamespace(device=torch.device("cpu"))
+    assert RolloutAgent("a", engine, None, RolloutConfig(), IdleRoster()).device == torch.device("cpu")
