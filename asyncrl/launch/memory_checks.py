@@ -228,9 +228,9 @@ def check_memory(cfg: RunConfig, shape: ModelShape, memory: DeviceMemory, *, slo
         result.facts += [f"memory: cuda:{i} {need.total / GIB:.1f} of {measured[i][0] / GIB:.1f} GiB free "
                          f"({need.describe(tokens)})" for i, need in sorted(needs.items())]
         return result
-    if vllm:
+    if vllm and any(need.vllm for need in short):
         result.problems += [_vllm_problem(cfg, shape, need, measured[need.index][0], usable[need.index], tokens)
-                            for need in short]
+                            for need in short if need.vllm]
         return result
     fits = next((s for s in range(current - current % n, n - 1, -n) if not over(s)), None)
     worst = short[0]
@@ -248,7 +248,7 @@ def check_memory(cfg: RunConfig, shape: ModelShape, memory: DeviceMemory, *, slo
         result.problems.append(f"--rollout.max-slots {current}: {_short(worst, free, room, tokens)}; "
                                f"--rollout.max-slots {fits} fits" + (f" (or {helps})" if helps else ""))
         return result
-    budget = _budget_that_fits(cfg, shape, totals, usable, n)
+    budget = _budget_that_fits(cfg, shape, totals, usable, n, vllm)
     flag = "--trainer.max-tokens-per-micro-batch"
     fix = [f"{flag} {budget} fits" + (f" at --rollout.max-slots {n}" if worst.engine else "")] if budget else []
     head = (f"{flag} {cfg.trainer.max_tokens_per_micro_batch}" if not worst.engine
@@ -260,7 +260,7 @@ def check_memory(cfg: RunConfig, shape: ModelShape, memory: DeviceMemory, *, slo
 
 
 def _budget_that_fits(cfg: RunConfig, shape: ModelShape, totals: dict[int, int], usable: dict[int, float],
-                      slots: int) -> int | None:
+                      slots: int, vllm: bool = False) -> int | None:
     """The largest --trainer.max-tokens-per-micro-batch (a multiple of 1,024 that holds one whole row) below the
     current one with which every GPU fits at `slots`; None where none does or the budget is not by tokens."""
     t = cfg.trainer
@@ -269,7 +269,7 @@ def _budget_that_fits(cfg: RunConfig, shape: ModelShape, totals: dict[int, int],
         return None
     for budget in range((t.max_tokens_per_micro_batch - 1) // 1024 * 1024, row - 1, -1024):
         trial = dataclasses.replace(cfg, trainer=dataclasses.replace(t, max_tokens_per_micro_batch=budget))
-        if all(need.total <= usable[i] for i, need in device_needs(trial, shape, slots, totals).items()):
+        if all(need.total <= usable[i] for i, need in device_needs(trial, shape, slots, totals, vllm=vllm).items()):
             return budget
     return None
 

@@ -161,3 +161,17 @@ def test_a_gpu_listed_twice_for_the_trainer_group_is_refused_before_spawn(tmp_pa
 def test_given_flags_reads_what_was_typed():
     assert given_flags(["--rollout.max_slots=32", "--lora.rank", "8", "algorithm:dapo", "--async-training.no-colocated"]
                        ) == {"--rollout.max-slots", "--lora.rank", "--async-training.no-colocated"}
+
+
+def test_a_trainer_gpu_short_beside_vllm_agents_names_the_trainer_flags():
+    """vLLM agents on GPUs of their own fit; the trainer's GPU does not (full fine-tuning of the 8B shape in fp32):
+    the message is the trainer's (it used to divide by vLLM's share of a GPU that has none, and raise)."""
+    cfg = PRESETS["qwen3-8b-lora"][1]
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0),
+                              rollout=dataclasses.replace(cfg.rollout, backend="vllm"),
+                              async_training=dataclasses.replace(cfg.async_training, colocated=False),
+                              placement=dataclasses.replace(cfg.placement, trainer_devices=("cuda:0",),
+                                                            agent_devices=("cuda:1",)))
+    (problem,) = check_memory(cfg, model_shape(cfg.model.path), FakeMemory(), vllm=True).problems
+    assert problem.startswith("--trainer.max-tokens-per-micro-batch ")
+    assert "cuda:0 needs " in problem and "--trainer.offload optimizer" in problem
