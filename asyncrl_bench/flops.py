@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from asyncrl.launch.model_checks import MOE_EXPERT_KEYS
+
 __all__ = ["body_params", "expert_share", "row_lengths", "train_flops"]
 
 
@@ -29,8 +31,7 @@ def body_params(model) -> int:
 def expert_share(config) -> float:
     """top_k / routed experts of a mixture-of-experts config (1.0 for a dense one); `config` an HF config or a dict."""
     text = _field(config, "text_config") or config
-    experts = next((_field(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if _field(text, k)), None)
+    experts = next((_field(text, k) for k in MOE_EXPERT_KEYS if _field(text, k)), None)
     top_k = _field(text, "num_experts_per_tok") or _field(text, "top_k_experts")
     return top_k / experts if isinstance(experts, int) and isinstance(top_k, int) and experts > 1 else 1.0
 

