@@ -367,6 +367,9 @@ def test_ppo_gradient_zero_on_clipped_tokens_and_minus_a_r_over_n_elsewhere(data
             r = math.exp(logp[i, j].item() - logp_old[i, j].item())
             for edge in (1 - eps_low, 1 + eps_high) + ((c,) if c is not None else ()):
                 assume(abs(r - edge) > 1e-9)
+                # clipfrac compares the two branches' losses (verl's definition): an advantage so small that
+                # A·r and A·edge round to the same float (a subnormal A) leaves the comparison a tie
+                assume(a == 0 or a * r != a * edge)
             high = a > 0 and r > 1 + eps_high
             low = a < 0 and r < 1 - eps_low
             dual = c is not None and a < 0 and r > c
