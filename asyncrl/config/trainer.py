@@ -161,6 +161,10 @@ class TrainerConfig:
     freeze_router: bool = False
     """Mixture-of-experts models: keep every router's weights as loaded (no gradient, no update), so the experts
     each token goes to change only through the hidden states reaching the routers."""
+    router_dtype: Literal["float32", "model"] = "float32"
+    """Mixture-of-experts models: float32 runs each router's GEMM and softmax on float32 operands with autocast off
+    (`asyncrl.policies.router_precision`), so two experts' logits closer than a bf16 step do not tie or swap
+    between passes; model: as the model's dtype and autocast have it. No effect on a dense model or in fp32."""
     fused_optimizer: bool = True
     """Fused AdamW (one kernel for all parameters) on CUDA; a sharded (FSDP2) model uses the foreach one."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
