@@ -9,7 +9,8 @@ implementation trains it and what that allows, and the engine: `asyncrl.launch.m
 rank against its layers, `asyncrl.launch.lora_check`), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
-learner step), every GPU's memory (`asyncrl.launch.memory_checks`: a layout that cannot fit is refused, a
+learner step), the trainer host's memory for the sample queue and a learner step (`asyncrl.launch.step_checks`:
+a --trainer.mini-batch-size too large is refused with the largest that fits), every GPU's memory (`asyncrl.launch.memory_checks`: a layout that cannot fit is refused, a
 --rollout.max-slots the user did not give is lowered to fit) and a resume's checkpoint. Checks that depend on a
 failed one are skipped rather than reported twice. Notes are facts worth knowing that do not stop the run.
 """
@@ -27,6 +28,7 @@ from asyncrl.data.files import load_prompt_file
 from asyncrl.launch.device_checks import check_devices, check_tensor_parallel
 from asyncrl.launch.lora_check import check_lora
 from asyncrl.launch.memory_checks import CudaMemory, DeviceMemory, check_memory, cuda_index
+from asyncrl.launch.step_checks import check_step_memory, host_available
 from asyncrl.launch.model_checks import check_model_path, engine_checks, implementation_problems, resolved_backend
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
 from asyncrl.config.flags import flag, shown
@@ -92,9 +94,9 @@ class _Checks:
     """One pass of checks over a config; `report` collects the results."""
 
     def __init__(self, cfg: RunConfig, say: Callable[[str], None], given: Collection[str] | None,
-                 memory: DeviceMemory | None):
+                 memory: DeviceMemory | None, host: Callable[[], int] | None):
         self.cfg, self.say, self.report = cfg, say, CheckedRun(cfg)
-        self.given, self.memory = given, memory
+        self.given, self.memory, self.host = given, memory, host or host_available
 
     def run(self) -> CheckedRun:
         if not self._hub_names():
@@ -128,6 +130,8 @@ class _Checks:
             self.report.notes += lora.notes
         if model_ok and valid and devices_ok:
             self._memory()
+        if valid and (problem := check_step_memory(self.cfg, available=self.host())) is not None:
+            self.report.problems.append(problem)
         table = self._rewards()
         if model_ok and valid:
             self._data(table)
@@ -469,9 +473,10 @@ class _Checks:
 
 
 def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None, given: Collection[str] | None = None,
-              memory: DeviceMemory | None = None) -> CheckedRun:
+              memory: DeviceMemory | None = None, host: Callable[[], int] | None = None) -> CheckedRun:
     """Run every up-front check of `cfg`; `say` gets a line before each slow one (loading a tokenizer). `given`: the
     flags the user typed (`asyncrl.config.flags.given_flags`); a value not among them was the preset's, and the
     memory check may lower it (--rollout.max-slots) to fit. None: every value of `cfg` was chosen (the Python API),
-    so a layout that does not fit is refused. `memory`: where GPUs' free memory is read (default: the driver)."""
-    return _Checks(cfg, say, given, memory).run()
+    so a layout that does not fit is refused. `memory`: where GPUs' free memory is read (default: the driver);
+    `host`: the bytes of host memory available (default: /proc/meminfo)."""
+    return _Checks(cfg, say, given, memory, host).run()
