@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import api as rpc_api
 
+from asyncrl.rpc.seal import seal_rpc
 from asyncrl.rpc.store import serve_store
 
 __all__ = ["join_rpc", "leave_rpc", "RpcMembership"]
@@ -40,9 +41,11 @@ a 2-core machine more than the training itself. The RPC messages are control cal
 gloo or NCCL), for which loopback TCP's tens of microseconds are no cost."""
 
 
-def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, threads: int = 16) -> None:
-    """Join the run's RPC group as `name` (rank 0 first: it serves the group's store). A join that fails
-    releases the membership token it may hold, so the next one can proceed."""
+def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, key: bytes, threads: int = 16) -> None:
+    """Join the run's RPC group as `name` (rank 0 first: it serves the group's store), every message sealed with
+    the run's `key` (`asyncrl.rpc.seal`; unsealed ones refused). A join that fails releases the membership token
+    it may hold, so the next one can proceed."""
+    seal_rpc(key)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", rpc_timeout=timeout_s,
                                               num_worker_threads=threads, _transports=TRANSPORTS)
     # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does

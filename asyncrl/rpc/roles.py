@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import hmac
 import logging
 import os
 import pickle
@@ -39,6 +40,7 @@ from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.membership import join_rpc, leave_rpc
+from asyncrl.rpc.seal import key_check, rpc_key
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
 
@@ -105,17 +107,23 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         dist.init_process_group(backend, store=store.prefix("asyncrl/trainers"), rank=rank,
                                 world_size=spec.num_trainers,
                                 timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
-        nonce = new_nonce()
         if rank == 0:
             if token is None:
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
+            nonce = new_nonce()
             if is_loopback(host):  # before the info, which joining agents wait for
                 store.leave_token(token)
-            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce})
+            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
+                            "key_check": key_check(rpc_key(token.value, nonce))})
             store.reserve_slots(len(spec.agents))
             store.set_restarts_left(spec.placement.restart_agents)
             print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
-        join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s)
+        else:  # rank 0's nonce; the token from the launcher, else (a loopback torchrun job) the one rank 0 left
+            nonce = store.info()["nonce"]
+            token = token or store.left_token()
+            if token is None:
+                raise ValueError(f"{role} needs the run's token to join its RPC group")
+        join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s, key=rpc_key(token.value, nonce))
         if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
             store.raw.wait([f"asyncrl/joined/trainer{r}" for r in range(1, spec.num_trainers)],
                            datetime.timedelta(seconds=spec.startup_timeout_s))
@@ -198,12 +206,18 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
         log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE; the run "
                   "printed its join line at start-up)", host, port, TOKEN_ENV)
         return 2
+    key = rpc_key(token.value, info.get("nonce", ""))
+    if not hmac.compare_digest(info.get("key_check", ""), key_check(key)):
+        log.error("the run refused this agent: it did not present the run's token (its RPC messages would not be "
+                  "sealed with the run's key); give the token the run printed or was given (%s=... or --token-file "
+                  "FILE)", TOKEN_ENV)
+        return 2
     slot = store.new_slot() if slot is None else slot
     for attempt in range(1, 4):  # a member that just died may still be listed until rank 0 evicts it
         name = agent_name(slot, store.next_incarnation(slot))  # a fresh name: a failed join may have left its own
         _setup_logging(name)
         try:
-            join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"])
+            join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"], key=key)
             break
         except RuntimeError as err:
             if attempt == 3:

@@ -97,7 +97,8 @@ def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary 
     if role.kind == "trainer":
         if role.index == 0:
             spec = resolve_resume(spec)  # train() settled it already: then the spec comes back as it is
-        return run_trainer(role.index, spec, host, port + 1, port + 2, parent_pid=parent, token=token or new_token(),
+        return run_trainer(role.index, spec, host, port + 1, port + 2, parent_pid=parent,
+                           token=token or (new_token() if role.index == 0 else None),
                            run_log=run_log if role.index == 0 else None)
     code = keep_agent(spec, host, port + 1, role.index, token=token, parent_pid=parent)
     os._exit(code)

@@ -13,6 +13,8 @@ import os
 import pathlib
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -21,6 +23,8 @@ from asyncrl.rpc.exposure import RunToken, bind_address, is_loopback, listening_
 from asyncrl.rpc.roles import free_port
 from tests.rpc.jobs import TOY, Job
 from tests.timing import limit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 ENDLESS = ("--async-training.total-versions", "1000000")
 
@@ -115,7 +119,8 @@ def test_the_reader_sees_a_socket_listening_on_every_interface():
 def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wrong_token_is_refused(
         tmp_path, jobs, monkeypatch):
     """One job on loopback, two agents and a join port: every listener of its processes is a loopback one; then an
-    agent with a wrong token is refused and told, and the run goes on without it."""
+    agent with a wrong token is refused and told before it joins, a process using torch alone (no token) that joins
+    the RPC group is refused by trainer0's seal and never calls it, and the run goes on without either."""
     port = free_port()
     job = Job(tmp_path, *TOY, *ENDLESS, "--placement.agent-devices", "cpu", "cpu", "--placement.join-port", str(port))
     jobs.append(job)
@@ -135,14 +140,19 @@ def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wro
     jobs.append(intruder)
     assert intruder.finish() == 2, intruder.tail()
     assert "the run refused this agent: it did not present the run's token" in intruder.text()
-    refused = job.wait_for(r"refused agent (agent\d+) from host .* it did not present the run's token").group(1)
-    assert refused not in ("agent0", "agent1"), refused  # the run's own two agents are not the one refused
+    # torch alone, without the token: its join's first message to trainer0 is refused unread, and it never calls
+    stranger = subprocess.run([sys.executable, str(ROOT / "tests/rpc/stranger.py"), "127.0.0.1", str(port)],
+                              capture_output=True, text=True, timeout=limit(180), cwd=tmp_path)
+    outcome = stranger.stdout.splitlines()
+    assert outcome and outcome[0].startswith("join refused"), (stranger.stdout, stranger.stderr[-2000:])
+    assert not any(line.startswith("called") for line in outcome)
+    job.wait_for(r"SealError: a message whose seal does not match this run's key")
     versions = len(job.metrics())
     job.wait_versions(versions + 3)  # the run goes on
-    assert f"agent {refused} is live" not in job.text() and "token-of-this-run" not in job.text()
+    assert "token-of-this-run" not in job.text()
     job.signal(signal.SIGTERM)
     assert job.finish() == 128 + signal.SIGTERM, job.tail()
-    assert refused not in job.summary()["agents"]
+    assert set(job.summary()["agents"]) == {"agent0", "agent1"}
 
 
 @pytest.mark.e2e

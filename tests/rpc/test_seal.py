@@ -1,0 +1,108 @@
+"""The RPC seal (asyncrl/rpc/seal.py): sealed messages open with the run's key and only with it; altered, foreign,
+replayed and too old messages are refused before any unpickling; out-of-order delivery within the window is
+accepted; the unpickler builds a run's payloads and refuses os.system, eval, imports outside asyncrl/torch/numpy and
+attributes other than the RPC pickler's receivers; installed, torch's own RPC serialize/deserialize round-trip a
+call with tensors through it and refuse an unsealed message (this fails loudly if torch moves its pickler)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.rpc.seal import WINDOW, RpcSeal, SealError, key_check, rpc_key
+from asyncrl.types import Completion, Group
+
+KEY = rpc_key("0123456789abcdef0123", "nonce")
+
+
+def _unpickle(seal: RpcSeal, message: bytes):
+    return seal.unpickler()(io.BytesIO(message)).load()
+
+
+def _pickle(seal: RpcSeal, obj) -> bytes:
+    out = io.BytesIO()
+    seal.pickler()(out).dump(obj)
+    return out.getvalue()
+
+
+def test_keys_depend_on_token_and_nonce_and_the_check_reveals_neither():
+    assert rpc_key("0123456789abcdef0123", "other") != KEY != rpc_key("0123456789abcdef0124", "nonce")
+    assert len(KEY) == 32 and key_check(KEY) == key_check(KEY) != key_check(rpc_key("x" * 20, "nonce"))
+    assert "0123456789abcdef0123" not in key_check(KEY)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 299), st.integers(1, 255))
+def test_a_sealed_message_opens_with_the_run_key_only_and_any_altered_byte_is_refused(payload, at, flip):
+    sender, receiver = RpcSeal(KEY), RpcSeal(KEY)
+    message = sender.seal(payload)
+    assert receiver.open(message) == payload
+    altered = bytearray(sender.seal(payload))
+    altered[at % len(altered)] ^= flip
+    with pytest.raises(SealError):
+        receiver.open(bytes(altered))
+    with pytest.raises(SealError, match="does not match this run's key"):
+        RpcSeal(rpc_key("another-token-of-16+", "nonce")).open(sender.seal(payload))
+    assert receiver.refused == 1
+
+
+def test_replays_and_too_old_messages_are_refused_and_reordering_within_the_window_is_not():
+    sender, receiver = RpcSeal(KEY), RpcSeal(KEY)
+    messages = [sender.seal(b"m%d" % i) for i in range(WINDOW + 3)]
+    assert receiver.open(messages[2]) == b"m2"
+    assert receiver.open(messages[0]) == b"m0"  # late, within the window
+    with pytest.raises(SealError, match="replayed"):
+        receiver.open(messages[2])
+    assert receiver.open(messages[WINDOW + 2]) == b"m%d" % (WINDOW + 2)
+    with pytest.raises(SealError, match="replayed"):
+        receiver.open(messages[1])  # now older than the window
+    assert RpcSeal(KEY).open(messages[2]) == b"m2"  # another receiver has its own window
+    with pytest.raises(SealError, match="too short"):
+        receiver.open(b"ARL1")
+
+
+def test_the_unpickler_builds_a_run_s_payloads():
+    seal = RpcSeal(KEY)
+    group = Group(3, [1, 2], [Completion([5, 6], [-0.5, -0.25], [1, 1], routes=np.zeros((2, 1, 2), np.int16))],
+                  [1.0])
+    for obj in (group, {"a": (1, 2.5, None, {3}, frozenset({4}))}, ValueError("x"), torch.float32,
+                torch.device("cpu"), np.arange(3)):
+        again = _unpickle(seal, _pickle(seal, obj))
+        assert type(again) is type(obj)
+    assert _unpickle(seal, _pickle(seal, group)).completions[0].routes.dtype == np.int16
+
+
+@pytest.mark.parametrize("payload, named", [
+    (b"cposix\nsystem\n(S'echo pwned'\ntR.", "posix.system"),
+    (b"cbuiltins\neval\n(S'1 + 1'\ntR.", "builtins.eval"),
+    (b"csubprocess\ncall\n(S'true'\ntR.", "subprocess.call"),
+    (b"cbuiltins\ngetattr\n(cbuiltins\nobject\nS'__subclasses__'\ntR.", "attribute '__subclasses__'"),
+])
+def test_the_unpickler_refuses_what_no_message_uses(payload, named):
+    seal = RpcSeal(KEY)
+    with pytest.raises(SealError, match=named.replace(".", r"\.")):
+        _unpickle(seal, seal.seal(payload))
+
+
+def test_torch_rpc_serialize_and_deserialize_go_through_the_installed_seal(monkeypatch):
+    import torch.distributed.rpc.internal as internal
+
+    from asyncrl.rpc.seal import installed_rpc_seal, seal_rpc
+    for name in ("_pickler", "_unpickler"):  # put back after the test
+        monkeypatch.setattr(internal, name, getattr(internal, name))
+    assert not installed_rpc_seal()
+    seal = seal_rpc(KEY)
+    assert installed_rpc_seal()
+    data, tensors = internal.serialize(internal.PythonUDF(rpc_key, (torch.ones(2), torch.zeros(2)), {}))
+    assert data[:4] == b"ARL1" and len(tensors) == 2
+    again = internal.deserialize(data, tensors)
+    assert again.func is rpc_key and torch.equal(again.args[0], torch.ones(2))
+    with pytest.raises(SealError, match="does not match this run's key"):
+        internal.deserialize(pickle.dumps(internal.PythonUDF(print, ("x",), {})), [])
+    assert seal.refused == 1
