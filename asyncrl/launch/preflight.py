@@ -10,7 +10,8 @@ rank against its layers, `asyncrl.launch.lora_check`), the
 run directory, the reward plug-ins and that every data source has a reward, the data (file exists and
 parses, fields, empty prompts, prompt lengths against `--rollout.max-prompt-length`, data size against the
 learner step), the trainer host's memory for the sample queue and a learner step (`asyncrl.launch.step_checks`:
-a --trainer.mini-batch-size too large is refused with the largest that fits), every GPU's memory (`asyncrl.launch.memory_checks`: a layout that cannot fit is refused, a
+a --trainer.mini-batch-size too large is refused with the largest that fits), every GPU's memory
+(`asyncrl.launch.memory_checks`: a layout that cannot fit is refused, a
 --rollout.max-slots the user did not give is lowered to fit) and a resume's checkpoint. Checks that depend on a
 failed one are skipped rather than reported twice. Notes are facts worth knowing that do not stop the run.
 """
@@ -40,6 +41,7 @@ from asyncrl.rewards.plugin import RewardTable
 from asyncrl.rpc.assembly import resume_checkpoint
 from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
 from asyncrl.rpc.spec import RunSpec
+from asyncrl.rpc.torchrun import check_master
 from asyncrl.launch.run_dir import overwrite_note, owns_run_dir, run_dir_problem
 from asyncrl.launch.run_spec import build_spec, row_keys, run_tokenizer, task_of, tokenizer_path, with_system
 
@@ -218,16 +220,29 @@ class _Checks:
             return
         torchrun = placement.launcher == "torchrun"
         host = os.environ.get("MASTER_ADDR", placement.master_addr) if torchrun else placement.master_addr
+        try:
+            if torchrun:
+                check_master(host, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+            address = bind_address(host)
+        except ValueError as err:
+            self.report.problems.append(str(err).replace("--placement.master-addr", "MASTER_ADDR=" if torchrun
+                                                         else "--placement.master-addr").replace("= ", "="))
+            return
+        torchrun_store = (f"; torchrun's own store listens on every interface at MASTER_PORT "
+                          f"{os.environ.get('MASTER_PORT', '')} (its static rendezvous binds no address): on one "
+                          "host, the local launcher exposes nothing" if torchrun else "")
         if is_loopback(host):
-            self.report.facts.append(f"network: every listener on loopback ({bind_address(host)}); nothing exposed")
+            self.report.facts.append(f"network: every listener of asyncrl on loopback ({address})"
+                                     + (torchrun_store or "; nothing exposed"))
         elif token is None and torchrun:
             self.report.problems.append(
                 f"MASTER_ADDR={host} is not loopback: a torchrun job across hosts needs the same run "
                 f"token on every node; export {TOKEN_ENV}=<16+ random characters> or give --placement.token-file")
         else:
             self.report.facts.append(
-                f"network: listening on {bind_address(host) or 'every interface'} ({host}); agents must present the "
-                "run's token; RPC unpickles what it receives, so only on a network you trust")
+                f"network: listening on {address} ({host}); every RPC message sealed with the run's token, agents "
+                "admitted on its proof; the stores, gloo and NCCL are not authenticated, so only on a network you "
+                f"trust{torchrun_store}")
 
     def _backend(self) -> None:
         if resolved_backend(self.cfg) != "vllm":

@@ -28,8 +28,8 @@ import secrets
 import socket
 
 __all__ = [
-    "TOKEN_ENV", "RunToken", "is_loopback", "bind_address", "listening_socket", "confine_to_loopback", "read_token",
-    "new_token", "new_nonce",
+    "TOKEN_ENV", "RunToken", "is_loopback", "bind_address", "outward_address", "listening_socket",
+    "confine_to_loopback", "read_token", "new_token", "new_nonce",
 ]
 
 TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
@@ -52,17 +52,61 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
+def _is_local(address: str) -> bool:
+    """Whether `address` belongs to an interface of this machine (a socket can bind it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def outward_address() -> str | None:
+    """The address this machine reaches other hosts from (the source of a route to a public address; no packet
+    is sent), or None without a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route's source address is read
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
 def bind_address(host: str) -> str:
     """The address the run's stores listen on for master address `host`: loopback stays loopback, an address of
-    this machine is used as is, and a host name (which other hosts resolve in their own way) listens on every
-    interface ('')."""
+    this machine is used as is, and a host name binds the address of this machine it resolves to (never every
+    interface: other hosts resolve the name in their own way, and a wildcard would reach any network the machine
+    is on). Raises ValueError, naming --placement.master-addr and this machine's address, when `host` is not
+    (or does not resolve to) an address of this machine."""
     if is_loopback(host):
         return "::1" if host.strip("[]") == "::1" else "127.0.0.1"
     try:
-        ipaddress.ip_address(host)
-        return host
+        candidates = [str(ipaddress.ip_address(host.strip("[]")))]
     except ValueError:
-        return ""
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            raise ValueError(f"--placement.master-addr {host}: the name does not resolve ({err.strerror}); give "
+                             f"this machine's address{_example()}") from None
+        candidates = list(dict.fromkeys(info[4][0] for info in sorted(infos, key=lambda i: i[0] != socket.AF_INET)))
+    if any(ipaddress.ip_address(a).is_unspecified for a in candidates):
+        raise ValueError(f"--placement.master-addr {host}: listens on every interface of this machine, and other "
+                         f"hosts cannot connect to it; give this machine's address on the run's network"
+                         f"{_example()}")
+    local = [a for a in candidates if not ipaddress.ip_address(a).is_loopback and _is_local(a)]
+    if not local:
+        raise ValueError(f"--placement.master-addr {host}: {', '.join(candidates)} is not an address of this "
+                         f"machine, so the run's stores cannot listen there; give this machine's address"
+                         f"{_example()}")
+    return local[0]
+
+
+def _example() -> str:
+    address = outward_address()
+    return f" (e.g. {address})" if address else ""
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

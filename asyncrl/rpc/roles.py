@@ -98,6 +98,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         on_signals(stop.set)
     else:  # rank 0 drives the shutdown (its checkpoint needs every rank): note the signal, keep following
         on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
+    left = None  # rank 0 of a loopback run: the token file it left for this host's user
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
         devices = [local_device(d) for d in spec.trainer_devices]
@@ -112,7 +113,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
             nonce = new_nonce()
             if is_loopback(host):  # before the info, which joining agents wait for
-                store.leave_token(token)
+                left = store.leave_token(token)
             store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
                             "key_check": key_check(rpc_key(token.value, nonce))})
             store.reserve_slots(len(spec.agents))
@@ -130,6 +131,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         else:
             store.raw.set(f"asyncrl/joined/{role}", "1")
     except BaseException as err:
+        if left is not None:
+            left.unlink(missing_ok=True)
         _report(results, RuntimeError(f"{role} could not start: {err}"))
         raise
     summary = None
@@ -147,6 +150,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         raise
     finally:
         leave_rpc()
+        if left is not None:
+            left.unlink(missing_ok=True)
         if run_log is not None:
             run_log.close()
         if rank != 0 and parent_pid is not None:

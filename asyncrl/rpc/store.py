@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import pathlib
+import tempfile
 
 import torch.distributed as dist
 
@@ -62,18 +65,29 @@ class RunStore:
     def info(self) -> dict:
         return json.loads(self.raw.get("asyncrl/info"))  # waits (up to the store timeout) until rank 0 set it
 
-    def leave_token(self, token: RunToken) -> None:
-        """Rank 0 of a loopback run: the token, for `asyncrl agent --join` on this host (the store is reachable
-        from this host only). Never on a run other hosts can reach."""
+    def leave_token(self, token: RunToken) -> pathlib.Path:
+        """Rank 0 of a loopback run: the token, for `asyncrl agent --join` on this host by the same user, in a file
+        only this user can read (mode 0600, in the temporary directory); the store holds its path, never the token
+        (any local user can reach a loopback store). Returns the file, which rank 0 removes at the end. Never on a
+        run other hosts can reach."""
         if not is_loopback(self.host):
             raise ValueError(f"the run token is not stored on a run at {self.host}, which other hosts can reach")
-        self.raw.set("asyncrl/token", token.value)
+        fd, path = tempfile.mkstemp(prefix=f"asyncrl-run-{self.port}-", suffix=".token")  # 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(token.value)
+        self.raw.set("asyncrl/token_file", path)
+        return pathlib.Path(path)
 
     def left_token(self) -> RunToken | None:
-        """The token rank 0 left in a loopback run's store, or None."""
-        if not is_loopback(self.host) or not self.raw.check(["asyncrl/token"]):
+        """The token rank 0 of a loopback run left for this host's user, or None (not loopback, none left, or a
+        file this user cannot read)."""
+        if not is_loopback(self.host) or not self.raw.check(["asyncrl/token_file"]):
             return None
-        return RunToken(self.raw.get("asyncrl/token").decode(), generated=True)
+        try:
+            value = pathlib.Path(self.raw.get("asyncrl/token_file").decode()).read_text().strip()
+        except OSError:
+            return None
+        return RunToken(value, generated=True) if value else None
 
     # -------------------------------------------------------------------------------------------- ids
     def next_rpc_rank(self) -> int:

@@ -21,6 +21,7 @@ every node through the store) lasts; the keeper ends when its agent ends with th
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ import time
 from typing import Literal, Mapping, NoReturn
 
 from asyncrl.rpc.assembly import resolve_resume
-from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_token, read_token
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_token, outward_address, read_token
 from asyncrl.rpc.roles import run_agent_process, run_trainer
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
@@ -82,12 +83,36 @@ def torchrun_role(env: Mapping[str, str], num_trainers: int, num_agents: int) ->
     return TorchrunRole("agent", node * (num_agents // nodes) + local - trainers_here)
 
 
+def _loopback_by_name(host: str) -> bool:
+    """A host name (not an address, not localhost) that this machine resolves to loopback only: the hosts-file trap
+    of a multi-node job (the other nodes resolve the head's name to its network address)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return False
+    except ValueError:
+        pass
+    return host.lower() not in ("localhost", "localhost.localdomain", "ip6-localhost") and is_loopback(host)
+
+
+def check_master(host: str, nodes: int) -> None:
+    """Raises ValueError naming MASTER_ADDR and this machine's address when a job of several `nodes` has a master
+    name this machine resolves to loopback: the other nodes would resolve it elsewhere and never reach rank 0."""
+    if nodes > 1 and _loopback_by_name(host):
+        address = outward_address()
+        raise ValueError(f"MASTER_ADDR={host} resolves to loopback here (the hosts file maps this machine's name to "
+                         f"127.0.1.1, the Debian/Ubuntu default) but this job spans {nodes} nodes, which resolve it "
+                         f"to another address that rank 0 would not listen on; give the head's network address as "
+                         f"MASTER_ADDR"
+                         + (f" (this machine's: {address})" if address else ""))
+
+
 def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary | None:
     """Entry point under `torchrun`: rank 0 returns the summary (and logs the metrics to `run_log`), other
     trainer ranks None; an agent's process keeps its agent (`keep_agent`) and ends with it."""
     role = torchrun_role(os.environ, spec.num_trainers, spec.num_agent_processes)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     spec = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, master_addr=host))
+    check_master(host, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     token = read_token(spec.placement.token_file, flag="--placement.token-file")
     if token is None and not is_loopback(host):
         raise ValueError(f"a torchrun job with MASTER_ADDR={host} (not loopback) needs the run's token on every node: "

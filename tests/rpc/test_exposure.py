@@ -19,7 +19,8 @@ import sys
 import pytest
 
 from asyncrl.config.evaluation import EvalConfig
-from asyncrl.rpc.exposure import RunToken, bind_address, is_loopback, listening_socket, new_token, read_token
+from asyncrl.rpc.exposure import (RunToken, bind_address, is_loopback, listening_socket, new_token, outward_address,
+                                  read_token)
 from asyncrl.rpc.roles import free_port
 from tests.rpc.jobs import TOY, Job
 from tests.timing import limit
@@ -90,17 +91,6 @@ def _is_loopback_address(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-def _outward_address() -> str | None:
-    """An address of this machine that other hosts could reach, if it has one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route's source address
-        except OSError:
-            return None
-        address = s.getsockname()[0]
-    return None if ipaddress.ip_address(address).is_loopback else address
-
-
 # ------------------------------------------------------------------------------------------- tests
 def test_the_reader_sees_a_socket_listening_on_every_interface():
     """The reader has power: a socket bound to 0.0.0.0 is listed as such."""
@@ -159,7 +149,7 @@ def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wro
 @pytest.mark.slow
 @pytest.mark.timeout(limit(360))
 def test_a_run_on_a_network_address_needs_the_token_its_join_line_shows(tmp_path, jobs, monkeypatch):
-    address = _outward_address()
+    address = outward_address()
     if address is None:
         pytest.skip("this machine has no non-loopback address")
     port = free_port()
@@ -214,9 +204,22 @@ def test_loopback_addresses_bind_loopback_and_others_bind_what_they_name():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.0.0.2")
     assert not is_loopback("10.1.2.3") and not is_loopback("0.0.0.0")
     assert bind_address("127.0.0.1") == bind_address("localhost") == "127.0.0.1"
-    assert bind_address("10.1.2.3") == "10.1.2.3" and bind_address("0.0.0.0") == "0.0.0.0"
     with listening_socket("localhost", 0) as sock:
         assert sock.getsockname()[0] == "127.0.0.1"
+    for host, says in (("10.1.2.3", "10.1.2.3 is not an address of this machine"),
+                       ("0.0.0.0", "listens on every interface"), ("no-such-host.invalid", "does not resolve")):
+        with pytest.raises(ValueError, match=f"--placement.master-addr {host}: .*{says}"):
+            bind_address(host)
+    address = outward_address()
+    if address is not None:  # an address of this machine binds itself; its name binds that address, never ''
+        assert bind_address(address) == address
+    name = socket.gethostname()
+    try:
+        bound = bind_address(name)
+    except ValueError as err:
+        assert "is not an address of this machine" in str(err)  # a name the hosts file maps elsewhere
+    else:
+        assert bound and bound != "0.0.0.0"
 
 
 def _toy_config(tmp_path, **placement):
@@ -232,14 +235,39 @@ def test_the_checks_before_launch_say_what_is_exposed_and_refuse_a_bad_token(tmp
     from asyncrl.launch.preflight import preflight
     monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
     report = preflight(_toy_config(tmp_path))
-    assert report.ok and "network: every listener on loopback (127.0.0.1); nothing exposed" in report.facts
+    assert report.ok and "network: every listener of asyncrl on loopback (127.0.0.1); nothing exposed" in report.facts
     (tmp_path / "short").write_text("abc\n")
     report = preflight(_toy_config(tmp_path, master_addr="10.9.8.7", token_file=str(tmp_path / "short")))
     assert any(p.startswith("--placement.token-file ") and "use at least 16" in p for p in report.problems)
-    monkeypatch.setenv("MASTER_ADDR", "10.9.8.7")
+    report = preflight(_toy_config(tmp_path, master_addr="10.9.8.7"))
+    assert any(p.startswith("--placement.master-addr 10.9.8.7: 10.9.8.7 is not an address of this machine")
+               for p in report.problems), report.problems
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     report = preflight(_toy_config(tmp_path, launcher="torchrun"))
-    assert any("MASTER_ADDR=10.9.8.7 is not loopback" in p and "ASYNCRL_RUN_TOKEN" in p for p in report.problems)
+    assert any("torchrun's own store listens on every interface at MASTER_PORT 29500" in f for f in report.facts)
+    address = outward_address()
+    if address is None:
+        return
+    monkeypatch.setenv("MASTER_ADDR", address)
+    report = preflight(_toy_config(tmp_path, launcher="torchrun"))
+    assert any(f"MASTER_ADDR={address} is not loopback" in p and "ASYNCRL_RUN_TOKEN" in p for p in report.problems)
     monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "0123456789abcdef0123")
     report = preflight(_toy_config(tmp_path, launcher="torchrun"))
     assert not any("MASTER_ADDR" in p for p in report.problems)
-    assert any("agents must present the run's token" in f for f in report.facts)
+    assert any("every RPC message sealed with the run's token" in f for f in report.facts)
+
+
+def test_a_master_name_the_hosts_file_maps_to_loopback_is_refused_on_a_job_of_several_nodes(monkeypatch):
+    from asyncrl.rpc.torchrun import check_master
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):  # the Debian/Ubuntu hosts file: this machine's name -> 127.0.1.1
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))] if host == "head" else \
+            real(host, *args, **kwargs)
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with pytest.raises(ValueError, match="MASTER_ADDR=head resolves to loopback here .* this job spans 2 nodes"):
+        check_master("head", 2)
+    check_master("head", 1)  # one node: loopback is right
+    check_master("127.0.0.1", 2)  # an address typed as loopback: two launchers on one host, as the tests run
+    check_master("localhost", 2)

@@ -7,6 +7,7 @@ call with tensors through it and refuse an unsealed message (this fails loudly i
 from __future__ import annotations
 
 import io
+import os
 import pickle
 
 import numpy as np
@@ -106,3 +107,24 @@ def test_torch_rpc_serialize_and_deserialize_go_through_the_installed_seal(monke
     with pytest.raises(SealError, match="does not match this run's key"):
         internal.deserialize(pickle.dumps(internal.PythonUDF(print, ("x",), {})), [])
     assert seal.refused == 1
+
+
+def test_a_loopback_run_leaves_its_token_in_a_file_only_its_user_reads_and_the_store_holds_the_path(tmp_path):
+    import stat
+
+    from asyncrl.rpc.exposure import new_token
+    from asyncrl.rpc.roles import free_port
+    from asyncrl.rpc.store import RunStore
+    store = RunStore("127.0.0.1", free_port(), serve=True, timeout_s=10)
+    token = new_token()
+    left = store.leave_token(token)
+    try:
+        assert stat.S_IMODE(left.stat().st_mode) == 0o600
+        assert store.left_token().value == token.value
+        store_values = store.raw.get("asyncrl/token_file").decode()
+        assert token.value not in store_values and store_values == str(left)
+        left.chmod(0)  # as another user finds it (root reads anything: skip that half as root)
+        if os.geteuid() != 0:
+            assert store.left_token() is None
+    finally:
+        left.unlink()
