@@ -138,3 +138,19 @@ def hf_zoo(tmp_path_factory):
         return made[model_type]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def net_hosts():
+    """Three hosts on one switch, in network namespaces (tests/netns.py): hosta 198.18.0.1, hostb .2 and hostc .3,
+    each with its own host name and a hosts file that names all three. Skips with the reason where this machine
+    cannot make them (no root, no iproute2); removed at the end, and what a crashed session left at the next start."""
+    from tests.netns import NetHosts, unavailable
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    hosts = NetHosts.create(["hosta", "hostb", "hostc"])
+    try:
+        yield hosts
+    finally:
+        hosts.remove()

@@ -126,18 +126,18 @@ class Admissions:
 
     def _poll(self) -> None:
         joins = self.store.announcements(self._joins)
-        self._joins += len(joins)
+        self._joins += joins.consumed
         for record in joins:
             if not self.token.admits(str(record.get("name")), self.nonce, record.get("proof")):
                 self.refuse(record)
                 continue
             threading.Thread(target=self.admit, args=(record,), name=f"admit-{record['name']}", daemon=True).start()
         leaves = self.store.leave_requests(self._leaves)
-        self._leaves += len(leaves)
+        self._leaves += leaves.consumed
         for record in leaves:
             threading.Thread(target=self.release, args=(record["name"], record["reason"]), daemon=True).start()
         exits = self.store.exits(self._exits)
-        self._exits += len(exits)
+        self._exits += exits.consumed
         for record in exits:
             name = self.roster.name_of(record["pid"])
             if name is not None:

@@ -27,7 +27,7 @@ from torch.distributed.rpc import api as rpc_api
 from asyncrl.rpc.seal import seal_rpc
 from asyncrl.rpc.store import serve_store
 
-__all__ = ["join_rpc", "leave_rpc", "RpcMembership"]
+__all__ = ["join_rpc", "leave_rpc", "raise_open_files", "RpcMembership"]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,28 @@ a 2-core machine more than the training itself. The RPC messages are control cal
 gloo or NCCL), for which loopback TCP's tens of microseconds are no cost."""
 
 
+def raise_open_files() -> int:
+    """Raise this process's soft limit of open files to its hard limit (TensorPipe keeps a connection to every
+    member it talks to, and each gloo pair is a socket: a group of dozens of processes passes the common 1,024
+    default). Returns the new soft limit."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, key: bytes, threads: int = 16) -> None:
     """Join the run's RPC group as `name` (rank 0 first: it serves the group's store), every message sealed with
     the run's `key` (`asyncrl.rpc.seal`; unsealed ones refused). A join that fails releases the membership token
     it may hold, so the next one can proceed."""
     seal_rpc(key)
+    raise_open_files()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", rpc_timeout=timeout_s,
                                               num_worker_threads=threads, _transports=TRANSPORTS)
     # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does

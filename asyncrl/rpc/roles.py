@@ -118,12 +118,14 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
                             "key_check": key_check(rpc_key(token.value, nonce))})
             store.reserve_slots(len(spec.agents))
             store.set_restarts_left(spec.placement.restart_agents)
+            store.authenticate(token)
             print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
         else:  # rank 0's nonce; the token from the launcher, else (a loopback torchrun job) the one rank 0 left
             nonce = store.info()["nonce"]
             token = token or store.left_token()
             if token is None:
                 raise ValueError(f"{role} needs the run's token to join its RPC group")
+            store.authenticate(token)
         join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s, key=rpc_key(token.value, nonce))
         if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
             store.raw.wait([f"asyncrl/joined/trainer{r}" for r in range(1, spec.num_trainers)],
@@ -211,6 +213,7 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
         log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE; the run "
                   "printed its join line at start-up)", host, port, TOKEN_ENV)
         return 2
+    store.authenticate(token)
     key = rpc_key(token.value, info.get("nonce", ""))
     if not hmac.compare_digest(info.get("key_check", ""), key_check(key)):
         log.error("the run refused this agent: it did not present the run's token (its RPC messages would not be "

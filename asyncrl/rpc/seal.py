@@ -37,6 +37,7 @@ import secrets
 import struct
 import sys
 import threading
+import types
 
 __all__ = ["SealError", "RpcSeal", "rpc_key", "key_check", "seal_rpc", "installed_rpc_seal", "WINDOW"]
 
@@ -84,25 +85,37 @@ class _ReplayWindow:
         return True
 
 
-_TORCH_NAMES = {
+_STDLIB_NAMES = {
+    "collections": {"OrderedDict", "Counter", "defaultdict", "deque"},
+    "datetime": {"timedelta", "datetime", "date", "time", "timezone"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "PurePath"},
+    "copyreg": {"_reconstructor", "__newobj__", "__newobj_ex__"},
+    "functools": {"partial"},
+    "decimal": {"Decimal"},
+    "fractions": {"Fraction"},
+    "uuid": {"UUID"},
+    "enum": {"Enum", "IntEnum"},
+}
+"""The standard library's names a run's messages may carry (containers, times, paths, partials): nothing else of the
+standard library is built, so no process, file, import or code-execution function is reachable by name."""
+_TORCH_RPC = {
     "torch.distributed.rpc.internal": {"PythonUDF", "RemoteException", "_InternalRPCPickler"},
     "torch.distributed.rpc.rref_proxy": {"_local_invoke", "_local_invoke_async_execution"},
     "torch.distributed.rpc.api": {"_rref_typeof_on_owner", "_rref_typeof_on_user", "_to_worker_info"},
     "torch.distributed.rpc._utils": {"_update_group_membership"},
     "torch.distributed.rpc.backend_registry": {"_get_device_infos"},
-    "torch._C._distributed_rpc": {"WorkerInfo"},
-    "torch": {"device", "Size", "dtype"},
-    "collections": {"OrderedDict", "Counter", "defaultdict", "deque"},
-    "numpy": {"ndarray", "dtype"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
-    "datetime": {"timedelta", "datetime", "date"},
-    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
 }
-"""Names outside asyncrl that a run's messages use: torch's call, result and remote-reference carriers, containers,
-numpy arrays (routes), times and paths."""
+"""torch's RPC functions a run's messages name (a call, a result, a remote reference, the group's joins); no other
+function of `torch.distributed` is built."""
+_REFUSED_PREFIXES = ("torch.distributed", "torch.hub", "torch.utils.cpp_extension", "torch.jit", "torch.package",
+                     "torch.serialization", "torch._dynamo", "torch._inductor", "torch.multiprocessing",
+                     "torch.utils.data", "numpy.f2py", "numpy.distutils", "numpy.testing", "numpy.lib.npyio",
+                     "numpy.lib.format", "numpy.ctypeslib")
+"""Modules whose functions load files, fetch or compile code, or start processes (beyond `_TORCH_RPC`'s)."""
+_REFUSED_FUNCTIONS = {("numpy", "load"), ("numpy", "fromfile"), ("numpy", "memmap"), ("torch", "load"),
+                      ("torch", "from_file"), ("torch", "compile")}
 _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", "list", "dict", "tuple", "bytes", "str",
-             "int", "float", "bool", "object"}
+             "int", "float", "bool", "object", "type"}
 _RECEIVERS = {"_tensor_receiver", "_py_rref_receiver"}
 """The only attributes a message may fetch with `getattr`: the RPC pickler's tensor and remote-reference receivers
 (a tensor or an RRef travels as `getattr(_InternalRPCPickler, receiver)(index)`)."""
@@ -116,18 +129,35 @@ def _receiver(obj, name: str):
     return getattr(obj, name)
 
 
-def _is_dtype(name: str) -> bool:
-    import torch
-    return isinstance(getattr(torch, name, None), torch.dtype)
-
-
 def _is_exception_class(value) -> bool:
     return isinstance(value, type) and issubclass(value, BaseException)
 
 
+def _top(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def _stdlib(module: str) -> bool:
+    return _top(module) in sys.stdlib_module_names
+
+
+def _refused_home(module: str, name: str) -> bool:
+    """Whether `module`.`name` (the module an object says it lives in) is off limits."""
+    if name in _TORCH_RPC.get(module, ()) or name in _STDLIB_NAMES.get(module, ()):
+        return False
+    if (module, name) in _REFUSED_FUNCTIONS or _stdlib(module):
+        return True
+    return any(module == p or module.startswith(p + ".") for p in _REFUSED_PREFIXES)
+
+
 class _Unpickler(pickle.Unpickler):
-    """Builds only what a run's messages use (see `_TORCH_NAMES`): never imports a module outside asyncrl, torch
-    and numpy, never fetches `eval`, `exec`, `os.system` or the like."""
+    """Builds what a run's messages use and keeps out what would run code: the standard library only for
+    `_STDLIB_NAMES`, builtins' plain types and exception classes, `getattr` only for the RPC pickler's receivers,
+    torch's RPC functions only as `_TORCH_RPC` lists them, no module object, nothing whose own module (`__module__`:
+    `torch.os.system` is `posix.system`) is the standard library's or one that loads files, fetches or compiles
+    code (`_REFUSED_PREFIXES`). asyncrl's classes and functions, numpy arrays, torch dtypes and devices, and the
+    classes and functions of the run's own code (an engine factory, a prompt source given to the Python API) pass.
+    Not a sandbox: a process that holds the run's token is trusted; this keeps a one-line payload out."""
 
     def find_class(self, module: str, name: str):
         if module == "builtins":
@@ -136,15 +166,21 @@ class _Unpickler(pickle.Unpickler):
             value = getattr(builtins, name, None)
             if name in _BUILTINS or _is_exception_class(value):
                 return value
-        elif module == "asyncrl" or module.startswith("asyncrl."):
-            return super().find_class(module, name)
-        elif name in _TORCH_NAMES.get(module, ()):
-            return super().find_class(module, name)
-        elif module == "torch" and _is_dtype(name):
-            return super().find_class(module, name)
-        elif module in sys.modules and _is_exception_class(getattr(sys.modules[module], name, None)):
-            return getattr(sys.modules[module], name)  # a remote error's type, from a module already loaded
-        raise SealError(f"a message named {module}.{name}, which no message of a run uses; refused")
+            raise SealError(f"a message named builtins.{name}, which no message of a run uses; refused")
+        if _stdlib(module) and name not in _STDLIB_NAMES.get(module, ()):
+            value = getattr(sys.modules.get(module), name, None)
+            if _is_exception_class(value):  # a remote error's type, from a module already loaded
+                return value
+            raise SealError(f"a message named {module}.{name}, which no message of a run uses; refused")
+        value = super().find_class(module, name)
+        if _is_exception_class(value):  # a remote error's type
+            return value
+        home = getattr(value, "__module__", None)
+        if isinstance(value, types.ModuleType) or not isinstance(home, str) or _refused_home(module, name) or \
+                _refused_home(home, getattr(value, "__name__", "")):
+            raise SealError(f"a message named {module}.{name} ({home}.{getattr(value, '__name__', '?')}), which no "
+                            "message of a run uses; refused")
+        return value
 
 
 class RpcSeal:

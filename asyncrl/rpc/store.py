@@ -20,7 +20,10 @@ entry, so each reader keeps its own cursor and nothing is lost between polls.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import logging
 import os
 import pathlib
 import tempfile
@@ -29,7 +32,9 @@ import torch.distributed as dist
 
 from asyncrl.rpc.exposure import RunToken, is_loopback, listening_socket
 
-__all__ = ["RunStore", "agent_name", "serve_store"]
+__all__ = ["RunStore", "Records", "agent_name", "serve_store"]
+
+log = logging.getLogger(__name__)
 
 _RPC_RANK_BASE = 1_000  # trainers are RPC ranks 0 .. T-1; agents get ranks from here on
 
@@ -49,9 +54,19 @@ def serve_store(host: str, port: int, timeout_s: float, *, multi_tenant: bool = 
                          wait_for_workers=False, multi_tenant=multi_tenant, master_listen_fd=listener.detach())
 
 
+class Records(list):
+    """Entries of a store sequence; `consumed`: how many entries were read (signed or not)."""
+
+    consumed: int = 0
+
+
 class RunStore:
+    """The run's store. `authenticate(token)` before writing or reading control records: unsigned ones are then
+    ignored (a process that has not authenticated signs nothing and checks nothing)."""
+
     def __init__(self, host: str, port: int, *, serve: bool, timeout_s: float):
         self.host, self.port = host, port
+        self.key: bytes | None = None
         self.raw = serve_store(host, port, timeout_s) if serve else dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -106,16 +121,52 @@ class RunStore:
     # ---------------------------------------------------------------------------------------- sequences
     def _append(self, sequence: str, record: dict) -> None:
         index = self.raw.add(f"asyncrl/{sequence}/count", 1) - 1
-        self.raw.set(f"asyncrl/{sequence}/{index}", json.dumps(record))
+        key = f"asyncrl/{sequence}/{index}"
+        self.raw.set(key, self._signed(key, record))
 
-    def _read(self, sequence: str, start: int) -> list[dict]:
+    def _read(self, sequence: str, start: int) -> "Records":
+        """The entries from `start` on, those without the run's seal left out (`consumed` counts them all: the
+        reader's next start)."""
         count = self.raw.add(f"asyncrl/{sequence}/count", 0)
-        out = []
+        out = Records()
         for i in range(start, count):
             key = f"asyncrl/{sequence}/{i}"
             self.raw.wait([key])  # the writer counted before it wrote: wait for the entry itself
-            out.append(json.loads(self.raw.get(key)))
+            record = self._verified(key, self.raw.get(key))
+            if record is not None:
+                out.append(record)
+        out.consumed = max(count - start, 0)
         return out
+
+    # ------------------------------------------------------------------------------------ authentication
+    def authenticate(self, token: RunToken) -> None:
+        """Sign what this process writes to the control records (announcements, leave requests, exits, dead reports,
+        refusals, the shutdown) and ignore any entry not signed with the run's token: a stranger who reaches the
+        store cannot stop the run, have an agent declared dead (and its process killed) or refused."""
+        self.key = hmac.new(token.value.encode(), b"asyncrl/store", hashlib.sha256).digest()
+
+    def _mac(self, key: str, body: str) -> str:
+        return hmac.new(self.key, f"{key}|{body}".encode(), hashlib.sha256).hexdigest()
+
+    def _signed(self, key: str, record: dict) -> str:
+        body = json.dumps(record, sort_keys=True)
+        return json.dumps({"body": body, "mac": self._mac(key, body) if self.key else ""})
+
+    def _verified(self, key: str, raw: bytes) -> dict | None:
+        try:
+            signed = json.loads(raw)
+            body, mac = signed["body"], signed["mac"]
+        except (ValueError, TypeError, KeyError):
+            log.warning("ignored store entry %s: not a signed record", key)
+            return None
+        if self.key is not None and not hmac.compare_digest(str(mac), self._mac(key, body)):
+            log.warning("ignored store entry %s: not signed with the run's token", key)
+            return None
+        try:
+            record = json.loads(body)
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None
 
     def announce(self, record: dict) -> None:
         """An agent process joined the RPC group and waits to be admitted."""
@@ -144,19 +195,25 @@ class RunStore:
         return self._read("dead", start)
 
     def refuse(self, name: str, why: str) -> None:
-        self.raw.set(f"asyncrl/refused/{name}", why)
+        key = f"asyncrl/refused/{name}"
+        self.raw.set(key, self._signed(key, {"why": why}))
 
     def refusal(self, name: str) -> str | None:
         """Why rank 0 refused agent `name`, or None."""
         key = f"asyncrl/refused/{name}"
-        return self.raw.get(key).decode() if self.raw.check([key]) else None
+        if not self.raw.check([key]):
+            return None
+        record = self._verified(key, self.raw.get(key))
+        return None if record is None else str(record.get("why"))
 
     # ------------------------------------------------------------------------------------- run end
     def shut_down(self) -> None:
-        self.raw.set("asyncrl/shutdown", "1")
+        self.raw.set("asyncrl/shutdown", self._signed("asyncrl/shutdown", {"shutdown": True}))
 
     def is_shut_down(self) -> bool:
-        return self.raw.check(["asyncrl/shutdown"])
+        if not self.raw.check(["asyncrl/shutdown"]):
+            return False
+        return self._verified("asyncrl/shutdown", self.raw.get("asyncrl/shutdown")) is not None
 
     def set_restarts_left(self, n: int) -> None:
         self.raw.set("asyncrl/restarts_left", str(n))

@@ -255,7 +255,7 @@ class Supervisor:
             reports = store.dead_reports(self._dead_seen)
         except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
             return
-        self._dead_seen += len(reports)
+        self._dead_seen += reports.consumed
         self._declared.update(report.get("pid") for report in reports)
         pids = {c.process.pid: c for c in self.children}
         for report in reports:
@@ -279,6 +279,7 @@ class Supervisor:
                 return None  # rank 0 has not served it yet (a failed client connect logs a C++ traceback)
             try:
                 self.store = RunStore(self.host, self.store_port, serve=False, timeout_s=5.0)
+                self.store.authenticate(self.token)
             except Exception:  # noqa: BLE001 - rank 0 has not served it yet
                 return None
         return self.store

@@ -151,15 +151,20 @@ def keep_agent(spec: RunSpec, host: str, port: int, slot: int, *, token: RunToke
         child = ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
                             args=(host, port, device, slot, os.getpid(), token))
         child.start()
-        store = store or RunStore(host, port, serve=False, timeout_s=spec.startup_timeout_s)
-        seen = len(store.dead_reports(0))
+        if store is None:
+            store = RunStore(host, port, serve=False, timeout_s=spec.startup_timeout_s)
+            store.info()  # rank 0 has started: on loopback, the token it left is there
+            keys = token or store.left_token()
+            if keys is not None:
+                store.authenticate(keys)
+        seen = store.dead_reports(0).consumed
         while child.is_alive():
             if stop.is_set():  # torchrun is ending this node: the agent goes with it
                 child.terminate()
                 child.join(10.0)
                 return 0
             reports = store.dead_reports(seen)
-            seen += len(reports)
+            seen += reports.consumed
             if any(r.get("pid") == child.pid for r in reports):  # declared dead but still there: hung
                 log.warning("agent slot %d (pid %d) was declared dead; ending it", slot, child.pid)
                 child.kill()

@@ -8,7 +8,6 @@ tables), so the test sees what the kernel sees, including what torch, TensorPipe
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import pathlib
 import signal
@@ -23,72 +22,12 @@ from asyncrl.rpc.exposure import (RunToken, bind_address, is_loopback, listening
                                   read_token)
 from asyncrl.rpc.roles import free_port
 from tests.rpc.jobs import TOY, Job
+from tests.rpc.sockets import descendants, is_loopback_address, listening_sockets
 from tests.timing import limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 ENDLESS = ("--async-training.total-versions", "1000000")
-
-
-# ------------------------------------------------------------------------------------- reading /proc
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid and child not in found]
-        found.update(children)
-        frontier += children
-    return found
-
-
-def _socket_inodes(pids: set[int]) -> dict[int, int]:
-    inodes = {}
-    for pid in pids:
-        try:
-            fds = list(pathlib.Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes[int(target[8:-1])] = pid
-    return inodes
-
-
-def _address(hex_address: str) -> str:
-    raw = bytes.fromhex(hex_address)
-    if len(raw) == 4:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))  # four host-order 32-bit words
-    return str(ipaddress.IPv6Address(words))
-
-
-def listening_sockets(pids: set[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every TCP socket in LISTEN state that one of `pids` holds."""
-    inodes = _socket_inodes(pids)
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in pathlib.Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[9]) in inodes:  # 0A: LISTEN
-                address, port = fields[1].split(":")
-                found.append((_address(address), int(port, 16), inodes[int(fields[9])]))
-    return found
-
-
-def _is_loopback_address(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -100,7 +39,7 @@ def test_the_reader_sees_a_socket_listening_on_every_interface():
         port = wide.getsockname()[1]
         listed = [row for row in listening_sockets({os.getpid()}) if row[1] == port]
     assert listed == [("0.0.0.0", port, os.getpid())]
-    assert not _is_loopback_address("0.0.0.0") and _is_loopback_address("::ffff:127.0.0.1")
+    assert not is_loopback_address("0.0.0.0") and is_loopback_address("::ffff:127.0.0.1")
 
 
 @pytest.mark.e2e
@@ -116,13 +55,13 @@ def test_every_listener_of_a_loopback_job_is_on_loopback_and_an_agent_with_a_wro
     jobs.append(job)
     job.wait_for(rf"asyncrl agent --join 127.0.0.1:{port} --device DEVICE\n")  # loopback: no token to show
     job.wait_versions(3)
-    pids = _descendants(job.proc.pid)
+    pids = descendants(job.proc.pid)
     assert set(job.processes().values()) <= pids
     listeners = listening_sockets(pids)
     ports = {p for _, p, _ in listeners}
     assert port in ports, f"the run's store on {port} is not among the listeners {sorted(ports)}"
     assert len({pid for _, _, pid in listeners}) >= 3, "trainer and both agents listen (RPC, gloo)"
-    exposed = [row for row in listeners if not _is_loopback_address(row[0])]
+    exposed = [row for row in listeners if not is_loopback_address(row[0])]
     assert not exposed, f"listening beyond loopback (address, port, pid): {exposed}"
 
     monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "not-the-token-of-this-run")
@@ -157,7 +96,7 @@ def test_a_run_on_a_network_address_needs_the_token_its_join_line_shows(tmp_path
     job = Job(tmp_path, *TOY, *ENDLESS, "--placement.master-addr", address, "--placement.join-port", str(port))
     jobs.append(job)
     line = job.wait_for(rf"ASYNCRL_RUN_TOKEN=(\w+) asyncrl agent --join {address}:{port} --device DEVICE")
-    store = [row for row in listening_sockets(_descendants(job.proc.pid)) if row[1] == port]
+    store = [row for row in listening_sockets(descendants(job.proc.pid)) if row[1] == port]
     assert [row[0] for row in store] == [address], "the store listens on the address it was given, nowhere else"
     stranger = Job(tmp_path, "--join", f"{address}:{port}", name="stranger", command="agent", preset=None)
     jobs.append(stranger)

@@ -128,3 +128,73 @@ def test_a_loopback_run_leaves_its_token_in_a_file_only_its_user_reads_and_the_s
             assert store.left_token() is None
     finally:
         left.unlink()
+
+
+def test_control_records_count_only_when_signed_with_the_run_token():
+    """A stranger who reaches the store (no token) forges a shutdown, a dead report (the launcher would kill the
+    pid), a refusal and an exit: a process of the run, authenticated, ignores all of them and reads its own."""
+    from asyncrl.rpc.exposure import RunToken
+    from asyncrl.rpc.roles import free_port
+    from asyncrl.rpc.store import RunStore
+    token = RunToken("0123456789abcdef0123")
+    port = free_port()
+    run = RunStore("127.0.0.1", port, serve=True, timeout_s=10)
+    run.authenticate(token)
+    stranger = RunStore("127.0.0.1", port, serve=False, timeout_s=10)  # never authenticated: signs nothing
+    stranger.shut_down()
+    stranger.report_dead("agent0", os.getpid(), "forged")
+    stranger.refuse("agent0", "forged")
+    stranger.report_exit(os.getpid(), -9)
+    stranger.raw.set("asyncrl/dead/1", "not json at all")
+    stranger.raw.add("asyncrl/dead/count", 1)
+    other_run = RunStore("127.0.0.1", port, serve=False, timeout_s=10)
+    other_run.authenticate(RunToken("another-run-token-0000"))
+    other_run.report_dead("agent1", 1, "another run's key")
+    assert not run.is_shut_down() and run.refusal("agent0") is None
+    reports = run.dead_reports(0)
+    assert reports == [] and reports.consumed == 3  # the reader moves past what it ignored
+    assert run.exits(0) == []
+    run.report_dead("agent2", 7, "missed heartbeats")
+    run.refuse("agent3", "no token")
+    later = run.dead_reports(reports.consumed)
+    assert later == [{"name": "agent2", "pid": 7, "why": "missed heartbeats"}] and later.consumed == 1
+    assert run.refusal("agent3") == "no token"
+    run.shut_down()
+    assert run.is_shut_down()
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit():
+    import resource
+
+    from asyncrl.rpc.membership import raise_open_files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        limit = raise_open_files()
+        assert limit == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert limit == hard if hard != resource.RLIM_INFINITY else limit >= 1 << 20
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("module, name", [("torch", "os.system"), ("torch", "os"), ("torch", "load"),
+                                          ("torch.hub", "load"), ("numpy", "load"), ("asyncrl.rpc.seal", "pickle"),
+                                          ("torch.distributed.rpc.api", "rpc_sync")])
+def test_names_reached_through_an_allowed_module_are_refused_by_where_they_live(module, name):
+    seal = RpcSeal(KEY)
+    with pytest.raises(SealError, match="no message of a run uses"):
+        _unpickle(seal, seal.seal(_global(module, name)))
+
+
+def test_a_remote_error_s_type_and_the_run_s_own_code_pass():
+    seal = RpcSeal(KEY)
+    for module, name in (("torch.distributed", "DistBackendError"), ("asyncrl.runtime.queue", "QueueTimeout"),
+                         ("tests.rpc.test_seal", "test_keys_depend_on_token_and_nonce_and_the_check_reveals_neither")):
+        assert _unpickle(seal, seal.seal(_global(module, name))).__name__ == name
+
+
+def _global(module: str, name: str) -> bytes:
+    """A protocol-4 pickle of the global `module`.`name` (a dotted name is looked up attribute by attribute)."""
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()
+    return b"\x80\x04" + text(module) + text(name) + b"\x93."

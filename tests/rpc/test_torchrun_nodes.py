@@ -1,23 +1,11 @@
-"""Several nodes under torchrun, proven on one host: two torchrun launchers (separate process trees, each with its
-own local ranks, rendezvous over loopback) run one job whose trainer group (FSDP2 over gloo) and agents span
-both "nodes"; an agent killed on node 1 is restarted there by its keeper and rejoins. The role layout itself is
-checked as a table."""
+"""The roles of a torchrun job's processes, as a table: which local rank of which node is a trainer rank or an agent,
+and the layouts refused naming the flags. A job across real hosts (network namespaces) is in tests/rpc/test_hosts.py."""
 
 from __future__ import annotations
-
-import json
-import os
-import pathlib
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from asyncrl.rpc.torchrun import TorchrunRole, torchrun_role
-from tests.rpc.jobs import TOY, alive, wait_until
-from tests.run_helpers import ROOT, torchrun_port
-from tests.timing import limit
 
 
 def _env(rank: int, world: int, nodes: int = 1, node: int = 0, local: int | None = None, per_node: int | None = None):
@@ -57,93 +45,3 @@ def test_a_layout_that_does_not_fit_names_the_flags():
         torchrun_role(_env(0, 4, 2, 0, 0, 3), 2, 2)
     with pytest.raises(ValueError, match=r"needs RANK, WORLD_SIZE in the environment"):
         torchrun_role({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, 1, 1)
-
-
-# ----------------------------------------------------------------------------------- two nodes, one host
-def _named(name: str, parent: int) -> list[int]:
-    """The live children of `parent` named `name` (asyncrl names its processes: asyncrl-trainer1, asyncrl-agent1,
-    and asyncrl-keep1 for the keeper of agent slot 1); a job of another test may run processes of the same names."""
-    found = []
-    for comm in pathlib.Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if comm.read_text().strip() == name and _parent(int(comm.parent.name)) == parent:
-                found.append(int(comm.parent.name))
-        except (OSError, ValueError, IndexError):  # it ended meanwhile
-            pass
-    return [pid for pid in found if alive(pid)]
-
-
-def _parent(pid: int) -> int:
-    return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _children(pid: int) -> list[str]:
-    """The names of `pid`'s live child processes (the first 15 characters: asyncrl-trainer0 shows as
-    asyncrl-trainer)."""
-    names = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if _parent(int(stat.parent.name)) == pid and alive(int(stat.parent.name)):
-                names.append((stat.parent / "comm").read_text().strip())
-        except (OSError, ValueError, IndexError):
-            pass
-    return sorted(names)
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(limit(600))
-def test_two_torchrun_nodes_train_one_job_and_restart_a_killed_agent(tmp_path):
-    port = torchrun_port()
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    train = ["-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(run_dir),
-             "--placement.launcher", "torchrun", "--placement.trainer-devices", "cpu", "cpu",
-             "--placement.agent-devices", "cpu", "cpu", "--placement.restart-agents", "1",
-             "--placement.restart-backoff-s", "0.5", "--async-training.total-versions", "1000000"]
-    nodes, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
-    for node in (1, 0):  # node 1 first: it waits at the rendezvous for node 0
-        with open(logs[node], "w") as out:
-            nodes[node] = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                 "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), *train],
-                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-    node0, node1 = nodes[0], nodes[1]
-
-    def text(node: int) -> str:
-        return logs[node].read_text(errors="replace")
-
-    def versions() -> int:
-        path = run_dir / "metrics.jsonl"
-        return len(path.read_text().splitlines()) if path.is_file() else 0
-
-    try:
-        wait_until(lambda: versions() >= 3 or node0.poll() is not None, limit(240), "3 versions")
-        assert node0.poll() is None, text(0)[-6000:]
-        # the trainer group spans the nodes (rank 1 is a worker of node 1's torchrun) and so do the agents (slot 1
-        # is kept there, as a child of its keeper)
-        assert _children(node0.pid) == ["asyncrl-keep0", "asyncrl-trainer"]
-        assert _children(node1.pid) == ["asyncrl-keep1", "asyncrl-trainer"]
-        [keeper] = _named("asyncrl-keep1", node1.pid)
-        [victim] = wait_until(lambda: _named("asyncrl-agent1", keeper), limit(60), "agent slot 1's process")
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: "agent agent1_r1 is live" in text(0), limit(240),
-                   "the restarted agent to be live (rank 0's log)")
-        restarted = versions()
-        wait_until(lambda: versions() >= restarted + 5, limit(120), "5 more versions after the restart")
-        node0.send_signal(signal.SIGTERM)  # node 0 preempted: torchrun passes it on, rank 0 checkpoints and ends the run
-        node0.wait(limit(120))
-        node1.wait(limit(120))  # node 1's ranks follow the end of the run: nothing left to kill
-    finally:
-        for proc in nodes.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert node1.returncode == 0, text(1)[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    agents = summary["agents"]
-    assert agents["agent1"]["status"] == "dead" and agents["agent1_r1"]["submitted"] > 0, agents
-    assert agents["agent0"]["submitted"] > 0
-    assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"] is not None
-    ledger = summary["ledger"]
-    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger.get("carried", 0), ledger

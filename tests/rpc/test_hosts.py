@@ -1,0 +1,156 @@
+"""One job across hosts: three network namespaces on a bridge (tests/netns.py: hosta 198.18.0.1, hostb .2, hostc .3,
+each its own host name and hosts file). A torchrun launcher on hosta and one on hostb run one job whose trainer group
+(FSDP2 over gloo) and agents span both hosts, its master given by name (hosta), the run's token exported on both.
+Proven on the running job: every socket its processes listen on is on the test network or loopback (torchrun's own
+store, which binds every interface, is the one exception, and named); a stranger on hostc with torch but without the
+token, who reads the RPC port from the run's store and joins the RPC group, is refused by trainer0's seal and never
+calls it, and the control records it forges in the store (shutdown, dead reports naming the agents' pids, exits,
+leave requests, refusals) change nothing; an agent killed on hostb is restarted there and rejoins; node 0 preempted
+ends the run with a checkpoint."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.netns import SUBNET
+from tests.rpc.jobs import TOY, alive, wait_until
+from tests.rpc.sockets import descendants, is_loopback_address, listening_sockets
+from tests.run_helpers import ROOT
+from tests.timing import limit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+PORT = 29400  # each host has a network of its own: no port can be taken by another test
+TOKEN = "0123456789abcdef-hosts-test"
+
+
+def _named(name: str, parent: int) -> list[int]:
+    """The live children of `parent` named `name` (asyncrl names its processes: asyncrl-trainer1, asyncrl-agent1,
+    and asyncrl-keep1 for the keeper of agent slot 1)."""
+    found = []
+    for comm in pathlib.Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == name and _parent(int(comm.parent.name)) == parent:
+                found.append(int(comm.parent.name))
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
+            pass
+    return [pid for pid in found if alive(pid)]
+
+
+def _parent(pid: int) -> int:
+    return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _children(pid: int) -> list[str]:
+    """The names of `pid`'s live child processes (the first 15 characters: asyncrl-trainer0 shows as
+    asyncrl-trainer)."""
+    names = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if _parent(int(stat.parent.name)) == pid and alive(int(stat.parent.name)):
+                names.append((stat.parent / "comm").read_text().strip())
+        except (OSError, ValueError, IndexError):
+            pass
+    return sorted(names)
+
+
+def _on_test_network(address: str) -> bool:
+    return is_loopback_address(address) or ipaddress.ip_address(address) in ipaddress.ip_network(f"{SUBNET}.0/24")
+
+
+@pytest.mark.timeout(limit(720))
+def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_stranger_changes_nothing(tmp_path, net_hosts):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ASYNCRL_RUN_TOKEN": TOKEN}
+    train = ["-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(run_dir),
+             "--placement.launcher", "torchrun", "--placement.trainer-devices", "cpu", "cpu",
+             "--placement.agent-devices", "cpu", "cpu", "--placement.restart-agents", "1",
+             "--placement.restart-backoff-s", "0.5", "--async-training.total-versions", "1000000"]
+    nodes, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
+    for node, host in ((1, "hostb"), (0, "hosta")):  # node 1 first: it waits at the rendezvous for node 0
+        with open(logs[node], "w") as out:
+            nodes[node] = net_hosts.popen(
+                host, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                       "--nproc-per-node", "2", "--master-addr", "hosta", "--master-port", str(PORT), *train],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    node0, node1 = nodes[0], nodes[1]
+
+    def text(node: int) -> str:
+        return logs[node].read_text(errors="replace")
+
+    def versions() -> int:
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    try:
+        wait_until(lambda: versions() >= 3 or node0.poll() is not None or node1.poll() is not None, limit(300),
+                   "3 versions")
+        assert node0.poll() is None and node1.poll() is None, (text(0)[-5000:], text(1)[-5000:])
+        # the trainer group spans the hosts (rank 1 is a worker of hostb's torchrun) and so do the agents
+        assert _children(node0.pid) == ["asyncrl-keep0", "asyncrl-trainer"]
+        assert _children(node1.pid) == ["asyncrl-keep1", "asyncrl-trainer"]
+
+        # every listener of the job's own processes is on the test network or loopback; torchrun's store (its
+        # static rendezvous binds every interface) is the only wildcard, on the master port of hosta's launcher
+        launchers = {node0.pid, node1.pid}
+        listeners = listening_sockets(descendants(node0.pid) | descendants(node1.pid))
+        ours = [row for row in listeners if row[2] not in launchers]
+        assert ours and all(_on_test_network(address) for address, _, _ in ours), ours
+        assert {address for address, _, _ in ours} & {net_hosts.addresses["hosta"], net_hosts.addresses["hostb"]}
+        wildcard = [(port, pid) for address, port, pid in listeners if not _on_test_network(address)]
+        assert wildcard == [(PORT, node0.pid)], listeners
+
+        # a stranger on hostc: torch alone, no token; reads the RPC port from the run's store and joins
+        stranger = subprocess.run(net_hosts.command("hostc", [sys.executable, str(ROOT / "tests/rpc/stranger.py"),
+                                                               "hosta", str(PORT + 1)]),
+                                  capture_output=True, text=True, timeout=limit(180), cwd=tmp_path,
+                                  env={k: v for k, v in env.items() if k != "ASYNCRL_RUN_TOKEN"})
+        outcome = stranger.stdout.splitlines()
+        assert outcome and outcome[0].startswith("join refused"), (stranger.stdout, stranger.stderr[-3000:])
+        wait_until(lambda: "SealError: a message whose seal does not match" in text(0), limit(60),
+                   "trainer0 to refuse the stranger's message")
+        # the stranger forges the run's control records: shutdown, every agent dead (pid included), exits,
+        # leave requests, refusals; none is signed with the run's token, so nothing happens
+        agents_before = {pid for pid in descendants(node0.pid) | descendants(node1.pid)}
+        forged = subprocess.run(net_hosts.command("hostc", [sys.executable, str(ROOT / "tests/rpc/stranger.py"),
+                                                             "hosta", str(PORT + 1), "--forge"]),
+                                capture_output=True, text=True, timeout=limit(120), cwd=tmp_path)
+        assert forged.stdout.startswith("forged: "), (forged.stdout, forged.stderr[-3000:])
+        before = versions()
+        wait_until(lambda: versions() >= before + 3, limit(120), "3 versions after the forged records")
+        assert node0.poll() is None and node1.poll() is None
+        assert agents_before <= descendants(node0.pid) | descendants(node1.pid), "a process of the run was ended"
+        assert "declared dead" not in text(0) and "ignored store entry" in text(0) + text(1)
+
+        # an agent killed on hostb is restarted there by its keeper and rejoins
+        [keeper] = _named("asyncrl-keep1", node1.pid)
+        [victim] = wait_until(lambda: _named("asyncrl-agent1", keeper), limit(60), "agent slot 1's process")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: "agent agent1_r1 is live" in text(0), limit(240),
+                   "the restarted agent to be live (rank 0's log)")
+        restarted = versions()
+        wait_until(lambda: versions() >= restarted + 5, limit(120), "5 more versions after the restart")
+        node0.send_signal(signal.SIGTERM)  # hosta preempted: rank 0 checkpoints and ends the run
+        node0.wait(limit(120))
+        node1.wait(limit(120))  # hostb's ranks follow the end of the run: nothing left to kill
+    finally:
+        for proc in nodes.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert node1.returncode == 0, text(1)[-6000:]
+    assert TOKEN not in text(0) + text(1)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    agents = summary["agents"]
+    assert agents["agent1"]["status"] == "dead" and agents["agent1_r1"]["submitted"] > 0, agents
+    assert agents["agent0"]["submitted"] > 0
+    assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"] is not None
+    ledger = summary["ledger"]
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger.get("carried", 0), ledger
