@@ -270,8 +270,14 @@ class PlacementConfig:
     """One device per rollout agent (ranks after the trainers); 'cuda' = cuda:LOCAL_RANK."""
     master_addr: str = "127.0.0.1"
     """Address every listener of the run binds (its stores, RPC, gloo, NCCL). Loopback (the default) keeps the
-    run on this host; any other address exposes RPC, which unpickles what it receives: use it only on a network
-    you trust (agents must also present the run's token)."""
+    run on this host; any other address (or a host name, bound to the address of this machine it resolves to)
+    is a multi-host run: RPC is sealed with the run's token, gloo and NCCL are not: use it only on a network you
+    trust."""
+    interface: str = "auto"
+    """The network interface every process of the run listens and connects on (TensorPipe, gloo, NCCL, vLLM:
+    TP_/GLOO_/NCCL_SOCKET_IFNAME and VLLM_HOST_IP are set from it in every process). auto: loopback on a
+    loopback run, elsewhere the interface that routes to --placement.master-addr (variables you exported are
+    kept). A name (eth0, ib0) sets them all."""
     token_file: str | None = None
     """File whose first line is the run's token, which agents joining from other hosts must present (else
     $ASYNCRL_RUN_TOKEN; else a token is made for the run and shown in its join line). Never stored in the run dir."""

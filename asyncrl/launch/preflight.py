@@ -39,7 +39,7 @@ from asyncrl.launch.hub_run import resolve_run_names
 from asyncrl.launch.resume_check import check_resume
 from asyncrl.rewards.plugin import RewardTable
 from asyncrl.rpc.assembly import resume_checkpoint
-from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token
+from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token, socket_interface
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.torchrun import check_master
 from asyncrl.launch.run_dir import overwrite_note, owns_run_dir, run_dir_problem
@@ -223,26 +223,32 @@ class _Checks:
         try:
             if torchrun:
                 check_master(host, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
-            address = bind_address(host)
+            # the stores listen on the master's node only (torchrun: node 0); another node just reaches them
+            head = not torchrun or os.environ.get("GROUP_RANK", "0") == "0"
+            address = bind_address(host) if head else host
         except ValueError as err:
             self.report.problems.append(str(err).replace("--placement.master-addr", "MASTER_ADDR=" if torchrun
                                                          else "--placement.master-addr").replace("= ", "="))
             return
-        torchrun_store = (f"; torchrun's own store listens on every interface at MASTER_PORT "
-                          f"{os.environ.get('MASTER_PORT', '')} (its static rendezvous binds no address): on one "
-                          "host, the local launcher exposes nothing" if torchrun else "")
+        try:
+            interface, local = socket_interface(host, placement.interface)
+        except ValueError as err:
+            self.report.problems.append(str(err))
+            return
         if is_loopback(host):
             self.report.facts.append(f"network: every listener of asyncrl on loopback ({address})"
-                                     + (torchrun_store or "; nothing exposed"))
+                                     + ("" if torchrun else "; nothing exposed"))
         elif token is None and torchrun:
             self.report.problems.append(
                 f"MASTER_ADDR={host} is not loopback: a torchrun job across hosts needs the same run "
                 f"token on every node; export {TOKEN_ENV}=<16+ random characters> or give --placement.token-file")
+            return
         else:
             self.report.facts.append(
-                f"network: listening on {address} ({host}); every RPC message sealed with the run's token, agents "
-                "admitted on its proof; the stores, gloo and NCCL are not authenticated, so only on a network you "
-                f"trust{torchrun_store}")
+                f"network: listening on {address} ({host}); every RPC message sealed with the run's token, the "
+                "store's control records signed with it, agents admitted on its proof; gloo and NCCL are not "
+                "authenticated, so only on a network you trust")
+        self.report.facts += listener_table(self.cfg, address, interface, local)
 
     def _backend(self) -> None:
         if resolved_backend(self.cfg) != "vllm":
@@ -485,6 +491,28 @@ class _Checks:
         self.report.facts.append(f"resume: from {found.with_name(check.name)}" + (
             f" (restored from {found.name})" if found.name != check.name else "")
             + (f"; the newer {skipped[0]} does not verify and is moved aside" if skipped else ""))
+
+
+def listener_table(cfg: RunConfig, address: str, interface: str, local: str) -> list[str]:
+    """What a run of `cfg` will listen on (`address`: its stores'; `interface` and `local`: every process's
+    sockets), one line per kind of listener, for the checks' report."""
+    p, torchrun = cfg.placement, cfg.placement.launcher == "torchrun"
+    port = os.environ.get("MASTER_PORT", "MASTER_PORT")
+    store = f"{address}:{int(port) + 1}" if torchrun and port.isdigit() else \
+        f"{address}:{p.join_port or 'a free port'}"
+    rpc = f"{address}:{int(port) + 2}" if torchrun and port.isdigit() else f"{address}:a free port"
+    processes = len(p.trainer_devices) + (0 if cfg.async_training.colocated else len(p.agent_devices))
+    cuda = any(d.startswith("cuda") for d in (*p.trainer_devices, *p.agent_devices))
+    lines = [f"listen: the run's store {store} and the RPC group's store {rpc} (trainer rank 0)",
+             f"listen: each of the {processes} processes, one TensorPipe (RPC) port and gloo's pairs (trainer group, "
+             f"commands, CPU weight channels){' and NCCL' if cuda else ''} on {interface} ({local}), ports the "
+             "kernel picks"]
+    if resolved_backend(cfg) == "vllm":
+        lines.append(f"listen: each vLLM agent, vLLM's own store and workers (VLLM_HOST_IP {local})")
+    if torchrun:
+        lines.append(f"listen: torchrun's own store on every interface, port {port} (its static rendezvous binds no "
+                     "address): on one host, the rpc launcher exposes nothing")
+    return lines
 
 
 def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None, given: Collection[str] | None = None,

@@ -22,7 +22,7 @@ from asyncrl.tracking.console import phase
 from asyncrl.config.flags import as_flags, given_flags
 from asyncrl.launch.preflight import check_devices, preflight
 from asyncrl.config.presets import PRESETS
-from asyncrl.rpc.exposure import read_token
+from asyncrl.rpc.exposure import read_token, socket_interface
 from asyncrl.rpc.roles import run_agent_process
 from asyncrl.rpc.supervise import RunKilled
 from asyncrl.launch.train import train
@@ -103,6 +103,9 @@ class AgentArgs:
     token_file: str | None = None
     """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
     (its join line shows it); a loopback run on this host hands it over by itself."""
+    interface: str = "auto"
+    """The network interface this agent listens and connects on (TensorPipe, gloo, NCCL, vLLM); auto: the one
+    that routes to the job's host (loopback for a job on this host)."""
 
 
 def agent_main(args: list[str]) -> None:
@@ -116,6 +119,8 @@ def agent_main(args: list[str]) -> None:
     torch.set_num_threads(parsed.threads)
     try:
         token = read_token(parsed.token_file, flag="--token-file")
+        socket_interface(host, parsed.interface)
     except ValueError as err:
-        raise SystemExit(f"asyncrl agent: {err}") from None
-    run_agent_process(host, int(port), device=parsed.device, token=token)
+        message = str(err).replace("--placement.master-addr", "--join").replace("--placement.interface", "--interface")
+        raise SystemExit(f"asyncrl agent: {message}") from None
+    run_agent_process(host, int(port), device=parsed.device, token=token, interface=parsed.interface)

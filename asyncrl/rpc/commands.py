@@ -4,24 +4,29 @@ rank enters the same collectives in the same order.
     trainers = TrainerGroup(commands_group(spec), hosted=agent_server)   # rank 0 (hosted: colocated only)
     trainers.step(state, groups); trainers.weights(state, dtype); trainers.checkpoint(...); trainers.stop()
 
-Followers are `FollowerHost`s that rank 0 creates in their processes with `rpc.remote`: each builds its
-learner shard (and, colocated, its own engine) and executes the commands on a thread of its own until "stop".
+Followers are `FollowerHost`s: each builds its learner shard and executes the commands on a thread of its own
+until "stop". A follower makes its own and stays out of the RPC group; a colocated one (which also hosts an engine
+that rank 0's roster drives over RPC) joins RPC, and rank 0 creates it there with `rpc.remote`.
 The commands travel on a CPU (gloo) group whose timeout covers the longest wait between two commands (the
 trainer waiting for samples), so idle followers never time out. A single-rank trainer group has no followers
 and the same interface.
 
-The protocol, one `broadcast_object_list` per command from rank 0:
-  ("step", groups, version)          train_step on this rank's share of the groups
-  ("weights", dtype)                 take part in gathering the full weights (publication)
-  ("load_hosted", dtype, version)    copy the full weights into this rank's own engine (colocated)
-  ("checkpoint", run_dir, version, keep)   take part in saving a checkpoint (rank 0 writes)
-  ("load", path)                     restore this rank's shard from a checkpoint
-  ("stop",)                          leave the loop
+The protocol: each command is a JSON header and, for a step, the tensors of the collated batch (rank 0 collates
+once; followers train on the same `RolloutBatch`), broadcast as typed data: nothing a follower receives is
+unpickled (`asyncrl.rpc.commands.broadcast_command`).
+  {"cmd": "step", "version"} + batch          train_step on this rank's share of the batch
+  {"cmd": "weights", "dtype"}                 take part in gathering the full weights (publication)
+  {"cmd": "load_hosted", "dtype", "version"}  copy the full weights into this rank's own engine (colocated)
+  {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
+  {"cmd": "load", "path"}                     restore this rank's shard from a checkpoint
+  {"cmd": "stop"}                             leave the loop
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import logging
 import os
 import threading
@@ -31,12 +36,12 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from asyncrl.checkpoint import load_checkpoint, save_checkpoint
-from asyncrl.learner import LearnerState, published_weights, train_step
+from asyncrl.learner import LearnerState, RolloutBatch, collate, published_weights, train_step
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.spec import RunSpec
 
-__all__ = ["TrainerGroup", "FollowerHost", "commands_group"]
+__all__ = ["TrainerGroup", "FollowerHost", "commands_group", "broadcast_command", "receive_command"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,73 @@ def _load_hosted(server, state: LearnerState, dtype: torch.dtype, version: int) 
     return copied
 
 
+_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool, torch.float32,
+                                torch.float64, torch.bfloat16, torch.float16)}
+"""The dtypes a command's tensors may have (a header naming another is refused)."""
+_MAX_HEADER = 1 << 20
+
+
+def broadcast_command(group: dist.ProcessGroup, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+    """Rank 0: send `header` (JSON) and `tensors` (CPU copies) to every rank of `group`."""
+    tensors = [t.detach().contiguous().cpu() for t in tensors]
+    header = {**header, "tensors": [[str(t.dtype), list(t.shape)] for t in tensors]}
+    data = json.dumps(header).encode()
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0, group=group)
+
+
+def receive_command(group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
+    """A follower: the next (header, tensors) rank 0 broadcast on `group`. Raises RuntimeError on a header that is
+    not a JSON object of known dtypes and shapes."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if not 0 < int(size) <= _MAX_HEADER:
+        raise RuntimeError(f"trainer group: a command header of {int(size)} bytes")
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    header = json.loads(bytes(data.numpy()).decode())
+    specs = header.get("tensors") if isinstance(header, dict) else None
+    if not isinstance(specs, list) or not all(
+            isinstance(spec, list) and len(spec) == 2 and spec[0] in _DTYPES and isinstance(spec[1], list)
+            and all(isinstance(n, int) and n >= 0 for n in spec[1]) for spec in specs):
+        raise RuntimeError(f"trainer group: a command header that is not one: {str(header)[:200]}")
+    tensors = []
+    for dtype, shape in specs:
+        tensor = torch.empty(shape, dtype=_DTYPES[dtype])
+        dist.broadcast(tensor, src=0, group=group)
+        tensors.append(tensor)
+    return header, tensors
+
+
+def _batch_message(batch: RolloutBatch) -> tuple[dict, list[torch.Tensor]]:
+    """A collated batch as a header (field names, the ints) and its tensors, in field order."""
+    fields = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+    header = {"fields": fields, "prompt_ids": [int(i) for i in batch.prompt_ids],
+              "nonfinite_logprobs": int(batch.nonfinite_logprobs)}
+    return header, [getattr(batch, name) for name in fields]
+
+
+def _batch_of(header: dict, tensors: list[torch.Tensor]) -> RolloutBatch:
+    known = {f.name for f in dataclasses.fields(RolloutBatch)}
+    fields = header.get("fields")
+    if not isinstance(fields, list) or len(fields) != len(tensors) or not set(fields) <= known:
+        raise RuntimeError(f"trainer group: a step whose batch fields are {fields!r}")
+    return RolloutBatch(**dict(zip(fields, tensors)), prompt_ids=[int(i) for i in header["prompt_ids"]],
+                        nonfinite_logprobs=int(header["nonfinite_logprobs"]))
+
+
+def collate_step(state: LearnerState, groups) -> RolloutBatch:
+    """The batch every rank trains on: `groups` collated as `train_step` would (rank 0 does it once)."""
+    if isinstance(groups, RolloutBatch):
+        return groups
+    cfg, algo = state.config, state.algorithm
+    return collate(groups, max_response_length=cfg.max_response_length,
+                   overlong_buffer_len=algo.overlong_buffer(cfg.max_response_length),
+                   overlong_penalty_factor=algo.overlong_penalty_factor)
+
+
 class TrainerGroup:
     """Rank 0's handle on the whole trainer group (itself plus the followers)."""
 
@@ -68,29 +140,33 @@ class TrainerGroup:
         self.group = group  # the commands group; None for a single-rank trainer
         self.hosted = hosted  # the AgentServer this process hosts (colocated placement)
 
-    def _command(self, *cmd) -> None:
+    def _command(self, cmd: str, tensors: list[torch.Tensor] = (), **fields) -> None:
         if self.group is not None:
-            dist.broadcast_object_list([cmd], src=0, group=self.group)
+            broadcast_command(self.group, {"cmd": cmd, **fields}, tensors)
 
     def step(self, state: LearnerState, groups):
-        self._command("step", groups, state.version)  # followers learn the version only through commands
-        return train_step(state, groups)
+        if self.group is None:
+            return train_step(state, groups)
+        batch = collate_step(state, groups)
+        header, tensors = _batch_message(batch)
+        self._command("step", tensors, version=state.version, **header)  # followers learn the version this way
+        return train_step(state, batch)
 
     def weights(self, state: LearnerState, dtype: torch.dtype) -> list:
         """What a publication sends (`published_weights`), gathered by every rank together."""
-        self._command("weights", str(dtype).removeprefix("torch."))
+        self._command("weights", dtype=str(dtype).removeprefix("torch."))
         return list(published_weights(state.policy, dtype=dtype))
 
     def load_hosted(self, state: LearnerState, dtype: torch.dtype, version: int) -> int:
-        self._command("load_hosted", str(dtype).removeprefix("torch."), version)
+        self._command("load_hosted", dtype=str(dtype).removeprefix("torch."), version=version)
         return _load_hosted(self.hosted, state, dtype, version)
 
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
-        self._command("checkpoint", run_dir, state.version, keep)
+        self._command("checkpoint", run_dir=str(run_dir), version=state.version, keep=keep)
         return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
 
     def load(self, path: str, state: LearnerState) -> dict:
-        self._command("load", str(path))
+        self._command("load", path=str(path))
         return load_checkpoint(path, state)
 
     def stop(self) -> None:
@@ -135,24 +211,22 @@ class FollowerHost:
             self.done.set()
 
     def _execute(self) -> bool:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        cmd, *args = box[0]
-        state = self.state
+        header, tensors = receive_command(self.group)
+        cmd, state = header.get("cmd"), self.state
         if cmd == "step":
-            state.version = args[1]
-            self.state, _ = train_step(state, args[0])
+            state.version = int(header["version"])
+            self.state, _ = train_step(state, _batch_of(header, tensors))
         elif cmd == "weights":
-            for _ in published_weights(state.policy, dtype=getattr(torch, args[0])):
+            for _ in published_weights(state.policy, dtype=_DTYPES[f"torch.{header['dtype']}"]):
                 pass
         elif cmd == "load_hosted":
-            _load_hosted(self.hosted, state, getattr(torch, args[0]), args[1])
-            state.version = args[1]
+            _load_hosted(self.hosted, state, _DTYPES[f"torch.{header['dtype']}"], int(header["version"]))
+            state.version = int(header["version"])
         elif cmd == "load":
-            load_checkpoint(args[0], state)
+            load_checkpoint(str(header["path"]), state)
         elif cmd == "checkpoint":
-            state.version = args[1]
-            save_checkpoint(args[0], state, keep_last=args[2])
+            state.version = int(header["version"])
+            save_checkpoint(str(header["run_dir"]), state, keep_last=int(header["keep"]))
         elif cmd == "stop":
             return False
         else:

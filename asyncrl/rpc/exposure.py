@@ -4,16 +4,17 @@
   * the run's store and the RPC group's store are served from a socket this module binds and listens on
     (torch's TCPStore binds every interface whatever host it is given; it serves a socket handed to it as is);
   * TensorPipe (RPC), gloo (trainer group, weight channels) and NCCL's bootstrap pick their interface from
-    `TP_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, and vLLM from `VLLM_HOST_IP`: on a
-    loopback run `confine_to_loopback` sets them in every process before any of them starts.
+    `TP_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME`, and vLLM from `VLLM_HOST_IP`:
+    `pin_interface` sets them in every process before any of them starts: the loopback interface on a loopback
+    run, `--placement.interface` (default auto: the interface that routes to the master address) elsewhere.
 A loopback master address (the default, 127.0.0.1) therefore keeps the whole run on this host.
 
-**The run token.** RPC unpickles what it receives: anyone who reaches a run's ports can run code in it. A
-multi-host run belongs on a network you trust, and its agents must also present the run's token before they
-get anything (weights, prompts): each agent proves it knows the token with an HMAC of its name and the run's
-nonce, which rank 0 checks before admitting it. The token never enters the store of a run that other hosts
-can reach, nor its metrics, config or logs; on a loopback run rank 0 leaves it in the (loopback-only) store so
-that `asyncrl agent --join 127.0.0.1:PORT` needs nothing more.
+**The run token.** Every RPC message is sealed with a key derived from it (`asyncrl.rpc.seal`), the store's
+control records are signed with it (`asyncrl.rpc.store`), and each agent proves it knows the token with an HMAC
+of its name and the run's nonce, which rank 0 checks before admitting it. The token never enters the store,
+metrics, config or logs; on a loopback run rank 0 leaves it in a file only this user can read (the store holds
+the path) so that `asyncrl agent --join 127.0.0.1:PORT` needs nothing more. gloo and NCCL are not authenticated:
+a multi-host run belongs on a network you trust.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import socket
 
 __all__ = [
     "TOKEN_ENV", "RunToken", "is_loopback", "bind_address", "outward_address", "listening_socket",
-    "confine_to_loopback", "read_token", "new_token", "new_nonce",
+    "pin_interface", "socket_interface", "route_interface", "interface_addresses", "SOCKET_VARIABLES",
+    "read_token", "new_token", "new_nonce",
 ]
 
 TOKEN_ENV = "ASYNCRL_RUN_TOKEN"
@@ -132,16 +134,85 @@ def _loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), "lo"))
 
 
-def confine_to_loopback(host: str) -> None:
-    """On a loopback run, make TensorPipe, gloo, NCCL and vLLM listen on the loopback interface only (this
-    process and those it starts). Nothing changes for a run on another address: there the interfaces are the
-    operator's to choose (the same variables)."""
-    if not is_loopback(host):
-        return
-    interface = _loopback_interface()
-    for name in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ[name] = interface
-    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+SOCKET_VARIABLES = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where TensorPipe (RPC), gloo and NCCL's bootstrap pick the interface they listen on; vLLM reads VLLM_HOST_IP."""
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """This machine's interfaces and their addresses (IPv4 by SIOCGIFADDR, IPv6 from /proc/net/if_inet6)."""
+    import fcntl
+    import struct
+    found: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in found:
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                found[name].append(socket.inet_ntoa(raw[20:24]))
+            except OSError:
+                pass
+    try:
+        for line in pathlib.Path("/proc/net/if_inet6").read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6 and fields[5] in found:
+                found[fields[5]].append(str(ipaddress.IPv6Address(bytes.fromhex(fields[0]))))
+    except OSError:
+        pass
+    return found
+
+
+def route_interface(host: str) -> tuple[str, str] | None:
+    """(interface, address) this machine reaches `host` from: the source address of a route to it (its own
+    address on the head), and the interface that holds that address; None without a route."""
+    try:
+        family, *_, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror:
+        return None
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(target)  # no packet is sent: this only picks the route
+        except OSError:
+            return None
+        address = sock.getsockname()[0]
+    return next(((name, address) for name, addresses in interface_addresses().items() if address in addresses), None)
+
+
+def socket_interface(host: str, interface: str = "auto") -> tuple[str, str]:
+    """(interface, address) every socket of a run with master address `host` listens on: loopback for a loopback
+    run; `interface` when named (it must exist here); else the one that routes to `host`. Raises ValueError naming
+    --placement.interface and this machine's interfaces."""
+    addresses = interface_addresses()
+    if is_loopback(host) and interface == "auto":
+        name = _loopback_interface()
+        return name, "::1" if host.strip("[]") == "::1" else "127.0.0.1"
+    if interface != "auto":
+        held = [a for a in addresses.get(interface, []) if not a.startswith("fe80")]
+        if not held:
+            raise ValueError(f"--placement.interface {interface}: no interface of this machine by that name holds an "
+                             f"address; its interfaces: {_listing(addresses)}")
+        return interface, held[0]
+    routed = route_interface(host)
+    if routed is None:
+        raise ValueError(f"--placement.master-addr {host}: no route from this machine; give --placement.interface "
+                         f"(its interfaces: {_listing(addresses)})")
+    return routed
+
+
+def _listing(addresses: dict[str, list[str]]) -> str:
+    return ", ".join(f"{name} ({' '.join(a) or 'no address'})" for name, a in addresses.items())
+
+
+def pin_interface(host: str, interface: str = "auto") -> tuple[str, str]:
+    """Make TensorPipe, gloo, NCCL and vLLM listen on the run's interface (`socket_interface`) in this process and
+    those it starts: a loopback run or a named interface sets every variable; `auto` on a network run sets those
+    the operator left unset. Returns (interface, address)."""
+    name, address = socket_interface(host, interface)
+    force = interface != "auto" or is_loopback(host)
+    for variable in SOCKET_VARIABLES:
+        if force or not os.environ.get(variable):
+            os.environ[variable] = name
+    if force or not os.environ.get("VLLM_HOST_IP"):
+        os.environ["VLLM_HOST_IP"] = address
+    return name, address
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,6 +105,8 @@ class Admissions:
         self.failed: dict[str, str] = {}  # agents whose admission failed, and why (start-up reports them)
         self._joins = self._leaves = self._exits = 0
         self._token_watch: dict[str, float] = {}
+        self._unknown_since: dict[str, float] = {}
+        self._announced: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,6 +129,7 @@ class Admissions:
     def _poll(self) -> None:
         joins = self.store.announcements(self._joins)
         self._joins += joins.consumed
+        self._announced.update(str(record.get("name")) for record in joins)
         for record in joins:
             if not self.token.admits(str(record.get("name")), self.nonce, record.get("proof")):
                 self.refuse(record)
@@ -146,8 +149,13 @@ class Admissions:
                 self.roster.declare_dead(name, f"its process ended ({how})")
         self.roster.allow_empty = self.store.restarts_left() > 0
         if self.fleet.membership is not None:
+            # a process in the RPC group that never announced itself in the store (a join that failed halfway, a
+            # stranger refused by the seal) is evicted after the grace, with the membership token it may hold
+            known = {f"trainer{r}" for r in range(self.spec.num_trainers)} | self._announced
+            grace_s = max(10.0, min(30.0, self.spec.rpc_timeout_s))
+            self.fleet.membership.evict_unknown(known, self._unknown_since, grace_s=grace_s)
             alive = set(self.fleet.membership.members())
-            self.fleet.membership.release_stuck_token(alive, self._token_watch, grace_s=2 * self.spec.rpc_timeout_s)
+            self.fleet.membership.release_stuck_token(alive, self._token_watch, grace_s=grace_s)
 
     def refuse(self, record: dict) -> None:
         """An agent without the run's token: it gets nothing (no server, weights or prompts), leaves the RPC

@@ -55,8 +55,11 @@ class _Head:
                              allow_empty=spec.placement.restart_agents > 0, on_removed=self.fleet.discard,
                              evals=evals, eval_slots=eval_slots)
         self.roster_rref = rpc.RRef(self.roster)
+        # colocated, a follower hosts an engine rank 0's roster drives over RPC: rank 0 creates it there; otherwise
+        # each follower creates its own and is not in the RPC group at all (`asyncrl.rpc.roles.run_trainer`)
         followers = [rpc.remote(f"trainer{r}", FollowerHost, args=(spec, r, self.roster_rref),
-                                timeout=spec.startup_timeout_s) for r in range(1, spec.num_trainers)]
+                                timeout=spec.startup_timeout_s) for r in range(1, spec.num_trainers)] \
+            if spec.colocate else []
         group = commands_group(spec)  # collective with the followers' constructors
         self.device = local_device(spec.trainer_devices[0])
         if self.device.startswith("cuda"):

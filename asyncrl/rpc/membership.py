@@ -143,6 +143,21 @@ class RpcMembership:
                 store.set(held, "Done")
                 log.warning("released the RPC membership token %s (its holder is gone)", held)
 
+    def evict_unknown(self, known: set[str], listed_since: dict[str, float], grace_s: float) -> list[str]:
+        """Evict every listed member not in `known` that has been listed longer than `grace_s` (a process whose join
+        failed halfway stays listed, and every later join would try to reach it). Returns the names evicted."""
+        now, evicted = time.monotonic(), []
+        listed = set(self.members())
+        for name in listed - known:
+            if now - listed_since.setdefault(name, now) > grace_s:
+                log.warning("evicting %s from the RPC group: it joined but never announced itself to the run", name)
+                self.evict(name)
+                evicted.append(name)
+                listed_since.pop(name, None)
+        for name in set(listed_since) - listed:
+            listed_since.pop(name, None)
+        return evicted
+
     def release_stuck_token(self, alive: set[str], held_since: dict[str, float], grace_s: float) -> None:
         """A join that died halfway keeps the token forever: release a token held longer than `grace_s` by a
         process that is not a member."""

@@ -35,10 +35,11 @@ import torch.distributed as dist
 
 from asyncrl.rpc.assembly import local_device
 from asyncrl.runtime.controller import RunSummary
-from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, confine_to_loopback, is_loopback, new_nonce, read_token
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_nonce, pin_interface, read_token
 from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
+from asyncrl.rpc.commands import FollowerHost
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.seal import key_check, rpc_key
 from asyncrl.rpc.spec import RunSpec
@@ -82,13 +83,15 @@ def _setup_logging(role: str) -> None:
 def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
                 parent_pid: int | None = None, token: RunToken | None = None,
                 run_log: RunLog | None = None) -> RunSummary | None:
-    """The body of trainer rank `rank`: the trainer group and RPC, then rank 0 runs the head and the others wait
-    for the end (their role object, a `FollowerHost`, is created and driven by rank 0). Returns the summary on
+    """The body of trainer rank `rank`: the trainer group, then rank 0 joins RPC and runs the head; a follower
+    builds its `FollowerHost` and follows rank 0's commands over the trainer group until "stop", outside RPC (a
+    colocated follower joins RPC instead and rank 0 creates its role object there: rank 0's roster drives the
+    engine it hosts). Returns the summary on
     rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it).
     `run_log`: where rank 0 logs the metrics; closed when the rank ends."""
     role = f"trainer{rank}"
     _setup_logging(role)
-    confine_to_loopback(host)
+    pin_interface(host, spec.placement.interface)
     if parent_pid is not None:
         die_with_parent(parent_pid)
         name_process(f"asyncrl-{role}")
@@ -124,13 +127,14 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             nonce = store.info()["nonce"]
             token = token or store.left_token()
             if token is None:
-                raise ValueError(f"{role} needs the run's token to join its RPC group")
+                raise ValueError(f"{role} needs the run's token (its store's records are signed with it)")
             store.authenticate(token)
-        join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s, key=rpc_key(token.value, nonce))
-        if rank == 0:  # the followers' role objects are created by rank 0: wait until they are in the group
+        if rank == 0 or spec.colocate:  # a follower joins RPC only to host its colocated engine
+            join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s, key=rpc_key(token.value, nonce))
+        if rank == 0 and spec.colocate:  # the followers' role objects are created by rank 0: wait until they joined
             store.raw.wait([f"asyncrl/joined/trainer{r}" for r in range(1, spec.num_trainers)],
                            datetime.timedelta(seconds=spec.startup_timeout_s))
-        else:
+        elif rank != 0 and spec.colocate:
             store.raw.set(f"asyncrl/joined/{role}", "1")
     except BaseException as err:
         if left is not None:
@@ -142,8 +146,12 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank == 0:
             summary = run_head(spec, store, stop, token, nonce, run_log=run_log)
             _report(results, summary)
-        else:
+        elif spec.colocate:  # its role object is rank 0's to create, over RPC
             _wait_for_end(store, poll_s=0.5)
+        else:  # its own follower: rank 0's commands over the trainer group, no RPC
+            follower = FollowerHost(spec, rank, None)
+            while not follower.done.wait(0.5) and not store.is_shut_down():
+                pass
     except RunFailed as err:  # its message says it all: the launcher prints it once
         _report(results, err)
     except BaseException as err:
@@ -191,7 +199,7 @@ def _wait_for_end(store: RunStore, poll_s: float) -> None:
 # --------------------------------------------------------------------------------------------- agents
 def run_agent(host: str, port: int, *, device: str, slot: int | None = None, parent_pid: int | None = None,
               leave_grace_s: float = 60.0, connect_timeout_s: float = 600.0, token: RunToken | None = None,
-              token_file: str | None = None) -> int:
+              token_file: str | None = None, interface: str = "auto") -> int:
     """The body of a rollout agent process: reach the run's store, join the RPC group, announce itself with
     proof of the run's token, and wait; rank 0 creates its `AgentServer` (engine, loop) and ends the process at
     the end of the run, or when it leaves (first SIGTERM / SIGINT: it asks rank 0 to let it go; a second one
@@ -202,7 +210,7 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
     managed = parent_pid is not None
     if managed:
         die_with_parent(parent_pid)
-    confine_to_loopback(host)
+    pin_interface(host, interface)
     stop = StopRequest()
     on_signals(stop.set)
     token = token or read_token(token_file, flag="--token-file")
@@ -221,11 +229,12 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
                   "FILE)", TOKEN_ENV)
         return 2
     slot = store.new_slot() if slot is None else slot
+    rank = store.next_rpc_rank()  # one rank for every attempt: torch keeps the first one this process initialised
     for attempt in range(1, 4):  # a member that just died may still be listed until rank 0 evicts it
         name = agent_name(slot, store.next_incarnation(slot))  # a fresh name: a failed join may have left its own
         _setup_logging(name)
         try:
-            join_rpc(name, store.next_rpc_rank(), host, info["rpc_port"], timeout_s=info["rpc_timeout_s"], key=key)
+            join_rpc(name, rank, host, info["rpc_port"], timeout_s=info["rpc_timeout_s"], key=key)
             break
         except RuntimeError as err:
             if attempt == 3:

@@ -67,6 +67,7 @@ class RunStore:
     def __init__(self, host: str, port: int, *, serve: bool, timeout_s: float):
         self.host, self.port = host, port
         self.key: bytes | None = None
+        self._ignored: set[str] = set()  # entries already reported as unsigned (a reader polls: say it once)
         self.raw = serve_store(host, port, timeout_s) if serve else dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -152,15 +153,20 @@ class RunStore:
         body = json.dumps(record, sort_keys=True)
         return json.dumps({"body": body, "mac": self._mac(key, body) if self.key else ""})
 
+    def _ignore(self, key: str, why: str) -> None:
+        if key not in self._ignored:
+            self._ignored.add(key)
+            log.warning("ignored store entry %s: %s", key, why)
+
     def _verified(self, key: str, raw: bytes) -> dict | None:
         try:
             signed = json.loads(raw)
             body, mac = signed["body"], signed["mac"]
         except (ValueError, TypeError, KeyError):
-            log.warning("ignored store entry %s: not a signed record", key)
+            self._ignore(key, "not a signed record")
             return None
         if self.key is not None and not hmac.compare_digest(str(mac), self._mac(key, body)):
-            log.warning("ignored store entry %s: not signed with the run's token", key)
+            self._ignore(key, "not signed with the run's token")
             return None
         try:
             record = json.loads(body)

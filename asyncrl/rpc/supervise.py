@@ -59,9 +59,10 @@ class RunKilled(RuntimeError):
         self.signal_name = signal_name
 
 
-def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken) -> None:
+def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken,
+                 interface: str) -> None:
     os.setpgid(0, 0)  # terminal signals reach the launcher only, which forwards them once
-    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token)
+    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token, interface=interface)
 
 
 END_LINGER_S = 1.0
@@ -140,7 +141,7 @@ class Supervisor:
     def _spawn_agent(self, slot: int, restarts: int = 0) -> None:
         device = self.spec.agent_spec(slot).device
         p = self.starter.start(_agent_entry, (self.host, self.store_port, device, slot, self.starter.parent_pid,
-                                              self.token), name=f"asyncrl-agent{slot}")
+                                              self.token, self.spec.placement.interface), name=f"asyncrl-agent{slot}")
         self.children.append(_Child(f"agent{slot}", slot, p, restarts))
         self._write_processes()
 

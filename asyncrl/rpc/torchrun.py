@@ -129,8 +129,9 @@ def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary 
     os._exit(code)
 
 
-def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken | None) -> NoReturn:
-    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token)
+def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken | None,
+                 interface: str) -> NoReturn:
+    run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token, interface=interface)
 
 
 def keep_agent(spec: RunSpec, host: str, port: int, slot: int, *, token: RunToken | None,
@@ -149,7 +150,7 @@ def keep_agent(spec: RunSpec, host: str, port: int, slot: int, *, token: RunToke
     restarts = 0
     while True:
         child = ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
-                            args=(host, port, device, slot, os.getpid(), token))
+                            args=(host, port, device, slot, os.getpid(), token, spec.placement.interface))
         child.start()
         if store is None:
             store = RunStore(host, port, serve=False, timeout_s=spec.startup_timeout_s)

@@ -175,6 +175,13 @@ def test_the_checks_before_launch_say_what_is_exposed_and_refuse_a_bad_token(tmp
     monkeypatch.delenv("ASYNCRL_RUN_TOKEN", raising=False)
     report = preflight(_toy_config(tmp_path))
     assert report.ok and "network: every listener of asyncrl on loopback (127.0.0.1); nothing exposed" in report.facts
+    assert "listen: the run's store 127.0.0.1:a free port and the RPC group's store 127.0.0.1:a free port (trainer " \
+        "rank 0)" in report.facts
+    assert "listen: each of the 2 processes, one TensorPipe (RPC) port and gloo's pairs (trainer group, commands, " \
+        "CPU weight channels) on lo (127.0.0.1), ports the kernel picks" in report.facts
+    report = preflight(_toy_config(tmp_path, interface="no-such-if0"))
+    assert any(p.startswith("--placement.interface no-such-if0: no interface of this machine by that name") and
+               "lo (127.0.0.1" in p for p in report.problems), report.problems
     (tmp_path / "short").write_text("abc\n")
     report = preflight(_toy_config(tmp_path, master_addr="10.9.8.7", token_file=str(tmp_path / "short")))
     assert any(p.startswith("--placement.token-file ") and "use at least 16" in p for p in report.problems)
@@ -184,7 +191,16 @@ def test_the_checks_before_launch_say_what_is_exposed_and_refuse_a_bad_token(tmp
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     report = preflight(_toy_config(tmp_path, launcher="torchrun"))
-    assert any("torchrun's own store listens on every interface at MASTER_PORT 29500" in f for f in report.facts)
+    assert any("listen: torchrun's own store on every interface, port 29500" in f for f in report.facts)
+    assert "listen: the run's store 127.0.0.1:29501 and the RPC group's store 127.0.0.1:29502 (trainer rank 0)" \
+        in report.facts
+    monkeypatch.setenv("MASTER_ADDR", "10.9.8.7")  # another node's: this one only reaches its stores
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("ASYNCRL_RUN_TOKEN", "0123456789abcdef0123")
+    report = preflight(_toy_config(tmp_path, launcher="torchrun"))
+    assert not any("10.9.8.7" in p for p in report.problems), report.problems
+    monkeypatch.delenv("GROUP_RANK")
+    monkeypatch.delenv("ASYNCRL_RUN_TOKEN")
     address = outward_address()
     if address is None:
         return
@@ -210,3 +226,26 @@ def test_a_master_name_the_hosts_file_maps_to_loopback_is_refused_on_a_job_of_se
     check_master("head", 1)  # one node: loopback is right
     check_master("127.0.0.1", 2)  # an address typed as loopback: two launchers on one host, as the tests run
     check_master("localhost", 2)
+
+
+def test_the_run_s_interface_is_loopback_the_named_one_or_the_one_that_routes_to_the_master(monkeypatch):
+    from asyncrl.rpc.exposure import SOCKET_VARIABLES, interface_addresses, pin_interface, socket_interface
+    addresses = interface_addresses()
+    assert "127.0.0.1" in addresses["lo"]
+    assert socket_interface("127.0.0.1") == ("lo", "127.0.0.1")
+    assert socket_interface("127.0.0.1", "lo") == ("lo", "127.0.0.1")
+    with pytest.raises(ValueError, match="--placement.interface eth9x: no interface"):
+        socket_interface("127.0.0.1", "eth9x")
+    address = outward_address()
+    if address is not None:  # the interface holding this machine's outward address routes to it
+        name, local = socket_interface(address)
+        assert local == address and address in addresses[name]
+    for variable in (*SOCKET_VARIABLES, "VLLM_HOST_IP"):
+        monkeypatch.setenv(variable, "set-by-the-operator")
+    if address is not None:  # auto keeps what the operator exported on a network run
+        pin_interface(address)
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "set-by-the-operator"
+    assert pin_interface("127.0.0.1") == ("lo", "127.0.0.1")  # a loopback run pins every variable
+    assert all(os.environ[v] == "lo" for v in SOCKET_VARIABLES) and os.environ["VLLM_HOST_IP"] == "127.0.0.1"
+    pin_interface("127.0.0.1", "lo")
+    assert os.environ["TP_SOCKET_IFNAME"] == "lo"
