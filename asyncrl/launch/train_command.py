@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
+import os
+import signal
 import sys
 
 import torch
@@ -22,6 +25,7 @@ from asyncrl.tracking.console import phase
 from asyncrl.config.flags import as_flags, given_flags
 from asyncrl.launch.preflight import check_devices, preflight
 from asyncrl.config.presets import PRESETS
+from asyncrl.runtime.roster import FENCED_EXIT
 from asyncrl.rpc.exposure import read_token, socket_interface
 from asyncrl.rpc.roles import run_agent_process
 from asyncrl.rpc.supervise import RunKilled
@@ -103,6 +107,10 @@ class AgentArgs:
     token_file: str | None = None
     """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
     (its join line shows it); a loopback run on this host hands it over by itself."""
+    rejoins: int = 3
+    """Times this agent joins the job again after the job declared it dead while it lived (a network partition
+    longer than --async-training.agent-timeout-s, a long stall): each time a fresh process joins as a new agent.
+    0: exit instead (status 75)."""
     interface: str = "auto"
     """The network interface this agent listens and connects on (TensorPipe, gloo, NCCL, vLLM); auto: the one
     that routes to the job's host (loopback for a job on this host)."""
@@ -123,4 +131,17 @@ def agent_main(args: list[str]) -> None:
     except ValueError as err:
         message = str(err).replace("--placement.master-addr", "--join").replace("--placement.interface", "--interface")
         raise SystemExit(f"asyncrl agent: {message}") from None
-    run_agent_process(host, int(port), device=parsed.device, token=token, interface=parsed.interface)
+    context = multiprocessing.get_context("spawn")
+    current: list = []
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the agent process decides what a signal means (leave, or exit)
+        signal.signal(sig, lambda number, frame: current and current[-1].pid and os.kill(current[-1].pid, number))
+    for attempt in range(parsed.rejoins + 1):
+        child = context.Process(target=run_agent_process, args=(host, int(port)), name="asyncrl-agent",
+                                kwargs=dict(device=parsed.device, token=token, interface=parsed.interface))
+        child.start()
+        current.append(child)
+        child.join()
+        if child.exitcode != FENCED_EXIT or attempt == parsed.rejoins:
+            raise SystemExit(child.exitcode)
+        print(f"[asyncrl] the job declared this agent dead while it lived (fenced); joining it again "
+              f"({parsed.rejoins - attempt} rejoins left)", flush=True)

@@ -28,7 +28,7 @@ from asyncrl.runtime.agent import RolloutAgent, heartbeat_period
 from asyncrl.rpc.assembly import build_engine, local_device
 from asyncrl.rpc.channels import Layout, WeightChannel, numel, unflatten
 from asyncrl.rpc.membership import leave_rpc
-from asyncrl.runtime.roster import Fenced
+from asyncrl.runtime.roster import FENCED_EXIT, Fenced
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.rpc.worker_pool import WorkerPool
@@ -134,16 +134,17 @@ class AgentServer:
     def _loop_ended(self, error: BaseException | None) -> None:
         if error is not None and not self._leaving.is_set() and not self.hosted:
             log.error("agent %s: the generation loop ended (%r); this process exits", self.name, error)
-            self.exit_process(delay_s=0.5)
+            self.exit_process(delay_s=0.5, code=FENCED_EXIT if isinstance(error, Fenced) else 1)
 
-    def exit_process(self, delay_s: float = 0.2) -> None:
-        """End this agent process shortly after answering (the RPC that asked gets its reply first)."""
+    def exit_process(self, delay_s: float = 0.2, code: int = 0) -> None:
+        """End this agent process shortly after answering (the RPC that asked gets its reply first), with status
+        `code`."""
         def leave():
             time.sleep(delay_s)
             if self.channel is not None:
                 self.channel.abort()
             leave_rpc()
-            os._exit(0)
+            os._exit(code)
 
         threading.Thread(target=leave, name="agent-exit", daemon=True).start()
 

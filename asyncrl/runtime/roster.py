@@ -34,11 +34,17 @@ from asyncrl.envs.metrics import EnvTally
 from asyncrl.runtime.reward_tally import RewardTally
 from asyncrl.types import Group
 
-__all__ = ["Roster", "Fenced", "Member"]
+__all__ = ["Roster", "Fenced", "FENCED_EXIT", "Member"]
 
 log = logging.getLogger(__name__)
 
 Status = Literal["joining", "live", "dead", "left"]
+
+
+FENCED_EXIT = 75
+"""Exit status of an agent process the run declared dead while it lived (a network partition, a long stall): it
+was fenced out, and a keeper (torchrun's, or `asyncrl agent`'s own) may start it again to join anew. An agent that
+fails otherwise exits with 1; one the run ended, with 0."""
 
 
 class Fenced(RuntimeError):

@@ -6,7 +6,8 @@ store, which binds every interface, is the one exception, and named); a stranger
 token, who reads the RPC port from the run's store and joins the RPC group, is refused by trainer0's seal and never
 calls it, and the control records it forges in the store (shutdown, dead reports naming the agents' pids, exits,
 leave requests, refusals) change nothing; an agent killed on hostb is restarted there and rejoins; node 0 preempted
-ends the run with a checkpoint."""
+ends the run with a checkpoint. And a host whose cable is out longer than the agent timeout loses its agent, which
+joins again when the cable is back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import ipaddress
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from tests.netns import SUBNET
 from tests.rpc.jobs import TOY, alive, wait_until
 from tests.rpc.sockets import descendants, is_loopback_address, listening_sockets
 from tests.run_helpers import ROOT
-from tests.timing import limit
+from tests.timing import agent_timeout, detection_margin, limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PORT = 29400  # each host has a network of its own: no port can be taken by another test
@@ -154,3 +156,49 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
     assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"] is not None
     ledger = summary["ledger"]
     assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger.get("carried", 0), ledger
+
+
+@pytest.mark.timeout(limit(600))
+def test_a_host_cut_off_past_the_agent_timeout_loses_its_agent_which_rejoins_when_the_link_returns(tmp_path,
+                                                                                                 net_hosts):
+    """The job on hosta (its own agent there); an agent joins from hostb (`asyncrl agent --join hosta:PORT`, the
+    token exported). hostb's cable out longer than the agent timeout: rank 0 names that agent dead and re-admits its
+    prompts, the job trains on; cable back in: the agent learns it was fenced and joins again as a new agent."""
+    timeout = agent_timeout()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ASYNCRL_RUN_TOKEN": TOKEN}
+    run_dir, logs = tmp_path / "run", {host: tmp_path / f"{host}.log" for host in ("hosta", "hostb")}
+    procs = {}
+    try:
+        with open(logs["hosta"], "w") as out:
+            procs["hosta"] = net_hosts.popen(
+                "hosta", [sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(run_dir),
+                          "--placement.master-addr", "hosta", "--placement.join-port", str(PORT + 11),
+                          "--async-training.agent-timeout-s", f"{timeout:g}",
+                          "--async-training.total-versions", "1000000"],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        with open(logs["hostb"], "w") as out:
+            procs["hostb"] = net_hosts.popen(
+                "hostb", [sys.executable, "-m", "asyncrl.cli", "agent", "--join", f"hosta:{PORT + 11}"],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+        def text(host: str) -> str:
+            return logs[host].read_text(errors="replace")
+
+        wait_until(lambda: "agent agent1 is live" in text("hosta"), limit(180), "hostb's agent to be live")
+        net_hosts.link("hostb", up=False)
+        dead = wait_until(lambda: re.search(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s.*re-admitting",
+                                            text("hosta")), timeout + detection_margin() + limit(30),
+                          "rank 0 to name hostb's agent dead")
+        assert float(dead.group(1)) >= timeout * 0.9
+        versions = len((run_dir / "metrics.jsonl").read_text().splitlines())
+        wait_until(lambda: len((run_dir / "metrics.jsonl").read_text().splitlines()) >= versions + 3, limit(120),
+                   "3 more versions without hostb")
+        net_hosts.link("hostb", up=True)
+        wait_until(lambda: "agent agent2 is live" in text("hosta"), limit(180), "hostb's agent to join again")
+        assert "was fenced out of the run" in text("hostb") and "joining it again" in text("hostb")
+        assert procs["hosta"].poll() is None and procs["hostb"].poll() is None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
