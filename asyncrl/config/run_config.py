@@ -280,7 +280,8 @@ class PlacementConfig:
     kept). A name (eth0, ib0) sets them all."""
     token_file: str | None = None
     """File whose first line is the run's token, which agents joining from other hosts must present (else
-    $ASYNCRL_RUN_TOKEN; else a token is made for the run and shown in its join line). Never stored in the run dir."""
+    $ASYNCRL_RUN_TOKEN; a run on a network address needs one of them, a loopback run makes its own). Never printed
+    nor stored in the run dir."""
     threads_per_process: int = 1
     """torch intra-op threads per process (CPU)."""
     join_port: int | None = None

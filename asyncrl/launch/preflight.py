@@ -243,6 +243,12 @@ class _Checks:
                 f"MASTER_ADDR={host} is not loopback: a torchrun job across hosts needs the same run "
                 f"token on every node; export {TOKEN_ENV}=<16+ random characters> or give --placement.token-file")
             return
+        elif token is None:
+            self.report.problems.append(
+                f"--placement.master-addr {host} is not loopback: a run other hosts can reach needs a token you give "
+                f"(the run never prints one); export {TOKEN_ENV}=$(python -c 'import secrets; "
+                "print(secrets.token_hex(16))') here and on every agent's host, or give --placement.token-file FILE")
+            return
         else:
             self.report.facts.append(
                 f"network: listening on {address} ({host}); every RPC message sealed with the run's token, the "

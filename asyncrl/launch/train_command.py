@@ -105,8 +105,8 @@ class AgentArgs:
     threads: int = 1
     """torch intra-op threads (CPU)."""
     token_file: str | None = None
-    """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it
-    (its join line shows it); a loopback run on this host hands it over by itself."""
+    """File whose first line is the run's token (else $ASYNCRL_RUN_TOKEN). A run on another host needs it (the
+    one that run was given); a loopback run on this host hands it over by itself, to the same user."""
     rejoins: int = 3
     """Times this agent joins the job again after the job declared it dead while it lived (a network partition
     longer than --async-training.agent-timeout-s, a long stall): each time a fresh process joins as a new agent.

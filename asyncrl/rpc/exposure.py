@@ -221,7 +221,8 @@ class RunToken:
 
     value: str = dataclasses.field(repr=False)
     generated: bool = False
-    """Made by this run (its join line shows it), not given by the user (whose own secret is not echoed)."""
+    """Made by this run (a loopback run's: a run other hosts can reach needs the user's), not given by the user.
+    Never printed either way."""
 
     def proof(self, name: str, nonce: str) -> str:
         """What agent `name` shows rank 0: an HMAC of its name and the run's nonce, keyed by the token (the

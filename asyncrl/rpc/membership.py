@@ -39,6 +39,10 @@ comes. TensorPipe's default adds its shared-memory transport between processes o
 busy-polls its ring buffer: each process of a run burnt ~0.6 of a core doing nothing (mostly in the kernel), on
 a 2-core machine more than the training itself. The RPC messages are control calls and samples (weights go over
 gloo or NCCL), for which loopback TCP's tens of microseconds are no cost."""
+CHANNELS = ["basic"]
+"""TensorPipe's channels for tensors inside RPC messages: the basic one, over the transport above. Its default adds
+the multiplexed uv channel, 16 more listening sockets per process, for tensors a run never sends over RPC (weights
+go over gloo or NCCL)."""
 
 
 def raise_open_files() -> int:
@@ -64,7 +68,8 @@ def join_rpc(name: str, rank: int, host: str, port: int, *, timeout_s: float, ke
     seal_rpc(key)
     raise_open_files()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}", rpc_timeout=timeout_s,
-                                              num_worker_threads=threads, _transports=TRANSPORTS)
+                                              num_worker_threads=threads, _transports=TRANSPORTS,
+                                              _channels=CHANNELS)
     # under torchrun the tcp:// rendezvous would make every rank a client of torchrun's own store (which does
     # not listen on this port): the group's store is served by rank 0 here
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)

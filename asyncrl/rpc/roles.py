@@ -115,14 +115,16 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             if token is None:
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
             nonce = new_nonce()
-            if is_loopback(host):  # before the info, which joining agents wait for
+            # before the info, which joining agents wait for: the token file, and the configured agents' slots (a
+            # joiner that read the info first would take slot 0, and the run's own agent0 a second incarnation)
+            if is_loopback(host):
                 left = store.leave_token(token)
-            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
-                            "key_check": key_check(rpc_key(token.value, nonce))})
             store.reserve_slots(len(spec.agents))
             store.set_restarts_left(spec.placement.restart_agents)
             store.authenticate(token)
-            print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port, token)}", flush=True)
+            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
+                            "key_check": key_check(rpc_key(token.value, nonce))})
+            print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port)}", flush=True)
         else:  # rank 0's nonce; the token from the launcher, else (a loopback torchrun job) the one rank 0 left
             nonce = store.info()["nonce"]
             token = token or store.left_token()
@@ -169,14 +171,12 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     return summary
 
 
-def _join_line(host: str, port: int, token: RunToken) -> str:
-    """How to start one more agent: on loopback the token waits in the store; elsewhere the agent needs it (shown
-    when this run made it; a token the user gave is theirs and is not echoed)."""
+def _join_line(host: str, port: int) -> str:
+    """How to start one more agent: on loopback the token waits for this user in a file; elsewhere the agent needs
+    it, and the token is never printed."""
     command = f"asyncrl agent --join {host}:{port} --device DEVICE"
     if is_loopback(host):
         return command
-    if token.generated:
-        return f"{TOKEN_ENV}={token.value} {command}"
     return f"{command} (with the run's token in ${TOKEN_ENV} or --token-file FILE)"
 
 
@@ -218,8 +218,8 @@ def run_agent(host: str, port: int, *, device: str, slot: int | None = None, par
     info = store.info()
     token = token or store.left_token()
     if token is None:
-        log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE; the run "
-                  "printed its join line at start-up)", host, port, TOKEN_ENV)
+        log.error("the run at %s:%d is not on loopback: give its token (%s=... or --token-file FILE, the one the "
+                  "run was given)", host, port, TOKEN_ENV)
         return 2
     store.authenticate(token)
     key = rpc_key(token.value, info.get("nonce", ""))

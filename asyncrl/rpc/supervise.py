@@ -38,7 +38,7 @@ import time
 
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
-from asyncrl.rpc.exposure import RunToken, bind_address, new_token, read_token
+from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.lifecycle import on_signals
@@ -111,7 +111,11 @@ class Supervisor:
         self.ctx = multiprocessing.get_context("spawn")
         self.results = self.ctx.Queue()
         self.host = spec.placement.master_addr
-        self.token = read_token(spec.placement.token_file, flag="--placement.token-file") or new_token()
+        self.token = read_token(spec.placement.token_file, flag="--placement.token-file")
+        if self.token is None and not is_loopback(self.host):
+            raise ValueError(f"--placement.master-addr {self.host} is not loopback: a run other hosts can reach needs "
+                             f"a token you give ({TOKEN_ENV} or --placement.token-file)")
+        self.token = self.token or new_token()
         # held until the run ends, so that no other run on this host is given them (a --placement.join-port
         # the user chose is theirs to keep free)
         self.reserved = [reserve_port(bind_address(self.host)) for _ in range(1 if spec.placement.join_port else 2)]
