@@ -29,6 +29,7 @@ from asyncrl.data.files import load_prompt_file
 from asyncrl.launch.device_checks import check_devices, check_tensor_parallel
 from asyncrl.launch.lora_check import check_lora
 from asyncrl.launch.memory_checks import CudaMemory, DeviceMemory, check_memory, cuda_index
+from asyncrl.launch.network_checks import check_network
 from asyncrl.launch.step_checks import check_step_memory, host_available
 from asyncrl.launch.model_checks import check_model_path, engine_checks, implementation_problems, resolved_backend
 from asyncrl.envs import ChatRenderer, env_tool_schemas, load_env
@@ -39,9 +40,7 @@ from asyncrl.launch.hub_run import resolve_run_names
 from asyncrl.launch.resume_check import check_resume
 from asyncrl.rewards.plugin import RewardTable
 from asyncrl.rpc.assembly import resume_checkpoint
-from asyncrl.rpc.exposure import TOKEN_ENV, bind_address, is_loopback, read_token, socket_interface
 from asyncrl.rpc.spec import RunSpec
-from asyncrl.rpc.torchrun import check_master
 from asyncrl.launch.run_dir import overwrite_note, owns_run_dir, run_dir_problem
 from asyncrl.launch.run_spec import build_spec, row_keys, run_tokenizer, task_of, tokenizer_path, with_system
 
@@ -210,51 +209,9 @@ class _Checks:
                 self.report.spec = dataclasses.replace(self.report.spec, rollout=rollout)
 
     def _network(self) -> None:
-        placement = self.cfg.placement
-        if placement.launcher == "local":
-            return
-        try:
-            token = read_token(placement.token_file, flag="--placement.token-file")
-        except ValueError as err:
-            self.report.problems.append(str(err))
-            return
-        torchrun = placement.launcher == "torchrun"
-        host = os.environ.get("MASTER_ADDR", placement.master_addr) if torchrun else placement.master_addr
-        try:
-            if torchrun:
-                check_master(host, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
-            # the stores listen on the master's node only (torchrun: node 0); another node just reaches them
-            head = not torchrun or os.environ.get("GROUP_RANK", "0") == "0"
-            address = bind_address(host) if head else host
-        except ValueError as err:
-            self.report.problems.append(str(err).replace("--placement.master-addr", "MASTER_ADDR=" if torchrun
-                                                         else "--placement.master-addr").replace("= ", "="))
-            return
-        try:
-            interface, local = socket_interface(host, placement.interface)
-        except ValueError as err:
-            self.report.problems.append(str(err))
-            return
-        if is_loopback(host):
-            self.report.facts.append(f"network: every listener of asyncrl on loopback ({address})"
-                                     + ("" if torchrun else "; nothing exposed"))
-        elif token is None and torchrun:
-            self.report.problems.append(
-                f"MASTER_ADDR={host} is not loopback: a torchrun job across hosts needs the same run "
-                f"token on every node; export {TOKEN_ENV}=<16+ random characters> or give --placement.token-file")
-            return
-        elif token is None:
-            self.report.problems.append(
-                f"--placement.master-addr {host} is not loopback: a run other hosts can reach needs a token you give "
-                f"(the run never prints one); export {TOKEN_ENV}=$(python -c 'import secrets; "
-                "print(secrets.token_hex(16))') here and on every agent's host, or give --placement.token-file FILE")
-            return
-        else:
-            self.report.facts.append(
-                f"network: listening on {address} ({host}); every RPC message sealed with the run's token, the "
-                "store's control records signed with it, agents admitted on its proof; gloo and NCCL are not "
-                "authenticated, so only on a network you trust")
-        self.report.facts += listener_table(self.cfg, address, interface, local)
+        check = check_network(self.cfg, backend=resolved_backend(self.cfg))
+        self.report.problems += check.problems
+        self.report.facts += check.facts
 
     def _backend(self) -> None:
         if resolved_backend(self.cfg) != "vllm":
@@ -497,28 +454,6 @@ class _Checks:
         self.report.facts.append(f"resume: from {found.with_name(check.name)}" + (
             f" (restored from {found.name})" if found.name != check.name else "")
             + (f"; the newer {skipped[0]} does not verify and is moved aside" if skipped else ""))
-
-
-def listener_table(cfg: RunConfig, address: str, interface: str, local: str) -> list[str]:
-    """What a run of `cfg` will listen on (`address`: its stores'; `interface` and `local`: every process's
-    sockets), one line per kind of listener, for the checks' report."""
-    p, torchrun = cfg.placement, cfg.placement.launcher == "torchrun"
-    port = os.environ.get("MASTER_PORT", "MASTER_PORT")
-    store = f"{address}:{int(port) + 1}" if torchrun and port.isdigit() else \
-        f"{address}:{p.join_port or 'a free port'}"
-    rpc = f"{address}:{int(port) + 2}" if torchrun and port.isdigit() else f"{address}:a free port"
-    processes = len(p.trainer_devices) + (0 if cfg.async_training.colocated else len(p.agent_devices))
-    cuda = any(d.startswith("cuda") for d in (*p.trainer_devices, *p.agent_devices))
-    lines = [f"listen: the run's store {store} and the RPC group's store {rpc} (trainer rank 0)",
-             f"listen: each of the {processes} processes, one TensorPipe (RPC) port and gloo's pairs (trainer group, "
-             f"commands, CPU weight channels){' and NCCL' if cuda else ''} on {interface} ({local}), ports the "
-             "kernel picks"]
-    if resolved_backend(cfg) == "vllm":
-        lines.append(f"listen: each vLLM agent, vLLM's own store and workers (VLLM_HOST_IP {local})")
-    if torchrun:
-        lines.append(f"listen: torchrun's own store on every interface, port {port} (its static rendezvous binds no "
-                     "address): on one host, the rpc launcher exposes nothing")
-    return lines
 
 
 def preflight(cfg: RunConfig, *, say: Callable[[str], None] = lambda line: None, given: Collection[str] | None = None,

@@ -23,6 +23,7 @@ import faulthandler
 import hmac
 import logging
 import os
+import pathlib
 import pickle
 import socket
 import sys
@@ -86,9 +87,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     """The body of trainer rank `rank`: the trainer group, then rank 0 joins RPC and runs the head; a follower
     builds its `FollowerHost` and follows rank 0's commands over the trainer group until "stop", outside RPC (a
     colocated follower joins RPC instead and rank 0 creates its role object there: rank 0's roster drives the
-    engine it hosts). Returns the summary on
-    rank 0 (also put on `results` when given). `token`: the run's (rank 0 needs it: agents must prove it).
-    `run_log`: where rank 0 logs the metrics; closed when the rank ends."""
+    engine it hosts). Returns the summary on rank 0 (also put on `results` when given). `token`: the run's (rank 0
+    needs it: agents must prove it). `run_log`: where rank 0 logs the metrics; closed when the rank ends."""
     role = f"trainer{rank}"
     _setup_logging(role)
     pin_interface(host, spec.placement.interface)
@@ -114,17 +114,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank == 0:
             if token is None:
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
-            nonce = new_nonce()
-            # before the info, which joining agents wait for: the token file, and the configured agents' slots (a
-            # joiner that read the info first would take slot 0, and the run's own agent0 a second incarnation)
-            if is_loopback(host):
-                left = store.leave_token(token)
-            store.reserve_slots(len(spec.agents))
-            store.set_restarts_left(spec.placement.restart_agents)
-            store.authenticate(token)
-            store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
-                            "key_check": key_check(rpc_key(token.value, nonce))})
-            print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store_port)}", flush=True)
+            nonce, left = _open_run(store, spec, host, rpc_port, token)
         else:  # rank 0's nonce; the token from the launcher, else (a loopback torchrun job) the one rank 0 left
             nonce = store.info()["nonce"]
             token = token or store.left_token()
@@ -169,6 +159,23 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary
+
+
+def _open_run(store: RunStore, spec: RunSpec, host: str, rpc_port: int, token: RunToken
+              ) -> tuple[str, pathlib.Path | None]:
+    """Rank 0: make the run joinable. First what joining agents must find when they read the run's info: the token
+    file (a loopback run), the configured agents' slots (a joiner that read the info first would take slot 0, and
+    the run's own agent0 a second incarnation), the restart budget; then the info (the RPC port, the nonce, the
+    key check). Returns the nonce and the token file left (None off loopback)."""
+    nonce = new_nonce()
+    left = store.leave_token(token) if is_loopback(host) else None
+    store.reserve_slots(len(spec.agents))
+    store.set_restarts_left(spec.placement.restart_agents)
+    store.authenticate(token)
+    store.set_info({"rpc_port": rpc_port, "rpc_timeout_s": spec.rpc_timeout_s, "nonce": nonce,
+                    "key_check": key_check(rpc_key(token.value, nonce))})
+    print(f"[asyncrl] more rollout agents can join this run: {_join_line(host, store.port)}", flush=True)
+    return nonce, left
 
 
 def _join_line(host: str, port: int) -> str:

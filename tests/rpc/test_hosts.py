@@ -67,6 +67,27 @@ def _on_test_network(address: str) -> bool:
     return is_loopback_address(address) or ipaddress.ip_address(address) in ipaddress.ip_network(f"{SUBNET}.0/24")
 
 
+def _assert_listeners(net_hosts, *launchers: int) -> None:
+    """Every listener of the job's own processes is on the test network or loopback; torchrun's store (its static
+    rendezvous binds every interface) is the only wildcard, on the master port of hosta's launcher."""
+    listeners = listening_sockets(set().union(*(descendants(pid) for pid in launchers)))
+    ours = [row for row in listeners if row[2] not in launchers]
+    assert ours and all(_on_test_network(address) for address, _, _ in ours), ours
+    assert {address for address, _, _ in ours} & {net_hosts.addresses["hosta"], net_hosts.addresses["hostb"]}
+    wildcard = [(port, pid) for address, port, pid in listeners if not _on_test_network(address)]
+    assert wildcard == [(PORT, launchers[0])], listeners
+
+
+def _stranger(net_hosts, cwd: pathlib.Path, *args: str) -> str:
+    """What tests/rpc/stranger.py printed, run on hostc against the job's store, without the token."""
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_RUN_TOKEN"}
+    out = subprocess.run(net_hosts.command("hostc", [sys.executable, str(ROOT / "tests/rpc/stranger.py"), "hosta",
+                                                     str(PORT + 1), *args]),
+                         capture_output=True, text=True, timeout=limit(180), cwd=cwd, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 @pytest.mark.timeout(limit(720))
 def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_stranger_changes_nothing(tmp_path, net_hosts):
     run_dir = tmp_path / "run"
@@ -99,32 +120,17 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
         assert _children(node0.pid) == ["asyncrl-keep0", "asyncrl-trainer"]
         assert _children(node1.pid) == ["asyncrl-keep1", "asyncrl-trainer"]
 
-        # every listener of the job's own processes is on the test network or loopback; torchrun's store (its
-        # static rendezvous binds every interface) is the only wildcard, on the master port of hosta's launcher
-        launchers = {node0.pid, node1.pid}
-        listeners = listening_sockets(descendants(node0.pid) | descendants(node1.pid))
-        ours = [row for row in listeners if row[2] not in launchers]
-        assert ours and all(_on_test_network(address) for address, _, _ in ours), ours
-        assert {address for address, _, _ in ours} & {net_hosts.addresses["hosta"], net_hosts.addresses["hostb"]}
-        wildcard = [(port, pid) for address, port, pid in listeners if not _on_test_network(address)]
-        assert wildcard == [(PORT, node0.pid)], listeners
+        _assert_listeners(net_hosts, node0.pid, node1.pid)
 
         # a stranger on hostc: torch alone, no token; reads the RPC port from the run's store and joins
-        stranger = subprocess.run(net_hosts.command("hostc", [sys.executable, str(ROOT / "tests/rpc/stranger.py"),
-                                                               "hosta", str(PORT + 1)]),
-                                  capture_output=True, text=True, timeout=limit(180), cwd=tmp_path,
-                                  env={k: v for k, v in env.items() if k != "ASYNCRL_RUN_TOKEN"})
-        outcome = stranger.stdout.splitlines()
-        assert outcome and outcome[0].startswith("join refused"), (stranger.stdout, stranger.stderr[-3000:])
+        outcome = _stranger(net_hosts, tmp_path).splitlines()
+        assert outcome and outcome[0].startswith("join refused"), outcome
         wait_until(lambda: "SealError: a message whose seal does not match" in text(0), limit(60),
                    "trainer0 to refuse the stranger's message")
         # the stranger forges the run's control records: shutdown, every agent dead (pid included), exits,
         # leave requests, refusals; none is signed with the run's token, so nothing happens
         agents_before = {pid for pid in descendants(node0.pid) | descendants(node1.pid)}
-        forged = subprocess.run(net_hosts.command("hostc", [sys.executable, str(ROOT / "tests/rpc/stranger.py"),
-                                                             "hosta", str(PORT + 1), "--forge"]),
-                                capture_output=True, text=True, timeout=limit(120), cwd=tmp_path)
-        assert forged.stdout.startswith("forged: "), (forged.stdout, forged.stderr[-3000:])
+        assert _stranger(net_hosts, tmp_path, "--forge").startswith("forged: ")
         before = versions()
         wait_until(lambda: versions() >= before + 3, limit(120), "3 versions after the forged records")
         assert node0.poll() is None and node1.poll() is None
