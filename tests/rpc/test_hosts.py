@@ -141,8 +141,8 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
         [keeper] = _named("asyncrl-keep1", node1.pid)
         [victim] = wait_until(lambda: _named("asyncrl-agent1", keeper), limit(60), "agent slot 1's process")
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: "agent agent1_r1 is live" in text(0), limit(240),
-                   "the restarted agent to be live (rank 0's log)")
+        wait_until(lambda: re.search(r"agent agent1_r1 \(pid \d+, cpu\) admitted", text(0)), limit(240),
+                   "the restarted agent to be admitted (rank 0's log)")
         restarted = versions()
         wait_until(lambda: versions() >= restarted + 5, limit(120), "5 more versions after the restart")
         node0.send_signal(signal.SIGTERM)  # hosta preempted: rank 0 checkpoints and ends the run
@@ -190,17 +190,24 @@ def test_a_host_cut_off_past_the_agent_timeout_loses_its_agent_which_rejoins_whe
         def text(host: str) -> str:
             return logs[host].read_text(errors="replace")
 
-        wait_until(lambda: "agent agent1 is live" in text("hosta"), limit(180), "hostb's agent to be live")
+        def metrics() -> list[str]:
+            path = run_dir / "metrics.jsonl"
+            return path.read_text().splitlines() if path.is_file() else []
+
+        def admitted(name: str) -> bool:  # rank 0 logs every admission ("is live" only when an agent was late)
+            return re.search(rf"agent {name} \(pid \d+, cpu\) admitted", text("hosta")) is not None
+
+        wait_until(lambda: admitted("agent1"), limit(180), "hostb's agent to be admitted")
+        wait_until(lambda: len(metrics()) >= 3, limit(120), "3 versions with hostb's agent")
         net_hosts.link("hostb", up=False)
         dead = wait_until(lambda: re.search(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s.*re-admitting",
                                             text("hosta")), timeout + detection_margin() + limit(30),
                           "rank 0 to name hostb's agent dead")
         assert float(dead.group(1)) >= timeout * 0.9
-        versions = len((run_dir / "metrics.jsonl").read_text().splitlines())
-        wait_until(lambda: len((run_dir / "metrics.jsonl").read_text().splitlines()) >= versions + 3, limit(120),
-                   "3 more versions without hostb")
+        versions = len(metrics())
+        wait_until(lambda: len(metrics()) >= versions + 3, limit(120), "3 more versions without hostb")
         net_hosts.link("hostb", up=True)
-        wait_until(lambda: "agent agent2 is live" in text("hosta"), limit(180), "hostb's agent to join again")
+        wait_until(lambda: admitted("agent2"), limit(180), "hostb's agent to join again")
         assert "was fenced out of the run" in text("hostb") and "joining it again" in text("hostb")
         assert procs["hosta"].poll() is None and procs["hostb"].poll() is None
     finally:
