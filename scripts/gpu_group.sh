@@ -11,7 +11,8 @@
 #                                           #   scripts/gpu_bench.sh; VARIANTS to choose others
 #   bash scripts/gpu_group.sh tests OUT     # the CUDA tests of the sharded learner (one GPU), beside nothing else
 #
-# MODEL (default random:qwen3-1.7b) and ROWS (rows a GPU, default 64) change the shape. Each job has LIMIT seconds.
+# MODEL (default random:qwen3-1.7b), ROWS (rows a GPU, default 64) and SLOTS (engine slots a GPU, default 256)
+# change the shape. Each job has LIMIT seconds.
 set -u
 STAGE=$1
 OUT=${2:-runs/gpu-group}
@@ -43,7 +44,7 @@ case "$STAGE" in
   async)
     timeout "$LIMIT" python3 scripts/bench_async.py --devices cuda:0 cuda:1 cuda:2 cuda:3 --model "$MODEL" \
       --tokenizer "${TOK:-.gpu/tok}" --data "${DATA:-.gpu/data/train.parquet}" --n 8 --mini-batch-size 16 \
-      --max-new-tokens 1024 --max-prompt-length 512 --slots 256 --gradient-checkpointing --lr 1e-6 \
+      --max-new-tokens 1024 --max-prompt-length 512 --slots "${SLOTS:-256}" --gradient-checkpointing --lr 1e-6 \
       --steps "${STEPS:-6}" --no-nccl-reference --out "$OUT/async" --variants ${VARIANTS:-sync stale-partial:split=2+2} \
       > "$OUT/async.log" 2>&1
     echo "== async (exit $?)"; grep '^|' "$OUT/async.log" | tail -n 12 ;;

@@ -52,12 +52,14 @@ MARKER = "e2e: starts another interpreter (training runs, launchers, torchrun, w
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 _ONCE_PER_PROCESS = ("multiprocessing.resource_tracker", "torch._inductor.cpu_vec_isa",
                      "torch._inductor.compile_worker.subproc_pool")
+_TOOLCHAINS = ("triton.",)  # packages whose own build steps start programs (a compiler wrapper, ldconfig)
 
 
 def _started_by_a_once_per_process_helper() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_globals.get("__name__") in _ONCE_PER_PROCESS:
+        name = frame.f_globals.get("__name__") or ""
+        if name in _ONCE_PER_PROCESS or name.startswith(_TOOLCHAINS):
             return True
         frame = frame.f_back
     return False

@@ -1,8 +1,9 @@
 """The e2e rule (tests/e2e_rule.py) on planted tests, run by a pytest of their own in a fresh process: a test
 that starts an interpreter without the `e2e` mark fails, and the failure says what it started and how to mark
 it; a marked one passes, and so do one that starts nothing, one that runs a program that is no interpreter and
-one that only wakes a once-per-process helper. A command of the tests' command server (tests/cli_forks.py) counts
-in every test that starts one, not only in the first, which starts the server."""
+one that only wakes a once-per-process helper,
+or whose compiler wrapper (a `#!` script) Triton's launcher build starts. A command of the tests' command server
+(tests/cli_forks.py) counts in every test that starts one, not only in the first, which starts the server."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def test_in_process():
 
 def test_not_an_interpreter():
     subprocess.run(["true"], check=True)
+
+
+def test_a_toolchain_wrapper_started_by_triton(tmp_path):
+    wrapper = tmp_path / "gcc"  # a compiler wrapper as some images ship it: a script with a #! line
+    wrapper.write_text("#!/bin/sh\\nexit 0\\n")
+    wrapper.chmod(0o755)
+    build = {"__name__": "triton.runtime.build", "subprocess": subprocess}  # Triton's launcher build
+    exec("def compile(cc):\\n    subprocess.run([cc, '-O3'], check=True)", build)
+    build["compile"](str(wrapper))
 
 
 def test_a_lock_wakes_only_the_resource_tracker():
@@ -89,7 +99,7 @@ def test_an_unmarked_test_that_starts_an_interpreter_fails_and_says_how_to_mark_
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     result = pytester.runpytest_subprocess("-p", "tests.e2e_rule", "--strict-markers", "-p", "no:cacheprovider",
                                            "-rfEp")
-    result.assert_outcomes(passed=6, failed=4, errors=1)
+    result.assert_outcomes(passed=7, failed=4, errors=1)
     summary = [line for line in result.outlines if line.startswith(("PASSED", "FAILED", "ERROR"))]
     assert sorted(line.split(" ")[0] + " " + line.split(" ")[1].split("::")[1] for line in summary) == [
         "ERROR test_first_user_of_a_module_fixture",
@@ -98,6 +108,7 @@ def test_an_unmarked_test_that_starts_an_interpreter_fails_and_says_how_to_mark_
         "FAILED test_unmarked_spawned_process_from_a_thread",
         "FAILED test_unmarked_subprocess",
         "PASSED test_a_lock_wakes_only_the_resource_tracker",
+        "PASSED test_a_toolchain_wrapper_started_by_triton",
         "PASSED test_in_process",
         "PASSED test_marked_command_starts_the_command_server",
         "PASSED test_marked_subprocess",

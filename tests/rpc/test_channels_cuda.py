@@ -12,7 +12,7 @@ from tests.rpc.collective import PUBLICATIONS, run_channel_drill, run_ipc_pair
 from tests.timing import limit
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.timeout(limit(300))]
+              pytest.mark.timeout(limit(300)), pytest.mark.e2e]  # each test spawns the channel's two members
 
 
 def test_two_publications_through_cuda_ipc_on_one_gpu_arrive_bitwise_equal():
