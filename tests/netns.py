@@ -14,6 +14,7 @@ by the next one (`remove_stale`). Needs root and iproute2 (`unavailable` says wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -107,6 +108,19 @@ class NetHosts:
     def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start `argv` on `host` in a session of its own (kill its group to end it and its children)."""
         return subprocess.Popen(self.command(host, argv), start_new_session=True, **kwargs)
+
+    @contextlib.contextmanager
+    def own_name_on_loopback(self, host: str):
+        """`host`'s hosts file as Debian and Ubuntu install it, its own name on 127.0.1.1, while inside; the
+        other hosts' names as before."""
+        path = pathlib.Path(f"/etc/netns/{self.namespaces[host]}/hosts")
+        table = path.read_text()
+        kept = [line for line in table.splitlines() if line.split()[1:] != [host]]
+        path.write_text("\n".join([*kept, f"127.0.1.1 {host}"]) + "\n")
+        try:
+            yield
+        finally:
+            path.write_text(table)
 
     def link(self, host: str, *, up: bool) -> None:
         """Plug `host`'s cable in or out (its port on the switch)."""

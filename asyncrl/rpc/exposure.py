@@ -66,15 +66,20 @@ def _is_local(address: str) -> bool:
 
 
 def outward_address() -> str | None:
-    """The address this machine reaches other hosts from (the source of a route to a public address; no packet
-    is sent), or None without a route."""
+    """The address this machine reaches other hosts from: the source of its route to a public address (no packet
+    is sent), else, on a network without a default route, the first IPv4 address of an interface that is neither
+    loopback nor link-local; None when there is neither."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             sock.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route's source address is read
+            address = sock.getsockname()[0]
         except OSError:
-            return None
-        address = sock.getsockname()[0]
-    return None if ipaddress.ip_address(address).is_loopback else address
+            address = None
+    if address is not None and not ipaddress.ip_address(address).is_loopback:
+        return address
+    return next((a for addresses in interface_addresses().values() for a in addresses
+                 if ipaddress.ip_address(a).version == 4 and not ipaddress.ip_address(a).is_loopback
+                 and not ipaddress.ip_address(a).is_link_local), None)
 
 
 def bind_address(host: str) -> str:

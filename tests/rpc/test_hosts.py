@@ -6,8 +6,9 @@ store, which binds every interface, is the one exception, and named); a stranger
 token, who reads the RPC port from the run's store and joins the RPC group, is refused by trainer0's seal and never
 calls it, and the control records it forges in the store (shutdown, dead reports naming the agents' pids, exits,
 leave requests, refusals) change nothing; an agent killed on hostb is restarted there and rejoins; node 0 preempted
-ends the run with a checkpoint. And a host whose cable is out longer than the agent timeout loses its agent, which
-joins again when the cable is back."""
+ends the run with a checkpoint. A host whose cable is out longer than the agent timeout loses its agent, which
+joins again when the cable is back. And a head whose hosts file maps its own name to 127.0.1.1 is refused before
+start, naming its address on the network."""
 
 from __future__ import annotations
 
@@ -165,6 +166,26 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
 
 
 @pytest.mark.timeout(limit(600))
+def test_a_head_whose_name_resolves_to_127_0_1_1_is_refused_naming_its_network_address(tmp_path, net_hosts):
+    """The Debian/Ubuntu hosts file maps a machine's own name to 127.0.1.1: a two-node job with that name as its
+    master would bind rank 0 to loopback on the head while the other node dials the network address, and never
+    form. A worker of such a job (torchrun's environment, on hostc with hostc's name on 127.0.1.1) is refused
+    before it starts anything, naming MASTER_ADDR and hostc's address on the test network."""
+    env = {**os.environ, "ASYNCRL_RUN_TOKEN": TOKEN, "MASTER_ADDR": "hostc", "MASTER_PORT": str(PORT),
+           "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "0", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
+    train = [sys.executable, "-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(tmp_path / "run"),
+             "--placement.launcher", "torchrun", "--placement.trainer-devices", "cpu", "cpu",
+             "--placement.agent-devices", "cpu", "cpu"]
+    with net_hosts.own_name_on_loopback("hostc"):
+        out = subprocess.run(net_hosts.command("hostc", train), capture_output=True, text=True,
+                             timeout=limit(180), cwd=ROOT, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in text, text[-3000:]
+    assert "MASTER_ADDR=hostc resolves to loopback" in text, text[-3000:]
+    assert f"(this machine's: {net_hosts.addresses['hostc']})" in text, text[-3000:]
+    assert not (tmp_path / "run").exists()  # refused before the run began
+
+
 def test_a_host_cut_off_past_the_agent_timeout_loses_its_agent_which_rejoins_when_the_link_returns(tmp_path,
                                                                                                  net_hosts):
     """The job on hosta (its own agent there); an agent joins from hostb (`asyncrl agent --join hosta:PORT`, the
