@@ -28,7 +28,7 @@ endif
 
 PYTEST := $(PY) -m pytest -q --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup vllm test test-fast test-e2e train clean
+.PHONY: setup vllm netns-tools test test-fast test-e2e train clean
 
 setup: $(STAMP)
 
@@ -70,8 +70,20 @@ test: setup vllm
 test-fast: setup vllm
 	$(PYTEST) -m "not e2e" tests
 
-test-e2e: setup vllm
+test-e2e: setup vllm netns-tools
 	$(PYTEST) -m e2e tests
+
+# The multi-host tests (tests/rpc/test_hosts.py) build network namespaces: they need root, `ip` (iproute2) and
+# `unshare` (util-linux). As root with apt-get, what is missing is installed; otherwise those tests skip, naming why.
+netns-tools:
+	@if command -v ip >/dev/null 2>&1 && command -v unshare >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing iproute2 and util-linux for the multi-host tests"; \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 util-linux >/dev/null \
+	    || echo "could not install them: the multi-host tests will skip"; \
+	else \
+	  echo "no ip/unshare and no root apt-get: the multi-host tests will skip"; \
+	fi
 
 train: setup
 	$(PY) -m asyncrl.cli train cpu-demo --run-dir $(RUN_DIR) $(TRAIN_ARGS)
