@@ -55,14 +55,16 @@ class AgentHandle:
 
 class Fleet:
     """The agents rank 0 can reach, by name. `discard` (the roster's `on_removed`) tears one down: its weight
-    channel is aborted, it is evicted from the RPC group, and, when it died, the launcher is told (store) so it
-    can end and restart the process."""
+    channel is aborted, its server's reference is dropped, it is evicted from the RPC group, and, when it died,
+    the launcher is told (store) so it can end and restart the process. Dropping the last reference to an RRef
+    sends its owner a delete: to a live owner (an agent that left) it frees the server there; to a dead one it is
+    retried a few times in the background and given up (tensorpipe logs each failed try), and rank 0's RPC agent
+    keeps the member's address, which eviction leaves it, so the send has somewhere to fail. A run that loses
+    agents for days so holds no reference to any of them."""
 
     def __init__(self, store: RunStore | None, membership: RpcMembership | None):
         self.store, self.membership = store, membership
         self.handles: dict[str, AgentHandle] = {}
-        # discarded agents' RRefs stay referenced: deleting a user RRef messages its owner, which is gone
-        self.retired: list[rpc.RRef] = []
         self.lock = threading.Lock()
 
     def add(self, handle: AgentHandle) -> None:
@@ -76,8 +78,6 @@ class Fleet:
     def discard(self, name: str, status: str, why: str) -> None:
         with self.lock:
             handle = self.handles.pop(name, None)
-            if handle is not None:
-                self.retired.append(handle.server)
         if handle is None:
             return
         if handle.channel is not None:
