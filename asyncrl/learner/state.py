@@ -15,6 +15,7 @@ from asyncrl.learner.offload import HostAdamW
 from asyncrl.learner.sharding import compute_device, shard_model, sharding_options
 from asyncrl.policies.lora import lora_modules
 from asyncrl.policies.model import use_fused_kernels
+from asyncrl.policies.expert_precision import autocast_experts
 from asyncrl.policies.router_precision import float32_routers
 from asyncrl.policies.routing_replay import RoutingReplay, find_routers, router_layers
 from asyncrl.policies.value import ValueModel
@@ -210,9 +211,10 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
                         **sharding_options(config, mesh.device_type))
     if config.freeze_router:
         _freeze_routers(policy)
-    if config.router_dtype == "float32":
-        for model in (policy, reference):
-            if model is not None:
+    for model in (policy, reference):
+        if model is not None:
+            autocast_experts(model)  # grouped expert GEMMs follow autocast (it does not cover them)
+            if config.router_dtype == "float32":
                 float32_routers(model)
     _prepare_for_training(policy, config)
     device = compute_device(policy)

@@ -18,6 +18,7 @@ product and its accumulation are still fp32.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +44,16 @@ class _Float32Products(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _float32_forward(forward):
+def _float32_forward(router: nn.Module):
+    """`router`'s forward (its class's) in float32, bound to `router` (a deep copy binds it to the copy)."""
+    forward = type(router).forward
+
     @functools.wraps(forward)
-    def run(hidden_states: Tensor, *args, **kwargs):
+    def run(self, hidden_states: Tensor, *args, **kwargs):
         with torch.autocast(hidden_states.device.type, enabled=False), _Float32Products():
-            return forward(hidden_states, *args, **kwargs)
+            return forward(self, hidden_states, *args, **kwargs)
     run.float32_router = True
-    return run
+    return types.MethodType(run, router)
 
 
 def is_float32_router(router: nn.Module) -> bool:
@@ -63,5 +67,5 @@ def float32_routers(model: nn.Module) -> int:
     routers = find_routers(model)
     for _, router in routers:
         if not is_float32_router(router):
-            router.forward = _float32_forward(router.forward)
+            router.forward = _float32_forward(router)
     return len(routers)

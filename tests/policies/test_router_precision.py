@@ -102,6 +102,20 @@ def test_a_wrapped_router_compiles_in_its_layer_without_a_graph_break():
     torch._dynamo.reset()
 
 
+def test_a_deep_copy_of_a_wrapped_model_routes_with_its_own_routers():
+    model = _model("qwen3_moe", torch.float32)
+    float32_routers(model)
+    twin = copy.deepcopy(model)
+    assert all(is_float32_router(r) for _, r in find_routers(twin))
+    _, _, (before, _, _) = _first_router_io(model, TOKENS)
+    with torch.no_grad():
+        for _, router in find_routers(twin):
+            router.weight.mul_(-1.0)
+    _, _, (again, _, _) = _first_router_io(model, TOKENS)
+    _, _, (twins, _, _) = _first_router_io(twin, TOKENS)
+    assert torch.equal(again, before) and torch.equal(twins, -before)
+
+
 def test_a_dense_model_has_no_router_to_wrap():
     from transformers import AutoModelForCausalLM
     assert float32_routers(AutoModelForCausalLM.from_config(tiny_config("olmo2"))) == 0
