@@ -1,6 +1,7 @@
 """`asyncrl train cpu-demo --rollout.backend vllm`: the fully-async run (trainer process + one agent process
 whose engine is vLLM) learns single-digit sums as it does with the embedded engine; the agent, controller
-and learner are the same."""
+and learner are the same. While it runs, every socket its processes listen on, vLLM's own included (its engine's
+ZMQ sockets and its torch.distributed store, in the agent process), is a loopback one."""
 
 from __future__ import annotations
 
@@ -8,20 +9,30 @@ import json
 
 import pytest
 
-from tests.run_helpers import cli, needs_vllm
+from tests.rpc.jobs import Job
+from tests.rpc.sockets import descendants, is_loopback_address, listening_sockets
+from tests.run_helpers import needs_vllm
 from tests.timing import limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_a_fully_async_run_with_vllm_learns_the_arithmetic_task(tmp_path, smollm2_cache):
+def test_a_fully_async_run_with_vllm_learns_the_arithmetic_task_and_listens_only_on_loopback(tmp_path,
+                                                                                           smollm2_cache, jobs):
     needs_vllm()
-    run_dir = tmp_path / "vllm-run"
-    out = cli("train", "cpu-demo", "--rollout.backend", "vllm", "--async-training.total-versions", "4",
-              "--checkpoint-every", "0", "--wandb", "off", "--run-dir", str(run_dir), "--eval.every-versions", "0",
-              "--eval.no-at-start", "--eval.max-prompts", "8", timeout=limit(600))  # one evaluation: the end's
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "agent0: vLLM engine ready" in out.stderr
+    job = Job(tmp_path, "--rollout.backend", "vllm", "--async-training.total-versions", "4", "--checkpoint-every",
+              "0", "--wandb", "off", "--eval.every-versions", "0", "--eval.no-at-start", "--eval.max-prompts", "8",
+              name="vllm-run")  # one evaluation: the end's
+    jobs.append(job)
+    run_dir = job.run_dir
+    job.wait_versions(1, timeout=limit(400))
+    agent = job.processes()["agent0"]
+    listeners = listening_sockets(descendants(job.proc.pid))
+    assert any(pid == agent for _, _, pid in listeners), listeners  # vLLM's own sockets, in the agent
+    exposed = [row for row in listeners if not is_loopback_address(row[0])]
+    assert not exposed, f"listening beyond loopback (address, port, pid): {exposed}"
+    assert job.finish(timeout=limit(400)) == 0, job.tail()
+    assert "agent0: vLLM engine ready" in job.text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["versions"] == 4 and summary["dead_agents"] == []
     ledger = summary["ledger"]  # the run ends on its final checkpoint, which carries what is left
