@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from asyncrl.config import GRPO, PPO, CriticConfig, OptimConfig, TrainerConfig
+from asyncrl.config import GRPO, PPO, CriticConfig, OffPolicyConfig, OptimConfig, TrainerConfig
 from asyncrl.learner import build_learner, full_weights, grad_norm_, policy_gradients, shard_model, train_step
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
 from asyncrl.types import Group
@@ -83,6 +83,11 @@ def trainer_config(**overrides) -> TrainerConfig:
               optim=OptimConfig(**optim))
     kw.update(overrides)
     return TrainerConfig(**kw)
+
+
+def recompute_config() -> TrainerConfig:
+    """The learner recomputes π_old (`--trainer.off-policy.no-use-rollout-log-probs`)."""
+    return trainer_config(off_policy=OffPolicyConfig(use_rollout_log_probs=False))
 
 
 def ppo() -> PPO:
@@ -186,7 +191,8 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
 
     0. `grad_norm_` of known sharded gradients (`clipped_grads`), per max_norm;
     1. `policy_gradients(groups)` of a sharded GRPO learner, per loss_agg_mode, and with 3-token LM-head chunks;
-    2. one `train_step(groups)` of sharded GRPO and PPO learners: full weights and metrics;
+    2. one `train_step(groups)` of sharded GRPO and PPO learners: full weights and metrics; also GRPO with π_old
+       recomputed (`recompute_config`: each rank runs the no-grad forwards of the rows dealt it);
     3. the PPO learner then saves a checkpoint, exports itself with export_hf, and steps on `next_groups`;
     4. a fresh sharded learner (other init) loads that checkpoint and takes the same step;
     5. another one loads `single_ckpt` (written by one process) and takes the same step;
@@ -206,6 +212,9 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
         state, metrics = train_step(state, groups)
         res["train"][algorithm] = dict(policy=weights(state.policy), metrics=metrics,
                                        critic=weights(state.critic) if state.critic is not None else None)
+    recompute = build("grpo", sharded=True, config=recompute_config())
+    recompute, metrics = train_step(recompute, groups)
+    res["train_recompute"] = dict(policy=weights(recompute.policy), metrics=metrics)
     # `state` is the trained PPO learner
     path = save_checkpoint(run_dir, state, extra={"cursor": 17, "rank": rank})
     export_hf(state, export_dir)

@@ -8,16 +8,17 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncrl import algos
 from asyncrl.config import OffPolicyConfig
 from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
-from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
+from asyncrl.learner.layout import RowLengths, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.routes import empty_routes, micro_routes, store_routes
 from asyncrl.learner.sharding import compute_device
-from asyncrl.learner.state import LearnerState
+from asyncrl.learner.state import LearnerState, world
 from asyncrl.policies.lora import adapters_off
 from asyncrl.policies.routing_replay import Replayed, router_layers
 
@@ -52,37 +53,59 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     """No-grad log-probs (or values) of every row, micro-batched like training, on the model's own device
     (a reference or critic may live elsewhere); returned on the batch's device. With `routes` (a route grid,
     `asyncrl.learner.routes`) the policy's routers' choices are recorded into it; with `known` too (bool [N·S])
-    the routers first replay the grid's routes at those cells (counted into `replayed`) and choose elsewhere."""
+    the routers first replay the grid's routes at those cells (counted into `replayed`) and choose elsewhere.
+    In a trainer group (without routes) each rank runs the rows `_rows_of` deals it, and one all-reduce gives
+    every rank every row: each row is computed once in the group, not once a rank."""
     cfg = state.config
     home = batch.tokens.device
     tokens = batch.tokens.to(compute_device(model))
     width = batch.response_mask.shape[1]
     totals = [lengths.total(r) for r in range(batch.num_rows)]
-    micros = plan_micro_batches(tokens, split_rows(list(range(batch.num_rows)), totals, cfg), lengths,
-                                packed=cfg.pack_sequences, bucketed=cfg.cuda_graphs)
+    shared = world(state)[1] > 1 and routes is None
+    chunks = split_rows(_rows_of(state, totals) if shared else list(range(batch.num_rows)), totals, cfg)
+    if shared:  # every rank runs as many forwards (a sharded model's collectives line up): pad with placeholders
+        count = _group_reduced(state, torch.tensor([len(chunks)]), dist.ReduceOp.MAX)
+        chunks = chunks + [[]] * (int(count) - len(chunks))
+    micros = plan_micro_batches(tokens, chunks, lengths, packed=cfg.pack_sequences, bucketed=cfg.cuda_graphs)
     out = torch.zeros(batch.num_rows, width, device=tokens.device)
     was_training = model.training
     model.eval()
     try:
         for micro in micros:
             if values:
-                out[micro.rows] = micro_values(model, micro, width, autocast=cfg.autocast_bf16).to(out.dtype)
+                result = micro_values(model, micro, width, autocast=cfg.autocast_bf16)
             else:
                 with contextlib.ExitStack() as stack:
                     replay = (stack.enter_context(state.moe.replaying(micro_routes(routes, micro),
                                                                       known=micro_routes(known, micro)))
                               if known is not None else None)
                     recorded = stack.enter_context(state.moe.recording()) if routes is not None else None
-                    out[micro.rows] = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
-                                                     autocast=cfg.autocast_bf16,
-                                                     chunk_tokens=cfg.logits_chunk_tokens)[0].to(out.dtype)
+                    result = micro_logprobs(model, micro, width, temperature=cfg.sampling_temperature,
+                                            autocast=cfg.autocast_bf16, chunk_tokens=cfg.logits_chunk_tokens)[0]
                 if replay is not None:
                     replayed.add(replay)
                 if recorded is not None:
                     store_routes(routes, micro, recorded.routes())
+            if not micro.empty:  # a placeholder only keeps a sharded model's collectives in step
+                out[micro.rows] = result.to(out.dtype)
     finally:
         model.train(was_training)
+    if shared:  # a row is zero on every rank but the one that ran it: the sum is every row, exactly
+        out = _group_reduced(state, out, dist.ReduceOp.SUM)
     return out.to(home)
+
+
+def _group_reduced(state: LearnerState, tensor: Tensor, op) -> Tensor:
+    """`tensor` all-reduced over the trainer group (a NCCL group reduces on this rank's GPU, gloo on the host)."""
+    buffer = tensor.to(state.device if dist.get_backend(state.group) == "nccl" else "cpu")
+    dist.all_reduce(buffer, op=op, group=state.group)
+    return buffer
+
+
+def _rows_of(state: LearnerState, totals: list[int]) -> list[int]:
+    """This rank's rows for the no-grad forwards: dealt by token count (`balance_groups` over rows), in order."""
+    rank, size = world(state)
+    return balance_groups(list(range(len(totals))), dict(enumerate(totals)), size)[rank]
 
 
 def _reference_logprobs(state: LearnerState, batch: RolloutBatch, lengths: RowLengths) -> Tensor | None:

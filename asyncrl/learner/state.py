@@ -20,7 +20,7 @@ from asyncrl.policies.router_precision import float32_routers
 from asyncrl.policies.routing_replay import RoutingReplay, find_routers, router_layers
 from asyncrl.policies.value import ValueModel
 
-__all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config"]
+__all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config", "world"]
 
 
 @dataclasses.dataclass
@@ -233,3 +233,10 @@ def build_learner(policy: nn.Module, config: TrainerConfig, algorithm: Algorithm
         state.critic_optimizer = _adamw(critic, algorithm.critic.lr, config)
         state.critic_scheduler = make_scheduler(state.critic_optimizer, config.optim)
     return state
+
+
+def world(state: LearnerState) -> tuple[int, int]:
+    """(rank, world size) in the trainer group; (0, 1) for one process."""
+    if state.group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(state.group), dist.get_world_size(state.group)

@@ -27,7 +27,7 @@ from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batche
 from asyncrl.learner.routes import micro_routes, real_tokens
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
-from asyncrl.learner.state import LearnerState
+from asyncrl.learner.state import LearnerState, world
 from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
@@ -77,13 +77,6 @@ MicroLoss = Callable[[LearnerState, Prepared, MicroBatch, Counts], MicroStats]
 
 
 # -------------------------------------------------------------------------------------- distribution
-def world(state: LearnerState) -> tuple[int, int]:
-    """(rank, world size) in the trainer group; (0, 1) for one process."""
-    if state.group is None or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(state.group), dist.get_world_size(state.group)
-
-
 def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     if world(state)[1] == 1:
         return values

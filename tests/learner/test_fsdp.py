@@ -22,7 +22,7 @@ from asyncrl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoin
 from asyncrl.learner import balance_groups, policy_gradients, split_rows, train_step
 from asyncrl.policies import load_pretrained
 from tests.dist_helpers import (
-    build, clipped_grads, fsdp_worker, known_grads, max_diff, run_distributed, tiny_policy,
+    build, clipped_grads, fsdp_worker, known_grads, max_diff, recompute_config, run_distributed, tiny_policy,
     trainer_config, weights,
 )
 from tests.timing import limit
@@ -145,6 +145,18 @@ def test_sharded_train_step_updates_like_a_single_process(groups, sharded, algor
         # losses and token means are reduced over the group: every rank reports the single process's
         for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
             assert m[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), (rank, key)
+
+
+def test_recomputed_old_log_probs_are_the_single_process_s_though_each_rank_runs_only_its_rows(groups, sharded):
+    """π_old recomputed: each rank runs the no-grad forward of the rows dealt it and an all-reduce gives every rank
+    every row; the step (weights, the train–rollout mismatch) is the single process's."""
+    state, metrics = train_step(build("grpo", config=recompute_config()), groups)
+    want = weights(state.policy)
+    for rank, res in enumerate(sharded["ranks"]):
+        got = res["train_recompute"]
+        assert max_diff(got["policy"], want) <= 1e-5, (rank, max_diff(got["policy"], want))
+        key = "rollout_corr/mismatch_kl"
+        assert got["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), rank
 
 
 def test_cpu_offloaded_shards_train_like_a_single_process(groups, sharded):
