@@ -18,7 +18,7 @@ from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
 from asyncrl.learner.layout import RowLengths, balance_groups, plan_micro_batches, split_rows
 from asyncrl.learner.routes import empty_routes, micro_routes, store_routes
 from asyncrl.learner.sharding import compute_device
-from asyncrl.learner.state import LearnerState, world
+from asyncrl.learner.state import LearnerState, group_reduced, world
 from asyncrl.policies.lora import adapters_off
 from asyncrl.policies.routing_replay import Replayed, router_layers
 
@@ -64,7 +64,7 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     shared = world(state)[1] > 1 and routes is None
     chunks = split_rows(_rows_of(state, totals) if shared else list(range(batch.num_rows)), totals, cfg)
     if shared:  # every rank runs as many forwards (a sharded model's collectives line up): pad with placeholders
-        count = _group_reduced(state, torch.tensor([len(chunks)]), dist.ReduceOp.MAX)
+        count = group_reduced(state, torch.tensor([len(chunks)]), dist.ReduceOp.MAX)
         chunks = chunks + [[]] * (int(count) - len(chunks))
     micros = plan_micro_batches(tokens, chunks, lengths, packed=cfg.pack_sequences, bucketed=cfg.cuda_graphs)
     out = torch.zeros(batch.num_rows, width, device=tokens.device)
@@ -91,15 +91,8 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
     finally:
         model.train(was_training)
     if shared:  # a row is zero on every rank but the one that ran it: the sum is every row, exactly
-        out = _group_reduced(state, out, dist.ReduceOp.SUM)
+        out = group_reduced(state, out)
     return out.to(home)
-
-
-def _group_reduced(state: LearnerState, tensor: Tensor, op) -> Tensor:
-    """`tensor` all-reduced over the trainer group (a NCCL group reduces on this rank's GPU, gloo on the host)."""
-    buffer = tensor.to(state.device if dist.get_backend(state.group) == "nccl" else "cpu")
-    dist.all_reduce(buffer, op=op, group=state.group)
-    return buffer
 
 
 def _rows_of(state: LearnerState, totals: list[int]) -> list[int]:

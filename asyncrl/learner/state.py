@@ -20,7 +20,7 @@ from asyncrl.policies.router_precision import float32_routers
 from asyncrl.policies.routing_replay import RoutingReplay, find_routers, router_layers
 from asyncrl.policies.value import ValueModel
 
-__all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config", "world"]
+__all__ = ["LearnerState", "build_learner", "make_scheduler", "apply_optim_config", "world", "group_reduced"]
 
 
 @dataclasses.dataclass
@@ -240,3 +240,11 @@ def world(state: LearnerState) -> tuple[int, int]:
     if state.group is None or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(state.group), dist.get_world_size(state.group)
+
+
+def group_reduced(state: LearnerState, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`tensor` all-reduced over the trainer group, as a new tensor: a NCCL group reduces only accelerator
+    tensors (this rank's GPU), gloo host ones."""
+    buffer = tensor.to(state.device if dist.get_backend(state.group) == "nccl" else "cpu", copy=True)
+    dist.all_reduce(buffer, op=op, group=state.group)
+    return buffer

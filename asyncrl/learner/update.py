@@ -27,7 +27,7 @@ from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batche
 from asyncrl.learner.routes import micro_routes, real_tokens
 from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.sharding import compute_device, grad_norm_
-from asyncrl.learner.state import LearnerState, world
+from asyncrl.learner.state import LearnerState, group_reduced, world
 from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
@@ -80,11 +80,7 @@ MicroLoss = Callable[[LearnerState, Prepared, MicroBatch, Counts], MicroStats]
 def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     if world(state)[1] == 1:
         return values
-    # a NCCL group reduces only accelerator tensors; gloo takes host ones
-    device = state.device if dist.get_backend(state.group) == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op, group=state.group)
-    return t.tolist()
+    return group_reduced(state, torch.tensor(values, dtype=torch.float64), op).tolist()
 
 
 def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[int]]:
