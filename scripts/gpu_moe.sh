@@ -11,7 +11,8 @@
 #   bash scripts/gpu_moe.sh learner OUT  # the learner step of an OLMoE-1B-7B-shaped model, full fine-tune, as a
 #                                        #   RANKS-rank FSDP2 group (default 4; 6.9 B parameters' fp32 weights, gradients
 #                                        #   and AdamW moments are 110 GB: one GPU cannot hold them), ROWS rows a rank
-#                                        #   (default 32): tok/s and MFU (active parameters)
+#                                        #   (default 32): tok/s and MFU (active parameters); LEARNER_ARGS: more
+#                                        #   `asyncrl bench learner` flags (e.g. --max-tokens-per-micro-batch 4096)
 #
 # Random weights on the toy task: the runs measure the machinery (routes, mismatch, memory, throughput), not
 # learning. LIMIT: seconds a job.
@@ -75,7 +76,7 @@ case "$STAGE" in
     python3 scripts/moe_shapes.py olmoe-1b-7b /tmp/olmoe > /dev/null
     RANKS=${RANKS:-4}
     CUDA_VISIBLE_DEVICES=${GPUS:-0,1,2,3} timeout "$LIMIT" python3 scripts/bench_learner.py --model random:/tmp/olmoe/config.json \
-      --ranks "$RANKS" --workload ragged --rows $((${ROWS:-32} * RANKS)) --steps 4 --warmup-steps 2 --no-baseline --out "$OUT/olmoe.json" > "$OUT/olmoe.log" 2>&1
+      --ranks "$RANKS" --workload ragged --rows $((${ROWS:-32} * RANKS)) --steps 4 --warmup-steps 2 --no-baseline ${LEARNER_ARGS:-} --out "$OUT/olmoe.json" > "$OUT/olmoe.log" 2>&1
     echo "== olmoe learner (exit $?)"; tail -n 3 "$OUT/olmoe.log" | cut -c1-300
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('ours_tok_s','ours_mfu','ours_peak_gib','tokens_per_step','model_flops_per_step','ours_first_step_s')})" "$OUT/olmoe.json" 2>/dev/null ;;
   *) echo "unknown stage $STAGE (r3 | one | learner)"; exit 2 ;;

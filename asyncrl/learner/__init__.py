@@ -22,6 +22,7 @@ The package, by concern:
   forward   response log-probs and values of a micro-batch  update    the update loop, actor and critic losses
   head      the chunked fused log-prob head                 step      train_step and its metrics
   sharding  FSDP2: shard_model, grad_norm_, full_weights    publication  what a publication sends (LoRA: adapters)
+  share     a trainer rank's share of a step: the deal of groups to ranks, rows gathered and scattered
 """
 
 from asyncrl.learner.batch import RolloutBatch, collate, filter_groups

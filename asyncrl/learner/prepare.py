@@ -15,14 +15,15 @@ from asyncrl import algos
 from asyncrl.config import OffPolicyConfig
 from asyncrl.learner.batch import RolloutBatch
 from asyncrl.learner.forward import micro_logprobs, micro_values, row_lengths
-from asyncrl.learner.layout import RowLengths, balance_groups, plan_micro_batches, split_rows
+from asyncrl.learner.layout import RowLengths, plan_micro_batches, split_rows
 from asyncrl.learner.routes import empty_routes, micro_routes, store_routes
+from asyncrl.learner.share import Share, gather_rows, scatter_rows
 from asyncrl.learner.sharding import compute_device
 from asyncrl.learner.state import LearnerState, group_reduced, world
 from asyncrl.policies.lora import adapters_off
 from asyncrl.policies.routing_replay import Replayed, router_layers
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "prepare", "prepare_share"]
 
 
 @dataclasses.dataclass
@@ -47,23 +48,21 @@ class Prepared:
 
 
 @torch.no_grad()
-def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, lengths: RowLengths,
-                 values: bool = False, routes: Tensor | None = None, known: Tensor | None = None,
+def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, lengths: RowLengths, rows: list[int], *,
+                 in_step: bool, values: bool = False, routes: Tensor | None = None, known: Tensor | None = None,
                  replayed: Replayed | None = None) -> Tensor:
-    """No-grad log-probs (or values) of every row, micro-batched like training, on the model's own device
-    (a reference or critic may live elsewhere); returned on the batch's device. With `routes` (a route grid,
-    `asyncrl.learner.routes`) the policy's routers' choices are recorded into it; with `known` too (bool [N·S])
-    the routers first replay the grid's routes at those cells (counted into `replayed`) and choose elsewhere.
-    In a trainer group (without routes) each rank runs the rows `_rows_of` deals it, and one all-reduce gives
-    every rank every row: each row is computed once in the group, not once a rank."""
+    """No-grad log-probs (or values) of `rows` ([N, T], other rows zero), micro-batched like training, on the
+    model's own device (a reference or critic may live elsewhere); returned on the batch's device. With `routes`
+    (a route grid, `asyncrl.learner.routes`) the policy's routers' choices are recorded into it; with `known` too
+    (bool [N·S]) the routers first replay the grid's routes at those cells (counted into `replayed`) and choose
+    elsewhere. `in_step`: the ranks of a trainer group run as many forwards each (a sharded model's collectives
+    line up): this rank pads with placeholders."""
     cfg = state.config
     home = batch.tokens.device
     tokens = batch.tokens.to(compute_device(model))
     width = batch.response_mask.shape[1]
-    totals = [lengths.total(r) for r in range(batch.num_rows)]
-    shared = world(state)[1] > 1 and routes is None
-    chunks = split_rows(_rows_of(state, totals) if shared else list(range(batch.num_rows)), totals, cfg)
-    if shared:  # every rank runs as many forwards (a sharded model's collectives line up): pad with placeholders
+    chunks = split_rows(rows, [lengths.total(r) for r in range(batch.num_rows)], cfg)
+    if in_step:
         count = group_reduced(state, torch.tensor([len(chunks)]), dist.ReduceOp.MAX)
         chunks = chunks + [[]] * (int(count) - len(chunks))
     micros = plan_micro_batches(tokens, chunks, lengths, packed=cfg.pack_sequences, bucketed=cfg.cuda_graphs)
@@ -90,25 +89,52 @@ def _forward_all(state: LearnerState, model: nn.Module, batch: RolloutBatch, len
                 out[micro.rows] = result.to(out.dtype)
     finally:
         model.train(was_training)
-    if shared:  # a row is zero on every rank but the one that ran it: the sum is every row, exactly
-        out = group_reduced(state, out)
     return out.to(home)
 
 
-def _rows_of(state: LearnerState, totals: list[int]) -> list[int]:
-    """This rank's rows for the no-grad forwards: dealt by token count (`balance_groups` over rows), in order."""
-    rank, size = world(state)
-    return balance_groups(list(range(len(totals))), dict(enumerate(totals)), size)[rank]
+@dataclasses.dataclass
+class Forwards:
+    """A batch's no-grad forwards, [N, T] on its device: the policy's log-probs (recomputed π_old; None when the
+    behaviour log-probs serve and no routes are replayed), π_ref, the critic's values, and with routing replay the
+    route grid the π_old pass recorded and what its replay of the engine's routes saw."""
+
+    own: Tensor | None
+    ref: Tensor | None
+    values: Tensor | None
+    routes: Tensor | None
+    known: Tensor | None  # r3: the grid cells holding the engine's routes
+    replayed: Replayed
+
+    def stacked(self) -> Tensor | None:
+        """The log-probs and values there are, as [N, K, T] (K in field order), None if there are none."""
+        parts = [t for t in (self.own, self.ref, self.values) if t is not None]
+        return torch.stack(parts, 1) if parts else None
+
+    def unstacked(self, stacked: Tensor | None) -> "Forwards":
+        """These forwards with their log-probs and values read from `stacked` (another batch's, as `stacked` gives)."""
+        parts = iter(stacked.unbind(1) if stacked is not None else ())
+        own, ref, values = (next(parts) if t is not None else None for t in (self.own, self.ref, self.values))
+        return dataclasses.replace(self, own=own, ref=ref, values=values)
 
 
-def _reference_logprobs(state: LearnerState, batch: RolloutBatch, lengths: RowLengths) -> Tensor | None:
-    """π_ref of every row: the reference model's, or (LoRA) the policy's own base with its adapters off."""
+def _forwards(state: LearnerState, batch: RolloutBatch, lengths: RowLengths, rows: list[int], *,
+              in_step: bool = False) -> Forwards:
+    """The no-grad forwards of `rows` of `batch` (see `Forwards`)."""
+    off = state.config.off_policy
+    routes, known = _route_grid(state, batch)  # recorded (r3: replayed first) in the pass that computes π_old
+    replayed = Replayed()
+    run = dict(in_step=in_step)
+    own = (_forward_all(state, state.policy, batch, lengths, rows, routes=routes, known=known, replayed=replayed, **run)
+           if routes is not None or not off.use_rollout_log_probs else None)
+    ref = None
     if state.reference is not None:
-        return _forward_all(state, state.reference, batch, lengths)
-    if state.reference_is_base:
+        ref = _forward_all(state, state.reference, batch, lengths, rows, **run)
+    elif state.reference_is_base:  # π_ref of a LoRA policy: its own base, adapters off
         with adapters_off(state.policy):
-            return _forward_all(state, state.policy, batch, lengths)
-    return None
+            ref = _forward_all(state, state.policy, batch, lengths, rows, **run)
+    values = (_forward_all(state, state.critic, batch, lengths, rows, values=True, **run)
+              if state.critic is not None else None)
+    return Forwards(own, ref, values, routes, known, replayed)
 
 
 def _token_rewards(batch: RolloutBatch) -> Tensor:
@@ -155,22 +181,24 @@ def _is_weights(off: OffPolicyConfig, batch: RolloutBatch, logp_old: Tensor, mas
 
 
 def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
-    """π_old, π_ref, values, rewards, advantages, mask and weights of `batch` (see the module docstring)."""
+    """π_old, π_ref, values, rewards, advantages, mask and weights of `batch` in one process (see the module
+    docstring)."""
+    lengths = row_lengths(batch)
+    return _finish(state, batch, lengths, _forwards(state, batch, lengths, list(range(batch.num_rows))))
+
+
+def _finish(state: LearnerState, batch: RolloutBatch, lengths: RowLengths, forwards: Forwards) -> Prepared:
+    """Everything after the forwards, from the whole batch: rewards, advantages (whitened over the batch where the
+    estimator does), the mask, weights, the adaptive KL coefficient and the metrics."""
     algo, off = state.algorithm, state.config.off_policy
     metrics: dict = {}
-    lengths = row_lengths(batch)
-    routes, known = _route_grid(state, batch)  # recorded (r3: replayed first) in the pass that computes π_old
-    vs_rollout = Replayed()
-    own = (_forward_all(state, state.policy, batch, lengths, routes=routes, known=known, replayed=vs_rollout)
-           if routes is not None or not off.use_rollout_log_probs else None)
+    own, known = forwards.own, forwards.known
     if known is not None:
-        metrics["rollout_corr/routing_disagreement"] = vs_rollout.disagreement()
+        metrics["rollout_corr/routing_disagreement"] = forwards.replayed.disagreement()
         real = sum(lengths.total(r) for r in range(batch.num_rows))
         metrics["rollout_corr/routed_fraction"] = float(known.sum()) / max(real, 1)  # of the rows' tokens
     logp_old = batch.logp_behaviour if off.use_rollout_log_probs else own
-    logp_ref = _reference_logprobs(state, batch, lengths)
-    values_old = (_forward_all(state, state.critic, batch, lengths, values=True)
-                  if state.critic is not None else None)
+    logp_ref, values_old = forwards.ref, forwards.values
     token_rewards = _token_rewards(batch)
     if algo.kl_in_reward_coef > 0:
         kl = algos.kl_penalized_rewards(token_rewards, logp_old, logp_ref, batch.response_mask, kl_coef=state.kl_coef)
@@ -189,7 +217,95 @@ def prepare(state: LearnerState, batch: RolloutBatch) -> Prepared:
     if own is not None:  # how far the behaviour log-probs are from the learner's (with r3: on the engine's experts)
         metrics["rollout_corr/mismatch_kl"] = float(algos.masked_mean(batch.logp_behaviour - own, mask))
     return Prepared(batch, logp_old, adv.advantages, adv.returns if values_old is not None else None, values_old,
-                    logp_ref, mask, is_weights, metrics, lengths, routes)
+                    logp_ref, mask, is_weights, metrics, lengths, forwards.routes)
+
+
+def prepare_share(state: LearnerState, share: Share, whole: RolloutBatch | None) -> tuple[Prepared, Prepared | None]:
+    """A trainer group's `prepare`: this rank's share of the step prepared as one process would prepare the whole
+    batch, and on rank 0 (`whole`: the step's batch, which rank 0 alone holds) the whole batch's `Prepared` too
+    (its metrics are the step's; other ranks return None and report none).
+
+    Each rank runs the no-grad forwards of the rows dealt it in the first epoch (every row once in the group);
+    rank 0 gathers them, computes what the whole batch decides (advantages whitened over the batch, masks such as
+    M2PO's, the adaptive KL coefficient, the metrics) and scatters each rank the rows of its share. The route grid
+    stays where the forwards recorded it when every rank trains only its forwarded rows (one epoch); else its rows
+    travel the same way."""
+    rank, size = world(state)
+    deal, batch = share.deal, share.batch
+    lengths = row_lengths(batch)
+    forwarded = [deal.rows(deal.forwarded(r)) for r in range(size)]
+    mine = share.positions(forwarded[rank])
+    forwards = _forwards(state, batch, lengths, mine, in_step=True)
+    if forwards.known is not None:  # the replay's counts over the group
+        seen = group_reduced(state, torch.tensor([float(forwards.replayed.differed), float(forwards.replayed.tokens)],
+                                                 dtype=torch.float64))
+        forwards.replayed = Replayed(int(seen[0]), int(seen[1]))
+    device = state.device
+    stacked = forwards.stacked()
+    gathered = (gather_rows(state.group, stacked[mine], [len(f) for f in forwarded], device)
+                if stacked is not None else None)
+    trained = [deal.held(r) for r in range(size)]
+    counts = [len(t) for t in trained]
+    prepared = None
+    if rank == 0:
+        order = torch.tensor([r for rows in forwarded for r in rows], device=whole.tokens.device)
+        full = None
+        if gathered is not None:
+            full = torch.zeros(whole.num_rows, *gathered.shape[1:], dtype=gathered.dtype, device=whole.tokens.device)
+            full[order] = gathered.to(full.device)
+        prepared = _finish(state, whole, row_lengths(whole), dataclasses.replace(
+            forwards.unstacked(full), routes=None, known=whole.routed if forwards.known is not None else None))
+    fields = _shared_fields(state)
+    like = torch.zeros(1, len(fields), batch.response_mask.shape[1], device=batch.tokens.device)
+    parts = None
+    if rank == 0:
+        table = _field_table(prepared, fields)
+        parts = [table[torch.tensor(rows, dtype=torch.long, device=table.device)] for rows in trained]
+    own = scatter_rows(state.group, parts, counts, like, device).unbind(1)
+    values = dict(zip(fields, own))
+    routes = forwards.routes
+    if routes is not None and not deal.stationary:
+        routes = _moved_routes(state, share, forwards.routes, forwarded, trained)
+    prep = Prepared(batch, values["logp_old"], values["advantages"], values.get("returns"), values.get("values_old"),
+                    values.get("logp_ref"), values["mask"].bool(), values.get("is_weights"),
+                    prepared.metrics if prepared is not None else {}, lengths, routes)
+    return prep, prepared
+
+
+def _shared_fields(state: LearnerState) -> list[str]:
+    """The per-token fields of `Prepared` an update reads (the same list on every rank: it follows the config)."""
+    fields = ["logp_old", "advantages", "mask"]
+    if state.config.off_policy.is_level != "none":
+        fields.append("is_weights")
+    if state.reference is not None or state.reference_is_base:
+        fields.append("logp_ref")
+    if state.critic is not None:
+        fields += ["values_old", "returns"]
+    return fields
+
+
+def _field_table(prep: Prepared, fields: list[str]) -> Tensor:
+    """`prep`'s `fields` as one fp32 [N, K, T] table (the mask as 0/1; no importance weights: ones)."""
+    columns = []
+    for name in fields:
+        value = getattr(prep, name)
+        columns.append(torch.ones_like(prep.logp_old) if value is None else value.float())
+    return torch.stack(columns, 1)
+
+
+def _moved_routes(state: LearnerState, share: Share, routes: Tensor, forwarded: list[list[int]],
+                  trained: list[list[int]]) -> Tensor:
+    """The route grid of the share's rows, from the ranks whose forwards recorded them (through rank 0)."""
+    rank, width = world(state)[0], share.batch.tokens.shape[1]
+    grid = routes.view(share.batch.num_rows, width, *routes.shape[1:])
+    index = torch.tensor(share.positions(forwarded[rank]), dtype=torch.long, device=grid.device)
+    gathered = gather_rows(state.group, grid[index], [len(f) for f in forwarded], state.device)
+    parts = None
+    if rank == 0:
+        by_row = dict(zip((r for rows in forwarded for r in rows), gathered))
+        parts = [torch.stack([by_row[r] for r in rows]) if rows else gathered[:0] for rows in trained]
+    out = scatter_rows(state.group, parts, [len(t) for t in trained], grid[:1], state.device)
+    return out.flatten(0, 1)
 
 
 def _route_grid(state: LearnerState, batch: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:

@@ -3,10 +3,11 @@ and normalised by the mini-batch's global token/row counts (so accumulation is e
 clipping and an optimizer step, skipped (and counted) on a non-finite gradient. One loop serves the actor
 and the critic; they differ only in the loss of a micro-batch.
 
-Distributed (FSDP2 over the trainer group): each rank takes the groups of a mini-batch that `balance_groups`
-deals it (token counts even over the ranks), counts are all-reduced, and ranks run equal numbers of
-micro-batches (padding with zero-weight ones) so collectives line up. Statistics stay on the device and are
-read back once per update, so nothing in the micro-batch loop waits for the device.
+Distributed (FSDP2 over the trainer group): each rank takes the groups of a mini-batch that the step's deal
+(`asyncrl.learner.share.Deal`: `balance_groups`, token counts even over the ranks) gives it, counts are
+all-reduced, and ranks run equal numbers of micro-batches (padding with zero-weight ones) so collectives line up.
+Statistics stay on the device and are read back once per update, so nothing in the micro-batch loop waits for the
+device.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from torch import Tensor, nn
 from asyncrl import algos
 from asyncrl.algos._checks import value_checks
 from asyncrl.learner.forward import micro_logprobs, micro_values
-from asyncrl.learner.layout import MicroBatch, balance_groups, plan_micro_batches, split_rows
+from asyncrl.learner.layout import MicroBatch, plan_micro_batches, split_rows
 from asyncrl.learner.routes import micro_routes, real_tokens
 from asyncrl.learner.prepare import Prepared
+from asyncrl.learner.share import Deal
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState, group_reduced, world
-from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
            "world"]
@@ -83,30 +84,10 @@ def _all_reduce(state: LearnerState, values: list[float], op=dist.ReduceOp.SUM) 
     return group_reduced(state, torch.tensor(values, dtype=torch.float64), op).tolist()
 
 
-def _minibatches(state: LearnerState, num_groups: int, epoch: int) -> list[list[int]]:
-    """Group indices per mini-batch for one epoch (shuffled with a seed derived from the step)."""
-    order = list(range(num_groups))
-    if state.config.shuffle:
-        gen = torch.Generator().manual_seed(derive_seed(state.config.seed, state.step, epoch))
-        order = torch.randperm(num_groups, generator=gen).tolist()
-    size = state.config.mini_batch_size
-    return [order[i:i + size] for i in range(0, num_groups, size)]
-
-
-def _local_rows(state: LearnerState, prep: Prepared, groups: list[int]) -> list[int]:
-    """This rank's rows of a mini-batch: those of the groups `balance_groups` deals it (token counts even
-    over the ranks)."""
-    rank, size = world(state)
-    index = prep.batch.group_index.tolist()
-    if size == 1:
-        chosen = set(groups)
-    else:
-        tokens = dict.fromkeys(groups, 0)
-        for g, total in zip(index, prep.totals()):
-            if g in tokens:
-                tokens[g] += total
-        chosen = set(balance_groups(groups, tokens, size)[rank])
-    return [r for r, g in enumerate(index) if g in chosen]
+def _local_rows(prep: Prepared, groups: list[int]) -> list[int]:
+    """This rank's rows of a mini-batch: those of `groups`, the mini-batch's groups dealt this rank (`Deal`)."""
+    chosen = set(groups)
+    return [r for r, g in enumerate(prep.batch.group_index.tolist()) if g in chosen]
 
 
 def _plan(state: LearnerState, prep: Prepared, rows: list[int], device: torch.device) -> list[MicroBatch]:
@@ -243,29 +224,29 @@ class Totals:
 
 def accumulate(state: LearnerState, prep: Prepared, groups: list[int], loss: MicroLoss, device: torch.device,
                totals: Totals) -> None:
-    """Forward/backward every micro-batch of one mini-batch (gradients add up in .grad; statistics in
-    `totals`). Value checks are off here (no device syncs mid-backward): a non-finite value surfaces as a
-    skipped update instead."""
-    rows = _local_rows(state, prep, groups)
+    """Forward/backward every micro-batch of this rank's `groups` of one mini-batch (gradients add up in .grad;
+    statistics in `totals`). Value checks are off here (no device syncs mid-backward): a non-finite value surfaces
+    as a skipped update instead."""
+    rows = _local_rows(prep, groups)
     counts = _counts(state, prep, rows)
     for micro in _plan(state, prep, rows, device):
         with value_checks(False):
             totals.add(loss(state, prep, micro, counts))
 
 
-def run_updates(state: LearnerState, prep: Prepared, loss: MicroLoss, model: nn.Module, optimizer,
+def run_updates(state: LearnerState, prep: Prepared, deal: Deal, loss: MicroLoss, model: nn.Module, optimizer,
                 scheduler) -> UpdateResult:
-    """`ppo_epochs` passes over the batch's mini-batches, one optimizer step each."""
+    """`ppo_epochs` passes over the batch's mini-batches (as `deal` deals them), one optimizer step each."""
     cfg = state.config
     device = compute_device(model)
     group = state.group if world(state)[1] > 1 else None
     totals = Totals()
     grad_norms = []
-    for epoch in range(cfg.ppo_epochs):
-        for groups in _minibatches(state, len(prep.batch.prompt_ids), epoch):
-            accumulate(state, prep, groups, loss, device, totals)
-            grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group,
-                                              keep_grads=cfg.cuda_graphs))
+    rank = world(state)[0]
+    for update in deal.updates:
+        accumulate(state, prep, update[rank], loss, device, totals)
+        grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group,
+                                          keep_grads=cfg.cuda_graphs))
     sums, weighted, tokens = _group_totals(state, totals)
     return UpdateResult(sums=sums, means={k: v / max(tokens, 1.0) for k, v in weighted.items()},
                         grad_norms=grad_norms, updates=len(grad_norms))

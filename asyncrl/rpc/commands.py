@@ -11,10 +11,12 @@ The commands travel on a CPU (gloo) group whose timeout covers the longest wait 
 trainer waiting for samples), so idle followers never time out. A single-rank trainer group has no followers
 and the same interface.
 
-The protocol: each command is a JSON header and, for a step, the tensors of the collated batch (rank 0 collates
-once; followers train on the same `RolloutBatch`), broadcast as typed data: nothing a follower receives is
-unpickled (`asyncrl.rpc.commands.broadcast_command`).
-  {"cmd": "step", "version"} + batch          train_step on this rank's share of the batch
+The protocol: each command is a JSON header broadcast as typed data, and a step is followed by each follower's own
+share of the collated batch, sent to it alone (rank 0 collates once and deals the groups; a follower gets the rows
+of the groups dealt it and the counts it computes the step's deal from): nothing a follower receives is unpickled
+(`broadcast_command`, `send_command`).
+  {"cmd": "step", "version", "step"}, then    train_step on this rank's share of the batch
+    {"fields", "rows", "group_tokens", ...} + its rows' tensors, to each follower
   {"cmd": "weights", "dtype"}                 take part in gathering the full weights (publication)
   {"cmd": "load_hosted", "dtype", "version"}  copy the full weights into this rank's own engine (colocated)
   {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
@@ -37,11 +39,13 @@ import torch.distributed.rpc as rpc
 
 from asyncrl.checkpoint import load_checkpoint, save_checkpoint
 from asyncrl.learner import LearnerState, RolloutBatch, collate, published_weights, train_step
+from asyncrl.learner.share import Deal, Share, group_counts, take_share
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.spec import RunSpec
 
-__all__ = ["TrainerGroup", "FollowerHost", "commands_group", "broadcast_command", "receive_command"]
+__all__ = ["TrainerGroup", "FollowerHost", "commands_group", "broadcast_command", "receive_command", "send_command",
+           "receive_sent", "follow_step"]
 
 log = logging.getLogger(__name__)
 
@@ -72,26 +76,26 @@ _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.uint
 _MAX_HEADER = 1 << 20
 
 
-def broadcast_command(group: dist.ProcessGroup, header: dict, tensors: list[torch.Tensor] = ()) -> None:
-    """Rank 0: send `header` (JSON) and `tensors` (CPU copies) to every rank of `group`."""
+def _post(header: dict, tensors: list[torch.Tensor], carry) -> None:
+    """Send `header` (JSON) and `tensors` (CPU copies), each through `carry` (a collective or a send)."""
     tensors = [t.detach().contiguous().cpu() for t in tensors]
     header = {**header, "tensors": [[str(t.dtype), list(t.shape)] for t in tensors]}
     data = json.dumps(header).encode()
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+    carry(torch.tensor([len(data)], dtype=torch.int64))
+    carry(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     for tensor in tensors:
-        dist.broadcast(tensor, src=0, group=group)
+        carry(tensor)
 
 
-def receive_command(group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
-    """A follower: the next (header, tensors) rank 0 broadcast on `group`. Raises RuntimeError on a header that is
-    not a JSON object of known dtypes and shapes."""
+def _take(carry) -> tuple[dict, list[torch.Tensor]]:
+    """What `_post` sent, each buffer filled by `carry`. Raises RuntimeError on a header that is not a JSON object
+    of known dtypes and shapes."""
     size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
+    carry(size)
     if not 0 < int(size) <= _MAX_HEADER:
         raise RuntimeError(f"trainer group: a command header of {int(size)} bytes")
     data = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(data, src=0, group=group)
+    carry(data)
     header = json.loads(bytes(data.numpy()).decode())
     specs = header.get("tensors") if isinstance(header, dict) else None
     if not isinstance(specs, list) or not all(
@@ -101,9 +105,29 @@ def receive_command(group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]
     tensors = []
     for dtype, shape in specs:
         tensor = torch.empty(shape, dtype=_DTYPES[dtype])
-        dist.broadcast(tensor, src=0, group=group)
+        carry(tensor)
         tensors.append(tensor)
     return header, tensors
+
+
+def broadcast_command(group: dist.ProcessGroup, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+    """Rank 0: send `header` (JSON) and `tensors` to every rank of `group`."""
+    _post(header, list(tensors), lambda t: dist.broadcast(t, group=group, group_src=0))
+
+
+def receive_command(group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
+    """A follower: the next (header, tensors) rank 0 broadcast on `group` (see `_take` for what is refused)."""
+    return _take(lambda t: dist.broadcast(t, group=group, group_src=0))
+
+
+def send_command(group: dist.ProcessGroup, rank: int, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+    """Rank 0: send `header` and `tensors` to `rank` of `group` alone."""
+    _post(header, list(tensors), lambda t: dist.send(t, group=group, group_dst=rank))
+
+
+def receive_sent(group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
+    """A follower: the next (header, tensors) rank 0 sent it alone on `group`."""
+    return _take(lambda t: dist.recv(t, group=group, group_src=0))
 
 
 def _batch_message(batch: RolloutBatch) -> tuple[dict, list[torch.Tensor]]:
@@ -123,6 +147,28 @@ def _batch_of(header: dict, tensors: list[torch.Tensor]) -> RolloutBatch:
                         nonfinite_logprobs=int(header["nonfinite_logprobs"]))
 
 
+def _share_message(share: Share) -> tuple[dict, list[torch.Tensor]]:
+    """A rank's share of a step: its rows as a batch, their row numbers, and the deal's inputs (every group's token
+    and row counts), from which the rank computes the step's deal itself."""
+    header, tensors = _batch_message(share.batch)
+    return {**header, "rows": share.rows, "group_tokens": share.deal.group_tokens,
+            "group_rows": share.deal.group_rows}, tensors
+
+
+def _share_of(header: dict, tensors: list[torch.Tensor], state: LearnerState, rank: int, ranks: int) -> Share:
+    """The share `_share_message` sent `rank`; its deal computed here (for the step `state` is at). Raises
+    RuntimeError when the rows are not those the deal gives this rank (rank 0 and this rank disagree)."""
+    lists = [header.get(k) for k in ("rows", "group_tokens", "group_rows")]
+    if not all(isinstance(v, list) and all(isinstance(n, int) and n >= 0 for n in v) for v in lists):
+        raise RuntimeError("trainer group: a step's share without its rows and group counts")
+    rows, tokens, counts = lists
+    deal = Deal.of_step(state.config, state.step, tokens, counts, ranks)
+    if rows != deal.held(rank):
+        raise RuntimeError(f"trainer group: rank {rank} was sent rows {rows[:8]}… of step {state.step}, but its deal "
+                           f"gives it {deal.held(rank)[:8]}…")
+    return Share(_batch_of(header, tensors), rows, deal)
+
+
 def collate_step(state: LearnerState, groups) -> RolloutBatch:
     """The batch every rank trains on: `groups` collated as `train_step` would (rank 0 does it once)."""
     if isinstance(groups, RolloutBatch):
@@ -131,6 +177,13 @@ def collate_step(state: LearnerState, groups) -> RolloutBatch:
     return collate(groups, max_response_length=cfg.max_response_length,
                    overlong_buffer_len=algo.overlong_buffer(cfg.max_response_length),
                    overlong_penalty_factor=algo.overlong_penalty_factor)
+
+
+def follow_step(group: dist.ProcessGroup, state: LearnerState, header: dict) -> tuple[LearnerState, dict]:
+    """A follower, after a "step" `header`: receive this rank's share and take the step on it."""
+    state.version, state.step = int(header["version"]), int(header["step"])
+    share = _share_of(*receive_sent(group), state, dist.get_rank(group), dist.get_world_size(group))
+    return train_step(state, share)
 
 
 class TrainerGroup:
@@ -145,11 +198,15 @@ class TrainerGroup:
             broadcast_command(self.group, {"cmd": cmd, **fields}, tensors)
 
     def step(self, state: LearnerState, groups):
+        """A training step: each follower is sent only its share of the collated batch (`asyncrl.learner.share`)."""
         if self.group is None:
             return train_step(state, groups)
         batch = collate_step(state, groups)
-        header, tensors = _batch_message(batch)
-        self._command("step", tensors, version=state.version, **header)  # followers learn the version this way
+        ranks = dist.get_world_size(self.group)
+        deal = Deal.of_step(state.config, state.step, *group_counts(batch), ranks)
+        self._command("step", version=state.version, step=state.step)  # followers learn the version this way
+        for rank in range(1, ranks):
+            send_command(self.group, rank, *_share_message(take_share(batch, deal, rank)))
         return train_step(state, batch)
 
     def weights(self, state: LearnerState, dtype: torch.dtype) -> list:
@@ -214,8 +271,7 @@ class FollowerHost:
         header, tensors = receive_command(self.group)
         cmd, state = header.get("cmd"), self.state
         if cmd == "step":
-            state.version = int(header["version"])
-            self.state, _ = train_step(state, _batch_of(header, tensors))
+            self.state, _ = follow_step(self.group, state, header)
         elif cmd == "weights":
             for _ in published_weights(state.policy, dtype=_DTYPES[f"torch.{header['dtype']}"]):
                 pass

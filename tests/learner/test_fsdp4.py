@@ -24,28 +24,51 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WORLD = 4
 STEPS = 3
-SCENARIOS = ("grpo", "ppo", "lora-grpo-kl")
+SCENARIOS = ("grpo", "ppo", "lora-grpo-kl", "ppo-sent")
+"""`ppo-sent`: PPO as a launched trainer group runs it: rank 0 takes the step through `TrainerGroup.step`, which
+sends each follower only its share over a gloo commands group, and the followers take it through `follow_step`."""
 METRICS = ("actor/", "critic/", "response_length/")
 """The metrics compared (by prefix): the losses, KL, clip fractions, gradient norms, lr, values, rewards, lengths."""
+UPDATE_METRICS = ("actor/", "critic/vf_", "critic/grad_norm")
+"""Those every rank reports (the batch's and its preparation's come from rank 0, which holds the whole batch)."""
 
 
 def _learner(scenario: str, sharded: bool):
     if scenario == "lora-grpo-kl":
         return build_lora("grpo-kl", sharded=sharded)
-    return build(scenario, sharded=sharded)
+    return build(scenario.removesuffix("-sent"), sharded=sharded)
 
 
-def _steps(state, batches) -> list[dict]:
-    """`train_step` on each batch: the full weights (every rank gathers) and the metrics after each step."""
+def _steps(state, batches, step=train_step) -> list[dict]:
+    """`step` on each batch: the full weights (every rank gathers) and the metrics after each step."""
     out = []
     for groups in batches:
-        state, metrics = train_step(state, groups)
+        state, metrics = step(state, groups)
         out.append(dict(weights=trained(state), metrics=metrics))
     return out
 
 
+def _sent_step(commands_group):
+    """A step as a launched trainer group takes it: rank 0 sends, the followers receive their shares."""
+    from torch import distributed as dist
+
+    from asyncrl.rpc.commands import TrainerGroup, follow_step, receive_command
+
+    def step(state, groups):
+        if dist.get_rank() == 0:
+            return TrainerGroup(commands_group).step(state, groups)
+        header, _ = receive_command(commands_group)
+        assert header["cmd"] == "step"
+        return follow_step(commands_group, state, header)
+    return step
+
+
 def fsdp4_worker(rank: int, world: int, out: pathlib.Path, batches) -> None:
-    res = {scenario: _steps(_learner(scenario, sharded=True), batches) for scenario in SCENARIOS}
+    from torch import distributed as dist
+    commands_group = dist.new_group(backend="gloo")
+    res = {scenario: _steps(_learner(scenario, sharded=True), batches,
+                            _sent_step(commands_group) if scenario.endswith("-sent") else train_step)
+           for scenario in SCENARIOS}
     torch.save(res, out / f"rank{rank}.pt")
 
 
@@ -76,6 +99,8 @@ def test_four_ranks_train_like_one_process_step_after_step(scenario, single, sha
                 error = max_diff(got["weights"][part], want["weights"][part])
                 assert error <= 1e-5, (scenario, step, rank, part, error)
             keys = [k for k in want["metrics"] if k.startswith(METRICS)]
+            if rank > 0:  # a follower holds only its share: it reports the updates' metrics, reduced over the group
+                keys = [k for k in keys if k.startswith(UPDATE_METRICS)]
             assert len(keys) >= 8 and set(keys) <= got["metrics"].keys(), (scenario, keys)
             for key in keys:
                 a, b = got["metrics"][key], want["metrics"][key]

@@ -45,14 +45,16 @@ def _groups(policy, *, routed: bool = False):
     return out
 
 
-def _step(path: str, *, sharded: bool, replay: str = "off") -> tuple[dict, dict]:
+def _step(path: str, *, sharded: bool, replay: str = "off", epochs: int = 1) -> tuple[dict, dict]:
     """One GRPO step from the model at `path`: (full weights by checkpoint name after it, its metrics). With
-    `replay` r3 the samples carry engine routes the step replays."""
+    `replay` r3 the samples carry engine routes the step replays. `epochs` 2: shuffled mini-batches of 2 groups over
+    2 epochs, so a rank trains rows whose forwards another rank ran (with r2, their recorded routes travel to it)."""
     policy = load_model(path)
     groups = _groups(policy, routed=replay == "r3")
     if sharded:
         shard_model(policy)
-    state = build_learner(policy, trainer_config(lr=1e-2, routing_replay=replay), GRPO(),
+    batches = dict(ppo_epochs=2, mini_batch_size=2, shuffle=True) if epochs == 2 else {}
+    state = build_learner(policy, trainer_config(lr=1e-2, routing_replay=replay, **batches), GRPO(),
                           group=dist.group.WORLD if sharded else None)
     state, metrics = train_step(state, groups)
     return {n: t.clone() for n, t in full_weights(state.policy)}, metrics
@@ -65,7 +67,8 @@ def hf_fsdp_worker(rank: int, world: int, out: pathlib.Path, paths: dict[str, st
         weights, metrics = _step(path, sharded=True)
         results[model_type] = dict(weights=weights)
     weights, metrics = _step(paths["qwen3_moe"], sharded=True, replay="r3")
-    results["qwen3_moe/r3"] = dict(weights=weights, disagreement=metrics["rollout_corr/routing_disagreement"])
+    results["qwen3_moe/r3"] = dict(weights=weights, disagreement=metrics.get("rollout_corr/routing_disagreement"))
+    results["qwen3_moe/r2/epochs"] = dict(weights=_step(paths["qwen3_moe"], sharded=True, replay="r2", epochs=2)[0])
     torch.save(results, pathlib.Path(out) / f"rank{rank}.pt")
 
 
@@ -87,9 +90,15 @@ def test_a_sharded_hf_model_takes_the_step_of_one_process(hf_zoo, tmp_path):
     single, metrics = _step(paths["qwen3_moe"], sharded=False, replay="r3")
     assert metrics["rollout_corr/routing_disagreement"] > 0.3  # the random routes differ from the router's choice
     scale = max(float(t.abs().max()) for t in single.values())
+    assert ranks[0]["qwen3_moe/r3"]["disagreement"] == pytest.approx(metrics["rollout_corr/routing_disagreement"])
     for rank in ranks:
         got = rank["qwen3_moe/r3"]
-        assert got["disagreement"] == pytest.approx(metrics["rollout_corr/routing_disagreement"])
         assert max_diff(got["weights"], single) <= close_tol(torch.float32, scale, terms=64, depth=8)
+    # r2 over 2 shuffled epochs: a rank replays, for rows another rank ran the π_old pass of, the routes that pass
+    # recorded there (they travel through rank 0)
+    epochs, _ = _step(paths["qwen3_moe"], sharded=False, replay="r2", epochs=2)
+    for rank in ranks:
+        assert max_diff(rank["qwen3_moe/r2/epochs"]["weights"], epochs) <= close_tol(torch.float32, scale, terms=64,
+                                                                                     depth=8)
     plain, _ = _step(paths["qwen3_moe"], sharded=False)
     assert max_diff(plain, single) > 10 * close_tol(torch.float32, scale, terms=64, depth=8)  # replay mattered

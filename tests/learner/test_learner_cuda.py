@@ -105,27 +105,32 @@ def test_compiled_layers_serve_every_packed_length_with_one_graph():
 @pytest.mark.parametrize("scope,graphs", [("layer", True), ("model", False), ("model", True)])
 def test_cuda_graphs_and_model_scope_give_the_compiled_layers_gradient_over_two_steps(scope, graphs):
     """--trainer.cuda-graphs (the compiled region replayed as CUDA graphs over bucketed packed micro-batches)
-    and --trainer.compile-scope model give the compiled layers' gradients (bf16 accuracy), also on a second
-    step that replays the graphs recorded in the first, with gradients accumulated over micro-batches."""
+    and --trainer.compile-scope model give the compiled layers' gradients (bf16 accuracy), at the start and after
+    two steps that record and replay the graphs, with gradients accumulated over micro-batches. The reference is
+    the layer-compiled learner at the same weights: two trajectories of AdamW in bf16 drift apart by chance (a
+    10-13 % gradient distance after two steps was measured on an H100), so only gradients at equal weights are
+    compared."""
     from asyncrl.learner import train_step
     policy = random_model(dict(ARCH_PRESETS["tiny-qwen2"], initializer_range=0.1), seed=0)
     groups = on_policy(policy, synthetic_groups(6, 4, seed=2, prompt_lens=(2, 40), response_lens=(1, 60)))
     policy = policy.cuda()
-    grads, weights = {}, {}
-    for variant in (False, True):
+
+    def learner(variant: bool):
         cfg = trainer_config(use_dynamic_bsz=True, max_tokens_per_micro_batch=256, pack_sequences=True, lr=1e-4,
                              compile_layers=True, gradient_checkpointing=True, checkpoint_scope="mlp",
                              compile_scope=scope if variant else "layer", cuda_graphs=graphs and variant)
-        state = build_learner(copy.deepcopy(policy), cfg, GRPO())
-        for _ in range(2):
-            train_step(state, groups)
-        grads[variant] = policy_gradients(state, groups)
-        weights[variant] = {k: v.detach().float() for k, v in state.policy.state_dict().items()}
-    for name in ("grads", "weights"):
-        a, b = (grads if name == "grads" else weights).values()
-        num = sum(float((b[k] - a[k]).norm() ** 2) for k in a) ** 0.5
-        den = sum(float(v.norm() ** 2) for v in a.values()) ** 0.5
-        assert den > 0 and num / den < 0.05, (name, num / den)
+        return build_learner(copy.deepcopy(policy), cfg, GRPO())
+
+    state, reference = learner(True), learner(False)
+    before = {k: v.detach().float().clone() for k, v in state.policy.state_dict().items()}
+    distances = [_relative_distance(policy_gradients(state, groups), policy_gradients(reference, groups))]
+    for _ in range(2):
+        train_step(state, groups)
+    reference.policy.load_state_dict(state.policy.state_dict())
+    distances.append(_relative_distance(policy_gradients(state, groups), policy_gradients(reference, groups)))
+    moved = _relative_distance({k: v.float() for k, v in state.policy.state_dict().items()}, before)
+    assert moved > 1e-6, moved  # the steps changed the weights the second gradients are taken at
+    assert all(d < 0.05 for d in distances), distances
 
 
 def _relative_distance(a: dict, b: dict) -> float:
