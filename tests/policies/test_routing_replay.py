@@ -142,3 +142,34 @@ def test_disagreement_ignores_the_order_within_the_top_k():
     own = torch.tensor([[0, 1], [2, 3], [1, 2]])
     replayed = torch.tensor([[1, 0], [2, 1], [1, 2]])
     assert route_disagreement(own, replayed).tolist() == [False, True, False]
+
+
+def test_compiled_layers_trace_once_for_every_router():
+    """Every router shares one hook whose work runs outside the compiled graph, so compiled decoder layers (Dynamo,
+    eager backend) trace the same frames for 2 layers as for 4 under replay, recording and tapping, and replay as
+    eager layers do. Per-router hooks made Dynamo recompile the layer once per router (a 16-layer OLMoE passed the
+    recompile limit of 8 and fell back to eager on an H100)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    frames = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", num_hidden_layers=layers)).float().train()
+        replay, tokens = RoutingReplay(model), _tokens()
+        with torch.no_grad(), replay.recording() as recorded:
+            plain = model(tokens, use_cache=False).logits
+        routes = recorded.routes()
+        for layer in model.model.layers:
+            layer.compile(backend="eager", dynamic=True)
+        with replay.replaying(routes) as replayed, replay.tapping() as tapped, replay.recording() as seen:
+            logits = model(tokens, use_cache=False).logits
+            logits.logsumexp(-1).sum().backward()
+        assert torch.equal(seen.routes(), routes) and len(tapped) == layers and replayed.disagreement() == 0.0
+        assert torch.equal(logits.detach(), plain)
+        assert all(r.weight.grad is not None for _, r in find_routers(model))
+        frames[layers] = counters["frames"]["ok"]
+    torch._dynamo.reset()
+    assert frames[2] == frames[4] > 0, frames
