@@ -28,6 +28,7 @@ K/V of every row at the mean context (`step_bytes`) at full HBM bandwidth. vLLM'
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import dataclasses
 import gc
@@ -47,6 +48,7 @@ from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm
 from asyncrl_bench.flops import body_params
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
 from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
+from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats, time_finishes
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
 
@@ -97,6 +99,14 @@ class EngineBenchArgs:
     """Let vLLM's prefix cache serve the timed run the prompts the warm-up run already prefilled (our engine keeps
     no K/V between requests, so with it on vLLM skips work that ours does). Off by default, unlike a run's
     --rollout.vllm.enable-prefix-caching, so that both engines prefill the same prompts."""
+    lengths: Literal["fixed", "lognormal"] = "fixed"
+    """Random prompts: every sample generates --new-tokens ("fixed"), or each request its own budget, drawn from a
+    log-normal with median --new-tokens / --tail-ratio and 99th percentile --new-tokens ("lognormal": the heavy
+    tail of RL response lengths, so a batch ends with a few long rows). Lognormal rows report each backend's tail
+    (`*_tail_s`: the time after 90 % of the samples had finished) and idle fraction (`*_idle_fraction`: the
+    batch's slot-time left empty by finished samples, what a synchronous trainer waits through)."""
+    tail_ratio: float = 10.0
+    """With --lengths lognormal: the 99th percentile of the budgets over their median."""
     seed: int = RunConfig.seed
     out: str | None = None
     """Write the results as JSON here."""
@@ -107,6 +117,15 @@ class EngineBenchArgs:
                              "most once")
         if self.n < 1 or min(self.batch_sizes, default=0) < 1:
             raise ValueError("--n and every --batch-sizes value must be >= 1")
+        if self.lengths == "lognormal":
+            if self.data is not None:
+                raise ValueError("--lengths lognormal draws budgets for random prompts; --data samples stop at their "
+                                 "EOS: leave one of them out")
+            if {"hf", "vllm-llm"} & set(self.backends):
+                raise ValueError("--lengths lognormal gives each request its own budget, which only the asyncrl and "
+                                 "vllm backends take: use --backends asyncrl vllm")
+            if not self.tail_ratio >= 1.0:
+                raise ValueError(f"--tail-ratio {self.tail_ratio}: the 99th percentile over the median must be >= 1")
         self.torch_dtype()
 
     def torch_dtype(self) -> torch.dtype:
@@ -147,10 +166,17 @@ class Workload:
     prompts: list[list[int]]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    budgets: tuple[int, ...] | None = None  # --lengths lognormal: each prompt's max_new_tokens
 
     @property
     def sequences(self) -> int:
         return len(self.prompts) * self.params.n
+
+    def request_params(self) -> SamplingParams | list[SamplingParams]:
+        """The sampling of each prompt (its own budget under --lengths lognormal)."""
+        if self.budgets is None:
+            return self.params
+        return [dataclasses.replace(self.params, max_new_tokens=b) for b in self.budgets]
 
     @property
     def prompt_tokens(self) -> int:
@@ -158,7 +184,7 @@ class Workload:
 
     def prefill_only(self) -> "Workload":
         """The same prompts with one new token each: the time of this run is the prompts' prefill."""
-        return dataclasses.replace(self, params=dataclasses.replace(self.params, max_new_tokens=1))
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, max_new_tokens=1), budgets=None)
 
 
 def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
@@ -168,7 +194,7 @@ def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
     if args.data is None:
         gen = torch.Generator().manual_seed(args.seed)
         return [Workload(torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=gen).tolist(),
-                         params, ()) for b in args.batch_sizes]
+                         params, (), _budgets(args, b)) for b in args.batch_sizes]
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     prompts, _ = load_prompt_file(args.data, tokenizer, max_prompt_length=1024)
     if len(prompts) < max(args.batch_sizes):
@@ -176,6 +202,19 @@ def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
                          f"{max(args.batch_sizes)}")
     eos = tuple(model.config.eos_token_ids)
     return [Workload([p.prompt_ids for p in prompts[:b]], params, eos) for b in args.batch_sizes]
+
+
+def _budgets(args: EngineBenchArgs, batch: int) -> tuple[int, ...] | None:
+    if args.lengths == "fixed":
+        return None
+    return tuple(lognormal_budgets(batch, maximum=args.new_tokens, tail_ratio=args.tail_ratio, seed=args.seed))
+
+
+def _tails(name: str, engine, work: Workload, device: str) -> dict:
+    """`name`'s tail on `work` (--lengths lognormal): one more run through `add_request` / `step`, timing each
+    sample's finish (`asyncrl_bench.tails`)."""
+    _, finishes, total = time_finishes(engine, work.prompts, work.request_params(), lambda: synchronize(device))
+    return {f"{name}_{k}": v for k, v in tail_stats(finishes, total).items()}
 
 
 def _generated(outs) -> tuple[int, int]:
@@ -186,13 +225,13 @@ def _generated(outs) -> tuple[int, int]:
 def _time_engine(engine, work: Workload, device: str):
     """(outputs, seconds, decode steps or None) of a run after a warm-up run (graphs captured, kernels loaded).
     Any `RolloutEngine`; the decode steps are the embedded engine's (it counts them)."""
-    engine.generate(work.prompts, work.params)
+    engine.generate(work.prompts, work.request_params())
     stats = getattr(engine, "stats", None)
     if stats is not None:
         stats.clear()
     synchronize(device)
     start = time.perf_counter()
-    outs = engine.generate(work.prompts, work.params)
+    outs = engine.generate(work.prompts, work.request_params())
     synchronize(device)
     return outs, time.perf_counter() - start, None if stats is None else stats["decode_steps"]
 
@@ -244,14 +283,18 @@ def _in_own_process(function, *args):
         return pool.submit(function, *args).result()
 
 
-def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[list, float]]:
-    """vLLM behind our adapter, one engine for every workload: (outputs, output tok/s) of each, timed like ours
-    (after a warm-up run)."""
+def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[list, float, dict]]:
+    """vLLM behind our adapter, one engine for every workload: (outputs, output tok/s, tail fields) of each, timed
+    like ours (after a warm-up run)."""
     model = _load(args)
     engine = build_vllm_engine(model, _engine_config(args, *works), agent="bench", options=_vllm_options(args))
     del model
-    timed = [_time_engine(engine, work, args.device) for work in works]
-    return [(outs, _generated(outs)[0] / seconds) for outs, seconds, _ in timed]
+    out = []
+    for work in works:
+        outs, seconds, _ = _time_engine(engine, work, args.device)
+        tails = _tails("vllm", engine, work, args.device) if work.budgets is not None else {}
+        out.append((outs, _generated(outs)[0] / seconds, tails))
+    return out
 
 
 def _vllm_options(args: EngineBenchArgs) -> VLLMConfig:
@@ -333,9 +376,15 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
     nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2))
     prefill = prefill_flops(model, [len(p) for p in work.prompts])
     seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
+    tokens = work.sequences * args.new_tokens
+    if work.budgets is not None:  # step s runs the samples whose budget exceeds s, at context prompt + s
+        lengths = sorted(b for b in work.budgets for _ in range(work.params.n))
+        alive = [len(lengths) - bisect.bisect_right(lengths, s) for s in range(1, lengths[-1])]
+        seconds = prefill / flops + sum(step_bytes(model, rows, args.prompt_len + s) for s, rows in
+                                        enumerate(alive, 1)) / bandwidth
+        tokens = sum(lengths)
     return {**row, "step_bytes": nbytes, "prefill_flops": prefill, "roofline_s": seconds,
-            "roofline_tok_s": work.sequences * args.new_tokens / seconds,
-            "decode_roofline_tok_s": work.sequences * bandwidth / nbytes}
+            "roofline_tok_s": tokens / seconds, "decode_roofline_tok_s": work.sequences * bandwidth / nbytes}
 
 
 def _roofline_fractions(row: dict) -> None:
@@ -363,8 +412,9 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
     works = _workloads(args, model)
     results = [_in_process_row(args, model, batch, work) for batch, work in zip(args.batch_sizes, works)]
     if "vllm" in args.backends:
-        for row, (vllm_outs, tok_s) in zip(results, _in_own_process(_vllm_worker, args, works)):
+        for row, (vllm_outs, tok_s, tails) in zip(results, _in_own_process(_vllm_worker, args, works)):
             row["vllm_tok_s"], row["vllm_mean_len"] = tok_s, _generated(vllm_outs)[0] / row["sequences"]
+            row.update(tails)
             vllm_mismatch = logprob_mismatch(model, vllm_outs)
             row.update({f"vllm_{k}": vllm_mismatch[k] for k in ("mean_abs_dlogp", "max_abs_dlogp", "max_abs_logit")})
     if "vllm-llm" in args.backends:
@@ -387,7 +437,7 @@ def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) ->
     row = {"device": device_name(args.device), "model": args.model, "dtype": _dtype_name(args), "batch": batch,
            "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
            "prompt_len": max(map(len, work.prompts)), "prompt_tokens": work.prompt_tokens,
-           "new_tokens": args.new_tokens, **_roofline(args, model, work, args.device)}
+           "new_tokens": args.new_tokens, **_budget_fields(work), **_roofline(args, model, work, args.device)}
     if "asyncrl" in args.backends:
         row.update(_ours(args, model, work, row["step_bytes"], row["peak_bandwidth"]))
         print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, prefill {row['ours_prefill_s']:.3f} s, "
@@ -400,6 +450,15 @@ def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) ->
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return row
+
+
+def _budget_fields(work: Workload) -> dict:
+    """--lengths lognormal: the budgets' median, 99th percentile and mean."""
+    if work.budgets is None:
+        return {}
+    ordered = sorted(work.budgets)
+    return {"budget_p50": quantile(ordered, 0.5), "budget_p99": quantile(ordered, 0.99),
+            "budget_mean": sum(ordered) / len(ordered)}
 
 
 def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, bandwidth: float | None) -> dict:
@@ -417,4 +476,6 @@ def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, ba
               "decode_attention": engine.decode_kernel, "sampler": engine.sampler, **logprob_mismatch(model, outs)}
     if nbytes and bandwidth and step_s:
         fields["bandwidth_fraction"] = nbytes / bandwidth / step_s
+    if work.budgets is not None:
+        fields.update(_tails("ours", engine, work, args.device))
     return fields
