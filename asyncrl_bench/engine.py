@@ -99,6 +99,8 @@ class EngineBenchArgs:
     """Let vLLM's prefix cache serve the timed run the prompts the warm-up run already prefilled (our engine keeps
     no K/V between requests, so with it on vLLM skips work that ours does). Off by default, unlike a run's
     --rollout.vllm.enable-prefix-caching, so that both engines prefill the same prompts."""
+    kv_dtype: Literal["auto", "fp8"] = "auto"
+    """Our engine's and vLLM's K/V cache: the model's dtype, or float8 e4m3 (`--rollout.kv-dtype`)."""
     lengths: Literal["fixed", "lognormal"] = "fixed"
     """Random prompts: every sample generates --new-tokens ("fixed"), or each request its own budget, drawn from a
     log-normal with median --new-tokens / --tail-ratio and 99th percentile --new-tokens ("lognormal": the heavy
@@ -138,14 +140,15 @@ class EngineBenchArgs:
         return dtype
 
 
-def step_bytes(model, batch: int, attend_len: int) -> float:
-    """Bytes a decode step must move at least: every weight once (the embedding only for B rows) + KV."""
+def step_bytes(model, batch: int, attend_len: int, kv_elem: int | None = None) -> float:
+    """Bytes a decode step must move at least: every weight once (the embedding only for B rows) + KV (`kv_elem`
+    bytes an element: the model's dtype's unless given; 1 for a float8 cache)."""
     cfg = model.config
     elem = torch.finfo(model.dtype).bits // 8
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * elem
     if cfg.tie_word_embeddings:
         weights += cfg.vocab_size * cfg.hidden_size * elem
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (kv_elem or elem)
     return weights + batch * attend_len * kv_per_token
 
 
@@ -339,7 +342,7 @@ def _engine_config(args: EngineBenchArgs, *works: Workload) -> EngineConfig:
     return EngineConfig(max_slots=max(w.sequences for w in works),
                         max_len=max(max(map(len, w.prompts)) for w in works) + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
-                        decode_ahead=args.decode_ahead)
+                        decode_ahead=args.decode_ahead, kv_dtype=args.kv_dtype)
 
 
 @torch.inference_mode()
@@ -373,14 +376,15 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
            "roofline_s": None, "roofline_tok_s": None, "decode_roofline_tok_s": None}
     if not bandwidth or not flops or args.data is not None:
         return row
-    nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2))
+    kv_elem = 1 if args.kv_dtype == "fp8" else None
+    nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2), kv_elem)
     prefill = prefill_flops(model, [len(p) for p in work.prompts])
     seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
     tokens = work.sequences * args.new_tokens
     if work.budgets is not None:  # step s runs the samples whose budget exceeds s, at context prompt + s
         lengths = sorted(b for b in work.budgets for _ in range(work.params.n))
         alive = [len(lengths) - bisect.bisect_right(lengths, s) for s in range(1, lengths[-1])]
-        seconds = prefill / flops + sum(step_bytes(model, rows, args.prompt_len + s) for s, rows in
+        seconds = prefill / flops + sum(step_bytes(model, rows, args.prompt_len + s, kv_elem) for s, rows in
                                         enumerate(alive, 1)) / bandwidth
         tokens = sum(lengths)
     return {**row, "step_bytes": nbytes, "prefill_flops": prefill, "roofline_s": seconds,
@@ -434,7 +438,8 @@ def _dtype_name(args: EngineBenchArgs) -> str:
 
 def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) -> dict:
     """One row's workload, roofline, and the backends that run in this process (ours, transformers')."""
-    row = {"device": device_name(args.device), "model": args.model, "dtype": _dtype_name(args), "batch": batch,
+    row = {"device": device_name(args.device), "model": args.model, "dtype": _dtype_name(args),
+           "kv_dtype": args.kv_dtype, "batch": batch,
            "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
            "prompt_len": max(map(len, work.prompts)), "prompt_tokens": work.prompt_tokens,
            "new_tokens": args.new_tokens, **_budget_fields(work), **_roofline(args, model, work, args.device)}

@@ -94,6 +94,11 @@ class RolloutConfig:
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
     """The embedded engine's decode attention: a Triton split-K kernel that reads each row's own cached positions
     (CUDA), or SDPA under a length mask (any device); auto: Triton on CUDA when it installs and passes a probe."""
+    kv_dtype: Literal["auto", "fp8"] = "auto"
+    """The rollout engine's K/V cache: the engine's dtype ("auto"), or float8 e4m3 ("fp8": half a bf16 cache's
+    bytes, so about twice the slots in the same memory, for a train–rollout mismatch the learner corrects; needs
+    --trainer.off-policy.no-use-rollout-log-probs, so that it recomputes π_old and logs the mismatch as
+    rollout_corr/mismatch_kl). The embedded engine and vLLM (GPUs) store it; vLLM's scale is its default, 1."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
     backend: Literal["auto", "asyncrl", "vllm"] = "auto"

@@ -128,6 +128,8 @@ def _engine(cfg: RunConfig, shape: ModelShape, slots: int) -> EngineBytes:
                      lora=cfg.lora.enabled)
     if cfg.model.engine_dtype == "float32":
         e = dataclasses.replace(e, weights=2 * e.weights, kv_cache=2 * e.kv_cache)
+    if cfg.rollout.kv_dtype == "fp8":  # one byte a K/V element instead of the engine dtype's 2 or 4
+        e = dataclasses.replace(e, kv_cache=e.kv_cache / (4 if cfg.model.engine_dtype == "float32" else 2))
     return e
 
 

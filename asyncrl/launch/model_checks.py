@@ -99,6 +99,7 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
         found.append(str(err))
     found += _moe_flag_problems(cfg, impl)
     found += _r3_problems(cfg, impl)
+    found += _kv_dtype_problems(cfg, impl)
     if impl == "hf" and cfg.algorithm.needs_critic:
         own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
         found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
@@ -142,6 +143,28 @@ def _moe_flag_problems(cfg: RunConfig, impl: str) -> list[str]:
 def _cpu_agents(cfg: RunConfig) -> list[str]:
     """The agent devices that are not GPUs."""
     return [str(d) for d in cfg.placement.agent_devices if not str(d).startswith("cuda")]
+
+
+def _kv_dtype_problems(cfg: RunConfig, impl: str) -> list[str]:
+    """--rollout.kv-dtype fp8 makes the behaviour log-probs those of a rounded cache: the learner must recompute
+    π_old (so the off-policy correction sees the mismatch), and vLLM stores fp8 K/V on GPUs only."""
+    if cfg.rollout.kv_dtype != "fp8":
+        return []
+    found = []
+    if cfg.trainer.off_policy.use_rollout_log_probs:
+        found.append("--rollout.kv-dtype fp8: the engine samples from a float8 cache, so its log-probs are not the "
+                     "trained policy's; add --trainer.off-policy.no-use-rollout-log-probs (the learner recomputes "
+                     "π_old, corrects the mismatch and logs it as rollout_corr/mismatch_kl)")
+    try:
+        vllm = resolve_backend(impl, cfg.rollout.backend) == "vllm"
+    except ValueError:
+        return found  # the backend check says why
+    cpu = _cpu_agents(cfg)
+    if vllm and cpu:
+        found.append(f"--rollout.kv-dtype fp8 with vLLM runs on GPUs, and --placement.agent-devices has "
+                     f"{', '.join(cpu)}; on CPU use --rollout.backend asyncrl (the embedded engine stores fp8 K/V "
+                     "anywhere)")
+    return found
 
 
 def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:

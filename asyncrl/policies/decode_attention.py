@@ -5,7 +5,8 @@ kernel of `asyncrl.policies.triton_decode` (CUDA).
     out = attend(q, k_cache, v_cache, positions, attend_len)       # [B, H, D]
 
 Both take q [B, H, D] (one query per row, after RoPE), the layer's cache [slots, Hkv, max_len, D] (row b in
-slot b, its new K/V already written at `positions[b]`) and attend to positions 0..positions[b].
+slot b, its new K/V already written at `positions[b]`; in q's dtype or float8, which they read back in q's) and
+attend to positions 0..positions[b].
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def sdpa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, 
     seen = torch.arange(attend_len, device=q.device)
     mask = (seen[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, L]
     grouped = rearrange(q, "b (hkv g) d -> b hkv g d", hkv=k_cache.shape[1])  # G queries per KV head
-    out = F.scaled_dot_product_attention(grouped, k_cache[:b, :, :attend_len], v_cache[:b, :, :attend_len],
-                                         attn_mask=mask)
+    # a float8 cache (--rollout.kv-dtype fp8) is read back in the queries' dtype
+    k, v = (cache[:b, :, :attend_len].to(q.dtype) for cache in (k_cache, v_cache))
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
     return rearrange(out, "b hkv g d -> b (hkv g) d")
 
 

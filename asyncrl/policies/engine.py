@@ -54,7 +54,7 @@ from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
-from asyncrl.policies.kv_cache import KVCache
+from asyncrl.policies.kv_cache import KVCache, KVDtype, kv_storage
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.config.run_config import LORA_TARGETS
 from asyncrl.policies.model import CausalLM, use_fused_kernels
@@ -84,6 +84,9 @@ class EngineConfig:
     the GPU (batches with top-k/top-p rows always run one step at a time)."""
     decode_attention: DecodeKernel = "auto"
     """Decode attention over the cache: "triton" (CUDA), "sdpa", or "auto" (Triton where it runs and agrees with SDPA)."""
+    kv_dtype: KVDtype = "auto"
+    """The K/V cache's storage: the model's dtype ("auto"), or float8 e4m3 ("fp8": half a bf16 cache's bytes, so
+    twice the slots in the same memory, for a train–rollout mismatch; `asyncrl.policies.kv_cache`)."""
     fused_kernels: bool = True
     """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
     seed: int = 0
@@ -101,6 +104,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}: choose auto, sdpa or triton")
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}: choose auto or fp8")
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,7 +154,8 @@ class Engine(EngineControl[_Request]):
         attention = decode_attention(config.decode_attention, model.device, model.dtype, cfg.head_dim)
         self.decode_kernel = "triton" if attention is not sdpa_decode else "sdpa"
         self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
-                             model.dtype, model.device, attention=attention)
+                             model.dtype, model.device, attention=attention, storage=kv_storage(config.kv_dtype,
+                                                                                               model.dtype))
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Sample] = []  # index = KV slot
         self._rng = torch.Generator().manual_seed(config.seed)

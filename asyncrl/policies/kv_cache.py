@@ -15,20 +15,42 @@ sequence) so short batches do not pay for the full budget.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from einops import rearrange
 from torch import Tensor
 
 from asyncrl.policies.decode_attention import DecodeAttention, sdpa_decode
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KVDtype", "kv_storage", "FP8_MAX"]
+
+KVDtype = Literal["auto", "fp8"]
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+"""448: float8 e4m3's largest finite value. K/V are stored unscaled (a scale of 1, as vLLM's default fp8 cache),
+clamped to ±448: the e4m3 format has no infinity, and a cast past it gives NaN."""
+
+
+def kv_storage(kv_dtype: KVDtype, compute: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for `--rollout.kv-dtype`: the model's own ("auto"), or float8 e4m3 ("fp8")."""
+    if kv_dtype == "fp8":
+        return torch.float8_e4m3fn
+    if kv_dtype == "auto":
+        return compute
+    raise ValueError(f"--rollout.kv-dtype {kv_dtype}: choose auto or fp8")
 
 
 class KVCache:
+    """K/V of every running sequence, stored in `storage` (the compute `dtype` unless `--rollout.kv-dtype fp8`):
+    written rounded to it, read back in `dtype` (the decode attention converts what it reads, on the Triton path
+    inside the kernel)."""
+
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, *, attention: DecodeAttention = sdpa_decode):
+                 dtype: torch.dtype, device: torch.device | str, *, attention: DecodeAttention = sdpa_decode,
+                 storage: torch.dtype | None = None):
         self.shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
+        self.storage = storage or dtype
         self.num_slots, self.max_len = num_slots, max_len
         self.attend_len = max_len  # decode attends over positions [0, attend_len)
         self.attention = attention  # the decode step's attention over a layer's slots
@@ -45,12 +67,27 @@ class KVCache:
         n = 1
         for d in self.shape:
             n *= d
-        return 2 * n * torch.finfo(self.dtype).bits // 8
+        return 2 * n * torch.finfo(self.storage).bits // 8
 
     def allocate(self) -> None:
         if self.k is None:
-            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.k = torch.zeros(self.shape, dtype=self.storage, device=self.device)
+            self.v = torch.zeros(self.shape, dtype=self.storage, device=self.device)
+
+    def _stored(self, x: Tensor) -> Tensor:
+        """`x` as `_raw` writes it: float8 (clamped to its finite range first) as its bytes; else itself."""
+        if self.storage == torch.float8_e4m3fn:
+            return x.clamp(-FP8_MAX, FP8_MAX).to(self.storage).view(torch.uint8)
+        return x
+
+    def _raw(self, cache: Tensor) -> Tensor:
+        """The cache as the writes and copies address it: a float8 cache as its bytes (torch indexes float8 for
+        few of the indexed copies the cache makes), any other as itself."""
+        return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+    def _read(self, raw: Tensor) -> Tensor:
+        """What `_raw` addressed, in the compute dtype."""
+        return (raw.view(self.storage) if self.storage == torch.float8_e4m3fn else raw).to(self.dtype)
 
     def free(self) -> None:
         self.k = self.v = None
@@ -58,8 +95,8 @@ class KVCache:
     def write_prefill(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Write K/V [B, Hkv, S, D] of whole prompts into `slots` [B] at positions 0..S-1."""
         s = k.shape[2]
-        self.k[layer, :, :, :s].index_copy_(0, slots, k)
-        self.v[layer, :, :, :s].index_copy_(0, slots, v)
+        self._raw(self.k)[layer, :, :, :s].index_copy_(0, slots, self._stored(k))
+        self._raw(self.v)[layer, :, :, :s].index_copy_(0, slots, self._stored(v))
 
     def write_extend(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
                      span: int) -> tuple[Tensor, Tensor]:
@@ -71,19 +108,20 @@ class KVCache:
         rows = slots[:, None].expand_as(positions)
         at = positions.clamp(max=self.max_len - 1)
         # indexed by [B, S] rows and positions around the head axis, the cache takes [B, S, Hkv, D]
-        self.k[layer][rows, :, at] = rearrange(k, "b h s d -> b s h d")
-        self.v[layer][rows, :, at] = rearrange(v, "b h s d -> b s h d")
-        return self.k[layer].index_select(0, slots)[:, :, :span], self.v[layer].index_select(0, slots)[:, :, :span]
+        keys, values = self._raw(self.k)[layer], self._raw(self.v)[layer]
+        keys[rows, :, at] = self._stored(rearrange(k, "b h s d -> b s h d"))
+        values[rows, :, at] = self._stored(rearrange(v, "b h s d -> b s h d"))
+        return (self._read(keys.index_select(0, slots)[:, :, :span]),
+                self._read(values.index_select(0, slots)[:, :, :span]))
 
     def attend_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
         """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`), then attend: q [B, H, 1, D]
         over each slot's positions 0..positions[b] (`self.attention`, reading at most `attend_len`) -> [B, H, 1, D]."""
         b = k.shape[0]
         rows = torch.arange(b, device=k.device)
-        cache_k, cache_v = self.k[layer], self.v[layer]
-        cache_k[rows, :, positions] = k[:, :, 0]
-        cache_v[rows, :, positions] = v[:, :, 0]
-        return self.attention(q[:, :, 0], cache_k, cache_v, positions, self.attend_len)[:, :, None]
+        self._raw(self.k)[layer][rows, :, positions] = self._stored(k[:, :, 0])
+        self._raw(self.v)[layer][rows, :, positions] = self._stored(v[:, :, 0])
+        return self.attention(q[:, :, 0], self.k[layer], self.v[layer], positions, self.attend_len)[:, :, None]
 
     @torch.inference_mode()
     def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:
@@ -93,25 +131,26 @@ class KVCache:
         if length == 0:
             return
         dst_t = torch.as_tensor(dst, device=self.device).reshape(-1)
-        for cache in (self.k, self.v):
+        for cache in (self._raw(self.k), self._raw(self.v)):
             cache[:, dst_t, :, :length] = cache[:, src:src + 1, :, :length]
 
     @torch.inference_mode()
     def read_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
-        """A copy of the first `length` positions of `slot` (all layers): K and V [layers, Hkv, length, D]."""
-        return self.k[:, slot, :, :length].clone(), self.v[:, slot, :, :length].clone()
+        """A copy of the first `length` positions of `slot` (all layers): K and V [layers, Hkv, length, D], as stored
+        (a float8 cache's as bytes)."""
+        return self._raw(self.k)[:, slot, :, :length].clone(), self._raw(self.v)[:, slot, :, :length].clone()
 
     @torch.inference_mode()
     def write_slot(self, slot: int, kv: tuple[Tensor, Tensor]) -> None:
         """Write what `read_slot` returned into the first positions of `slot`."""
         k, v = kv
-        self.k[:, slot, :, :k.shape[2]] = k
-        self.v[:, slot, :, :v.shape[2]] = v
+        self._raw(self.k)[:, slot, :, :k.shape[2]] = k
+        self._raw(self.v)[:, slot, :, :v.shape[2]] = v
 
     @torch.inference_mode()
     def swap_slots(self, a: int, b: int, len_a: int, len_b: int) -> None:
         """Exchange the first `len_a` positions of slot `a` with the first `len_b` of slot `b` (all layers)."""
-        for cache in (self.k, self.v):
+        for cache in (self._raw(self.k), self._raw(self.v)):
             kept = cache[:, a, :, :len_a].clone()
             cache[:, a, :, :len_b] = cache[:, b, :, :len_b]
             cache[:, b, :, :len_a] = kept

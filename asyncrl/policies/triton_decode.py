@@ -52,14 +52,14 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_row + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_row + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N], log2 units
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_row + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_row + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if PV_TF32:  # probabilities kept to tf32's 10 bits (rounded to the cache's dtype otherwise)
             pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
         else:
@@ -105,7 +105,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
     """Attention of one query per row over its slot's first `lengths[b]` cached positions.
 
     Args:
-      q: [B, H, D] queries (after RoPE), the cache's dtype.
+      q: [B, H, D] queries (after RoPE), the model's dtype; the cache in it or in float8 (converted as loaded).
       k_cache, v_cache: [slots, Hkv, max_len, D], slot b holding row b (slots >= B; last dim contiguous).
       lengths: [B] integer, 1 <= lengths[b] <= attend_len.
       attend_len: an upper bound of the lengths, on the host (chooses the split count; one per graph shape).

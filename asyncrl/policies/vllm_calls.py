@@ -30,7 +30,8 @@ __all__ = ["LoadGroups", "RELOAD_LOSES", "engine_args", "experts_prefix", "place
 
 
 def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len: int, dtype: torch.dtype,
-                device: str, kv_bytes: int | None, seed: int, lora_rank: int = 0, return_routes: bool = False) -> dict:
+                device: str, kv_bytes: int | None, seed: int, lora_rank: int = 0, return_routes: bool = False,
+                kv_dtype: str = "auto") -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -45,6 +46,7 @@ def engine_args(model_dir: str, options: VLLMConfig, *, max_slots: int, max_len:
                 tensor_parallel_size=tp, disable_log_stats=True, **placement,
                 **(_lora_args(lora_rank) if lora_rank else {}),
                 **({"enable_return_routed_experts": True} if return_routes else {}),  # MoE routes per token
+                **({"kv_cache_dtype": "fp8"} if kv_dtype == "fp8" else {}),  # --rollout.kv-dtype fp8
                 enable_sleep_mode=device.startswith("cuda"),  # without it, sleep() frees no weights or KV
                 **({} if device.startswith("cuda") else _cpu_prefill(model_dir, max_slots, max_len)))
 

@@ -156,7 +156,7 @@ class VLLMEngine(EngineControl[_Request]):
                  options: VLLMConfig = VLLMConfig(), kv_bytes: int | None = None, seed: int = 0, version: int = 0,
                  lora_rank: int = 0, lora_alpha: float = 0.0,
                  lora_base: dict[str, Tensor] | DirectoryWeights | None = None,
-                 lora_targets: Sequence[str] = LORA_TARGETS, return_routes: bool = False):
+                 lora_targets: Sequence[str] = LORA_TARGETS, return_routes: bool = False, kv_dtype: str = "auto"):
         missing = vllm_missing()
         if missing:
             raise ValueError(f"--rollout.backend vllm: {missing}")
@@ -178,7 +178,7 @@ class VLLMEngine(EngineControl[_Request]):
         self._engine = vllm_llm_engine(str(model_dir), options, max_slots=max_slots, max_len=max_len, dtype=dtype,
                                        device=device, kv_bytes=kv_bytes, seed=seed,
                                        lora_rank=lora_rank if self._lora_mode == "adapter" else 0,
-                                       return_routes=return_routes)
+                                       return_routes=return_routes, kv_dtype=kv_dtype)
         self._groups = vllm_load_groups(self._engine, weight_shapes)  # what an update must bring whole
         self._live: dict[str, tuple[_Request, _Sample]] = {}  # vLLM request id -> the sample it generates
         self._held: list[tuple[_Request, _Sample]] = []  # samples to queue in vLLM on resume / wake-up
@@ -385,7 +385,8 @@ def build_vllm_engine(model: CausalLM | ModelDirectory, config: EngineConfig, *,
                           eos_token_ids=model.config.eos_token_ids, max_slots=config.max_slots,
                           max_len=config.max_len, dtype=model.dtype, device=str(model.device), options=options,
                           kv_bytes=kv, seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
-                          lora_base=base, lora_targets=config.lora_targets, return_routes=return_routes)
+                          lora_base=base, lora_targets=config.lora_targets, return_routes=return_routes,
+                          kv_dtype=config.kv_dtype)
 
 
 def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VLLMConfig,
@@ -396,7 +397,7 @@ def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VL
                       eos_token_ids=directory.eos_token_ids, max_slots=config.max_slots, max_len=config.max_len,
                       dtype=directory.dtype, device=directory.device, options=options, kv_bytes=kv,
                       seed=config.seed, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_base=base,
-                      lora_targets=config.lora_targets, return_routes=return_routes)
+                      lora_targets=config.lora_targets, return_routes=return_routes, kv_dtype=config.kv_dtype)
 
 
 def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
