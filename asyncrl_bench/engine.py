@@ -380,15 +380,15 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
     nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2), kv_elem)
     prefill = prefill_flops(model, [len(p) for p in work.prompts])
     seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
-    tokens = work.sequences * args.new_tokens
+    tokens, decode_roofline = work.sequences * args.new_tokens, work.sequences * bandwidth / nbytes
     if work.budgets is not None:  # step s runs the samples whose budget exceeds s, at context prompt + s
         lengths = sorted(b for b in work.budgets for _ in range(work.params.n))
         alive = [len(lengths) - bisect.bisect_right(lengths, s) for s in range(1, lengths[-1])]
-        seconds = prefill / flops + sum(step_bytes(model, rows, args.prompt_len + s, kv_elem) for s, rows in
-                                        enumerate(alive, 1)) / bandwidth
-        tokens = sum(lengths)
+        moved = sum(step_bytes(model, rows, args.prompt_len + s, kv_elem) for s, rows in enumerate(alive, 1))
+        seconds, tokens = prefill / flops + moved / bandwidth, sum(lengths)
+        nbytes = moved / max(len(alive), 1)  # the mean decode step's: what its bandwidth fraction is read against
     return {**row, "step_bytes": nbytes, "prefill_flops": prefill, "roofline_s": seconds,
-            "roofline_tok_s": tokens / seconds, "decode_roofline_tok_s": work.sequences * bandwidth / nbytes}
+            "roofline_tok_s": tokens / seconds, "decode_roofline_tok_s": decode_roofline}
 
 
 def _roofline_fractions(row: dict) -> None:

@@ -61,6 +61,8 @@ def test_the_sync_roofline_counts_only_the_rows_still_running(monkeypatch):
     want = row["prefill_flops"] / 1e9 + sum(step_bytes(model, rows, 6 + s) for s, rows in alive.items()) / 1e8
     assert row["roofline_s"] == pytest.approx(want)
     assert row["roofline_tok_s"] == pytest.approx(10 / want)
+    # a decode step's bytes are the mean step's (the bandwidth fraction of a measured step is read against it)
+    assert row["step_bytes"] == pytest.approx(sum(step_bytes(model, rows, 6 + s) for s, rows in alive.items()) / 4)
 
 
 def test_a_lognormal_cpu_run_generates_each_budget_and_reports_the_tail(tmp_path):
