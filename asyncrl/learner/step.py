@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from asyncrl import algos
 from asyncrl.learner.batch import RolloutBatch, collate
 from asyncrl.learner.prepare import Prepared, prepare, prepare_share
 from asyncrl.learner.share import Deal, Share, group_counts, take_share
@@ -55,7 +56,11 @@ def _actor_update(state: LearnerState, prep: Prepared, deal: Deal) -> dict:
     state.optimizer_steps += result.updates
     state.skipped_updates += result.skipped
     out = {f"actor/{k}": v / max(result.updates, 1) for k, v in result.sums.items()}
-    out.update({f"actor/{k}": v for k, v in result.means.items()})
+    means = dict(result.means)
+    ratio, ratio_sq = means.pop("behaviour_ratio", None), means.pop("behaviour_ratio_sq", None)
+    if ratio is not None:  # the drift from μ over the step's tokens (`asyncrl.algos.drift`)
+        out["actor/behaviour_ess"] = algos.effective_sample_size(ratio, ratio_sq)
+    out.update({f"actor/{k}": v for k, v in means.items()})
     out["actor/grad_norm"] = result.mean_grad_norm
     out["actor/lr"] = state.scheduler.get_last_lr()[0]
     out["actor/skipped_updates"] = state.skipped_updates

@@ -160,6 +160,7 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
         kl_loss = algos.agg_loss(algo.kl_estimator()(logp, prep.logp_ref[idx]), mask, **agg)
         loss = loss + algo.kl_loss_coef * kl_loss
     behaviour_kl = algos.agg_loss(algos.kl_k3(logp, prep.batch.logp_behaviour[idx]), mask, **agg)
+    drift = algos.behaviour_drift(logp, prep.batch.logp_behaviour[idx], mask)
     if cfg.off_policy.behaviour_kl_coef > 0:
         loss = loss + cfg.off_policy.behaviour_kl_coef * behaviour_kl
     moe: dict[str, Tensor] = {}
@@ -171,7 +172,8 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
     return MicroStats(sums={"pg_loss": pg.loss.detach() * size, "entropy": entropy.detach() * size,
                             "kl_loss": kl_loss.detach() * size, "behaviour_kl": behaviour_kl.detach() * size},
                       means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower,
-                             **moe},
+                             "behaviour_k1": drift.k1, "behaviour_ratio": drift.ratio,
+                             "behaviour_ratio_sq": drift.ratio_sq, **moe},
                       tokens=mask.sum())
 
 

@@ -1,7 +1,7 @@
 """What a run prints: start-up phases, one short line per version, and a progress bar on a terminal.
 
     line = version_line(metrics, version=12, total=20, wall_s=96.0, eta_s=64.0)
-    # 'v 12/20   96s  ETA 1m04s  reward 0.875  len 8.0  lag 1  sync 0.68s  77 tok/s'
+    # 'v 12/20   96s  ETA 1m04s  reward 0.875  len 8.0  lag 1  drift 2.1e-04  sync 0.68s  77 tok/s'
 
 A version line stays under 120 characters. When more than `warn_share` of the version's rewards errored or
 timed out, the line ends with a warning (red on a terminal) naming the share. On an interactive terminal
@@ -54,6 +54,7 @@ _FIELDS = (  # (metric, label, format)
     ("response_length/mean", "len", lambda v: f"{v:.1f}"),
     ("actor/entropy", "ent", _num),
     ("training/version_lag/max", "lag", lambda v: f"{v:.0f}"),
+    ("actor/behaviour_k1", "drift", lambda v: f"{v:.1e}"),  # KL(μ‖π_θ), k1 (asyncrl.algos.drift)
     ("timing_s/param_sync", "sync", lambda v: f"{v:.2f}s"),
     ("perf/throughput", "tok/s", lambda v: f"{v:.0f}"),
 )

@@ -91,7 +91,8 @@ def summarize(rows: list[dict], run_dir: str | pathlib.Path | None = None) -> di
         except (json.JSONDecodeError, AttributeError):
             pass
     for name, key in (("trainer_idle_ratio", "trainer/idle_ratio"), ("rollouter_idle_ratio", "rollouter/idle_ratio"),
-                      ("param_sync_s", "timing_s/param_sync"), ("throughput", "perf/throughput")):
+                      ("param_sync_s", "timing_s/param_sync"), ("throughput", "perf/throughput"),
+                      ("behaviour_k1", "actor/behaviour_k1"), ("behaviour_ess", "actor/behaviour_ess")):
         out[f"mean_{name}"] = _mean(_series(rows, key)[1])
     hist = _lag_histogram(rows)
     if hist:
@@ -183,9 +184,36 @@ def _plot_idle(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
     return _save(fig, out / "idle.png")
 
 
+def _plot_drift(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
+    """The drift of the trained policy from the behaviour policy per version: KL(μ‖π_θ) (k1; its absolute value on a
+    log axis, as a batch's estimate can be negative) and k3, and the ratios' effective sample size."""
+    kls = [(k, lab) for k, lab in (("actor/behaviour_k1", "|k1| KL(μ‖π)"), ("actor/behaviour_kl", "k3"))
+           if _series(rows, k)[1]]
+    if not kls:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for key, label in kls:
+        xs, ys = _series(rows, key)
+        ax.plot(xs, [max(abs(y), 1e-12) for y in ys], marker="o", markersize=3, label=label)
+    ax.set_yscale("log")
+    ax.set(xlabel="version", ylabel="drift from μ (nats a token)", title=f"{title}: drift from the behaviour policy")
+    ax.grid(alpha=0.3)
+    xs, ys = _series(rows, "actor/behaviour_ess")
+    if ys:
+        twin = ax.twinx()
+        twin.plot(xs, ys, ":", color="tab:gray", label="ESS of π/μ")
+        twin.set_ylim(0, 1.02)
+        twin.set_ylabel("effective sample size (normalised)")
+        twin.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, out / "drift.png")
+
+
 FIGURES = (("reward.png", "Reward vs version and wall-clock", _plot_reward),
            ("throughput.png", "Throughput vs version", _plot_throughput),
            ("version_lag.png", "Version lag of trained groups", _plot_lag),
+           ("drift.png", "Drift from the behaviour policy", _plot_drift),
            ("idle.png", "Trainer and rollouter idle ratios", _plot_idle))
 
 
@@ -215,7 +243,9 @@ def _markdown(run_dir: pathlib.Path, figures: list[tuple[str, pathlib.Path]], su
               f"| mean trainer/idle_ratio | {_fmt(summary.get('mean_trainer_idle_ratio'), 3)} |",
               f"| mean rollouter/idle_ratio | {_fmt(summary.get('mean_rollouter_idle_ratio'), 3)} |",
               f"| mean timing_s/param_sync (s) | {_fmt(summary.get('mean_param_sync_s'), 3)} |",
-              f"| mean perf/throughput (tok/s) | {_fmt(summary.get('mean_throughput'), 4)} |"]
+              f"| mean perf/throughput (tok/s) | {_fmt(summary.get('mean_throughput'), 4)} |",
+              f"| mean actor/behaviour_k1, KL(μ‖π) | {_fmt(summary.get('mean_behaviour_k1'), 3)} |",
+              f"| mean actor/behaviour_ess | {_fmt(summary.get('mean_behaviour_ess'), 3)} |"]
     if "trained_groups" in summary:
         lines += [f"| trained groups (lag histogram) | {summary['trained_groups']} |",
                   f"| mean version lag | {_fmt(summary.get('mean_version_lag'), 3)} |"]

@@ -87,3 +87,42 @@ def test_lognormal_lengths_refuse_what_cannot_take_them(change, flag):
     with pytest.raises(ValueError, match=flag):
         base = EngineBenchArgs(device="cpu", lengths="lognormal", backends=("asyncrl",))
         dataclasses.replace(base, **change).validate()
+
+
+def test_finish_times_come_from_any_engine_s_steps():
+    """`time_finishes` over the `RolloutEngine` protocol (what vLLM's adapter is timed through too): a fake engine
+    whose requests end after as many steps as their budgets, one step a millisecond or so."""
+    import time
+
+    from asyncrl.policies import SamplingParams
+    from asyncrl.types import Completion, GenerationOutput
+    from asyncrl_bench.tails import time_finishes
+
+    class Steps:
+        def __init__(self):
+            self.left, self.params = {}, {}
+
+        def add_request(self, prompt_ids, params):
+            rid = str(len(self.left))
+            self.left[rid], self.params[rid] = params.max_new_tokens, (prompt_ids, params)
+            return rid
+
+        def step(self):
+            time.sleep(0.002)
+            done = []
+            for rid in [r for r, n in self.left.items() if n > 0]:
+                self.left[rid] -= 1
+                if self.left[rid] == 0:
+                    prompt, params = self.params[rid]
+                    done.append(GenerationOutput(rid, prompt, [Completion([1] * params.max_new_tokens, [0.0] *
+                                                                          params.max_new_tokens, [0] *
+                                                                          params.max_new_tokens)
+                                                               for _ in range(params.n)], True))
+            return done
+
+    budgets = [1, 5, 2, 9]
+    params = [SamplingParams(n=2, max_new_tokens=b) for b in budgets]
+    outs, finishes, total = time_finishes(Steps(), [[1], [2], [3], [4]], params, lambda: None)
+    assert [len(o.completions[0].token_ids) for o in outs] == budgets  # in prompt order
+    assert len(finishes) == 8 and sorted(finishes) == finishes and finishes[-1] <= total
+    assert finishes[0] < finishes[2] < finishes[4] < finishes[6]  # budget 1, then 2, 5 and 9 steps

@@ -10,14 +10,14 @@ from asyncrl.tracking.console import LINE_WIDTH, Console, eta_seconds, format_se
 from asyncrl.runtime.controller import RunSummary
 
 FULL = {"critic/score/mean": 0.875, "response_length/mean": 123.4, "actor/entropy": 0.0123,
-        "training/version_lag/max": 2, "timing_s/param_sync": 0.68, "perf/throughput": 12345.6,
-        "reward/error_share": 0.0}
+        "training/version_lag/max": 2, "actor/behaviour_k1": 2.1e-4, "timing_s/param_sync": 0.68,
+        "perf/throughput": 12345.6, "reward/error_share": 0.0}
 
 
 def test_line_shows_progress_eta_and_the_main_numbers():
     line = version_line(FULL, version=12, total=20, wall_s=96.0, eta_s=64.0)
     assert line.startswith("v 12/20   1m36s  ETA 1m04s")
-    for part in ("reward 0.875", "len 123.4", "lag 2", "sync 0.68s", "12346 tok/s"):
+    for part in ("reward 0.875", "len 123.4", "lag 2", "drift 2.1e-04", "sync 0.68s", "12346 tok/s"):
         assert part in line, part
     assert "rewards failed" not in line
 

@@ -1,0 +1,57 @@
+"""Drift: how far the policy being trained has moved from the behaviour policy μ that sampled its tokens, read off
+the log-ratio the policy loss already computes. With λ_t = log π_θ(y_t) − log μ(y_t) and r_t = e^λ_t over the
+valid tokens (samples of μ):
+
+    k1     = mean(−λ)              the k1 estimate of KL(μ ‖ π_θ): unbiased, so a batch's value can be negative
+    ratio  = mean(r),  ratio_sq = mean(r²)
+    ess    = ratio² / ratio_sq     the normalised effective sample size (Σr)² / (N·Σr²) ∈ (0, 1] of the ratios
+
+Every field is a mean over tokens, so micro-batches and ranks combine them weighted by their tokens, and the ESS of
+the union is `effective_sample_size` of the combined means. On-policy (λ = 0): k1 0, ratio 1, ess 1.
+
+    drift = behaviour_drift(logp, logp_behaviour, mask)       # [B, T] each
+    effective_sample_size(drift.ratio, drift.ratio_sq)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from asyncrl.algos._checks import check_mask, check_token_tensor
+from asyncrl.algos.masked import masked_mean
+
+__all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size"]
+
+_CLAMP = 20.0  # as the importance weights': e^20 is finite in fp32
+
+
+class BehaviourDrift(NamedTuple):
+    k1: Tensor  # mean(log μ − log π_θ) over valid tokens (0-d; 0 without any)
+    ratio: Tensor  # mean of r = π_θ / μ (log-ratio clamped to ±20)
+    ratio_sq: Tensor  # mean of r²
+
+
+def behaviour_drift(logp: Tensor, logp_behaviour: Tensor, response_mask: Tensor) -> BehaviourDrift:
+    """Token means of the drift from μ (module docstring), detached.
+
+    Args:
+      logp: [B, T] log π_θ of the sampled tokens.
+      logp_behaviour: [B, T] log μ of the same tokens (the engine's).
+      response_mask: [B, T] bool, the tokens that count.
+    """
+    fn = "behaviour_drift"
+    check_token_tensor(fn, "logp", logp)
+    check_token_tensor(fn, "logp_behaviour", logp_behaviour, like=logp)
+    mask = check_mask(fn, "response_mask", response_mask, logp)
+    log_ratio = torch.where(mask, (logp.detach() - logp_behaviour.detach()).float(), 0.0)  # masked: 0, never ±inf
+    ratio = torch.exp(log_ratio.clamp(-_CLAMP, _CLAMP))
+    return BehaviourDrift(k1=masked_mean(-log_ratio, mask), ratio=masked_mean(ratio, mask),
+                          ratio_sq=masked_mean(ratio.square(), mask))
+
+
+def effective_sample_size(ratio: float, ratio_sq: float) -> float:
+    """The normalised ESS (E r)² / E r² ∈ (0, 1] of token means of r and r² (1 when there were no tokens)."""
+    return ratio * ratio / ratio_sq if ratio_sq > 0 else 1.0
