@@ -23,7 +23,7 @@ from torch import Tensor
 from asyncrl.algos._checks import check_mask, check_token_tensor
 from asyncrl.algos.masked import masked_mean
 
-__all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size"]
+__all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size", "SequenceMask", "off_policy_sequence_mask"]
 
 _CLAMP = 20.0  # as the importance weights': e^20 is finite in fp32
 
@@ -50,6 +50,41 @@ def behaviour_drift(logp: Tensor, logp_behaviour: Tensor, response_mask: Tensor)
     ratio = torch.exp(log_ratio.clamp(-_CLAMP, _CLAMP))
     return BehaviourDrift(k1=masked_mean(-log_ratio, mask), ratio=masked_mean(ratio, mask),
                           ratio_sq=masked_mean(ratio.square(), mask))
+
+
+class SequenceMask(NamedTuple):
+    mask: Tensor  # [B, T] bool: the response mask with the masked sequences' tokens removed (never adds a token)
+    masked_fraction: Tensor  # 0-d: the share of the valid tokens removed
+
+
+def off_policy_sequence_mask(logp: Tensor, logp_behaviour: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                             threshold: float) -> SequenceMask:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv:2512.02556, "OPSM"): a sequence with a negative advantage
+    whose drift from μ, the mean over its valid tokens of log μ − log π_θ (its k1 estimate of KL(μ‖π_θ)), exceeds
+    `threshold` (δ) gets no loss; every other sequence keeps its tokens. Stale samples that would push the policy
+    away from what it did badly, computed for a policy that has since moved on, are the ones that destabilise
+    off-policy updates; positive-advantage sequences and those the policy still explains are kept. The loss's
+    normalisers are not changed (the masked tokens count as zeros, as in the paper).
+
+    Args:
+      logp: [B, T] log π_θ of the sampled tokens (the policy being trained; detached here).
+      logp_behaviour: [B, T] log μ of the same tokens.
+      advantages: [B, T] per-token advantages (a sequence is negative where its valid tokens' mean is).
+      response_mask: [B, T] bool.
+      threshold: δ ≥ 0, in nats a token.
+    """
+    fn = "off_policy_sequence_mask"
+    check_token_tensor(fn, "logp", logp)
+    check_token_tensor(fn, "logp_behaviour", logp_behaviour, like=logp)
+    check_token_tensor(fn, "advantages", advantages, like=logp)
+    mask = check_mask(fn, "response_mask", response_mask, logp)
+    if not threshold >= 0:
+        raise ValueError(f"{fn}: threshold δ must be >= 0 (nats a token), got {threshold}")
+    drift = masked_mean(torch.where(mask, (logp_behaviour - logp).detach().float(), 0.0), mask, dim=-1)  # [B]
+    negative = masked_mean(torch.where(mask, advantages.detach().float(), 0.0), mask, dim=-1) < 0
+    kept = mask & ~(negative & (drift > threshold))[:, None]
+    removed = (mask.sum() - kept.sum()).float() / mask.sum().clamp(min=1).float()
+    return SequenceMask(kept, removed)
 
 
 def effective_sample_size(ratio: float, ratio_sq: float) -> float:

@@ -75,6 +75,11 @@ class OffPolicyConfig:
     """β of a KL(π_θ ‖ μ) loss term toward the behaviour policy that sampled the tokens (k3 estimator on the
     behaviour log-probs, aggregated like the policy loss): keeps an update near the data's sampler however
     stale it is. 0 = off."""
+    opsm_threshold: float | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2): a sequence with a negative advantage whose drift from the
+    behaviour policy μ, the mean over its tokens of log μ − log π_θ with π_θ the policy being trained (measured in
+    every micro-batch of the update), exceeds this δ gets no loss (e.g. 0.01 nats a token; unset: off). Bounds
+    the step relative to μ where stale negative samples would push hardest; logged as actor/opsm_masked_fraction."""
     max_version_lag: int | None = None
     """Hard cap on version lag: tokens (or sequences, see `stale_level`) older than this get no loss."""
     stale_level: Literal["token", "sequence"] = "sequence"
@@ -97,6 +102,8 @@ class OffPolicyConfig:
                 _fail(owner, "m2_threshold", self.m2_threshold, "M2PO compares recomputed log-probs with the "
                       f"behaviour ones; add {flag(owner, 'no_use_rollout_log_probs')} (with it on, π_old = μ and "
                       "nothing is ever masked)")
+        if self.opsm_threshold is not None and not self.opsm_threshold >= 0:
+            _fail(owner, "opsm_threshold", self.opsm_threshold, "must be >= 0 nats a token (or left unset: off)")
         if not self.behaviour_kl_coef >= 0:
             _fail(owner, "behaviour_kl_coef", self.behaviour_kl_coef, "must be >= 0 (0: off)")
         if self.max_version_lag is not None and self.max_version_lag < 0:

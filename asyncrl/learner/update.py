@@ -149,8 +149,13 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
     logp, ent = micro_logprobs(state.policy, micro, prep.mask.shape[1], temperature=cfg.sampling_temperature,
                                autocast=cfg.autocast_bf16, chunk_tokens=cfg.logits_chunk_tokens)
     mask = prep.mask[idx] & (not micro.empty)
+    pg_mask, opsm = mask, None
+    if cfg.off_policy.opsm_threshold is not None:  # stale negative sequences the policy has moved away from: no loss
+        opsm = algos.off_policy_sequence_mask(logp, prep.batch.logp_behaviour[idx], prep.advantages[idx], mask,
+                                              threshold=cfg.off_policy.opsm_threshold)
+        pg_mask = opsm.mask
     weights = prep.is_weights[idx] if prep.is_weights is not None else None
-    pg = algo.policy_loss(logp, prep.logp_old[idx], prep.advantages[idx], mask, is_weights=weights,
+    pg = algo.policy_loss(logp, prep.logp_old[idx], prep.advantages[idx], pg_mask, is_weights=weights,
                           **counts.loss_kwargs())
     agg = dict(mode=algo.loss_agg_mode, **counts.loss_kwargs())
     entropy = algos.agg_loss(ent if algo.entropy_coef > 0 else ent.detach(), mask, **agg)
@@ -173,7 +178,8 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
                             "kl_loss": kl_loss.detach() * size, "behaviour_kl": behaviour_kl.detach() * size},
                       means={"pg_clipfrac": pg.clipfrac, "ppo_kl": pg.ppo_kl, "pg_clipfrac_lower": pg.clipfrac_lower,
                              "behaviour_k1": drift.k1, "behaviour_ratio": drift.ratio,
-                             "behaviour_ratio_sq": drift.ratio_sq, **moe},
+                             "behaviour_ratio_sq": drift.ratio_sq, **moe,
+                             **({"opsm_masked_fraction": opsm.masked_fraction} if opsm is not None else {})},
                       tokens=mask.sum())
 
 

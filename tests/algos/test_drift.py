@@ -51,3 +51,36 @@ def test_ess_lies_in_0_1_and_halves_combine_into_the_whole(seed, scale, split):
     for field in ("k1", "ratio", "ratio_sq"):
         combined = sum(float(getattr(d, field)) * n for d, n in parts) / tokens
         assert combined == pytest.approx(float(getattr(whole, field)), rel=1e-5, abs=1e-6), field
+
+
+def test_opsm_golden_values():
+    """Row 0: negative advantage, drift ln 2 / 2 > δ 0.1: masked. Row 1: the same drift, positive advantage: kept.
+    Row 2: negative advantage, drift 0.05 < δ: kept. Of 6 valid tokens 2 are removed."""
+    logp_b = torch.full((3, 2), -1.0)
+    logp = logp_b - torch.tensor([[math.log(2.0), 0.0], [math.log(2.0), 0.0], [0.1, 0.0]])
+    adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    out = algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=0.1)
+    assert out.mask.tolist() == [[False, False], [True, True], [True, True]]
+    assert float(out.masked_fraction) == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match="threshold δ must be >= 0"):
+        algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=-1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.0, 3.0), threshold=st.floats(0.0, 1.0))
+def test_opsm_removes_whole_negative_sequences_only(seed, scale, threshold):
+    gen = torch.Generator().manual_seed(seed)
+    logp_b = -torch.rand(5, 6, generator=gen) * 3
+    logp = logp_b + torch.randn(5, 6, generator=gen) * scale
+    adv = torch.randn(5, 1, generator=gen).expand(5, 6)
+    mask = torch.rand(5, 6, generator=gen) > 0.2
+    out = algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=threshold)
+    assert not (out.mask & ~mask).any()  # never adds a token
+    for row in range(5):
+        removed = mask[row] & ~out.mask[row]
+        assert not removed.any() or (removed == mask[row]).all()  # a whole sequence or nothing
+        if removed.any():
+            assert float(adv[row, 0]) < 0
+    same = algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=float("inf"))
+    assert torch.equal(same.mask, mask) and float(same.masked_fraction) == 0.0
