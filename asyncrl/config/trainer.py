@@ -80,6 +80,10 @@ class OffPolicyConfig:
     behaviour policy μ, the mean over its tokens of log μ − log π_θ with π_θ the policy being trained (measured in
     every micro-batch of the update), exceeds this δ gets no loss (e.g. 0.01 nats a token; unset: off). Bounds
     the step relative to μ where stale negative samples would push hardest; logged as actor/opsm_masked_fraction."""
+    ess_scaled_lr: bool = False
+    """VCPO's step-size control (arXiv:2602.17616): each update's learning rate times the normalised effective
+    sample size of its token ratios π_θ/μ (1 on-policy; smaller as the policy drifts from the data's sampler),
+    logged as actor/lr_scale."""
     max_version_lag: int | None = None
     """Hard cap on version lag: tokens (or sequences, see `stale_level`) older than this get no loss."""
     stale_level: Literal["token", "sequence"] = "sequence"

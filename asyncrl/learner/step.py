@@ -14,7 +14,7 @@ from asyncrl.learner.batch import RolloutBatch, collate
 from asyncrl.learner.prepare import Prepared, prepare, prepare_share
 from asyncrl.learner.share import Deal, Share, group_counts, take_share
 from asyncrl.learner.state import LearnerState
-from asyncrl.learner.update import Totals, accumulate, actor_loss, critic_loss, run_updates, world
+from asyncrl.learner.update import Totals, accumulate, actor_loss, critic_loss, ess_lr_scale, run_updates, world
 from asyncrl.types import Group
 
 __all__ = ["train_step", "policy_gradients", "memory_metrics"]
@@ -52,7 +52,8 @@ def _prepared(state: LearnerState, groups: list[Group] | RolloutBatch | Share, *
 
 
 def _actor_update(state: LearnerState, prep: Prepared, deal: Deal) -> dict:
-    result = run_updates(state, prep, deal, actor_loss, state.policy, state.optimizer, state.scheduler)
+    scale = ess_lr_scale if state.config.off_policy.ess_scaled_lr else None
+    result = run_updates(state, prep, deal, actor_loss, state.policy, state.optimizer, state.scheduler, scale)
     state.optimizer_steps += result.updates
     state.skipped_updates += result.skipped
     out = {f"actor/{k}": v / max(result.updates, 1) for k, v in result.sums.items()}

@@ -32,7 +32,7 @@ from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState, group_reduced, world
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
-           "world"]
+           "ess_lr_scale", "world"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,16 +198,24 @@ def critic_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
 
 
 # -------------------------------------------------------------------------------------- the loop
-def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None, keep_grads: bool = False) -> float:
+def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None, keep_grads: bool = False,
+                    lr_scale: float = 1.0) -> float:
     """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip). Returns
     the norm (non-finite: skipped). `keep_grads`: zero the gradients in place instead of freeing them (CUDA
-    graphs accumulate into stable buffers)."""
+    graphs accumulate into stable buffers). `lr_scale`: this step's learning rate is the schedule's times it."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
     norm = float(grad_norm_(params, clip, group))
     if math.isfinite(norm):
-        optimizer.step()
+        scheduled = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * lr_scale
+        try:
+            optimizer.step()
+        finally:
+            for g, lr in zip(optimizer.param_groups, scheduled):
+                g["lr"] = lr
         scheduler.step()
     optimizer.zero_grad(set_to_none=not keep_grads)
     return norm
@@ -229,6 +237,14 @@ class Totals:
             self.weighted[k] = self.weighted.get(k, 0.0) + v.float() * tokens
         self.tokens = self.tokens + tokens
 
+    def merge(self, other: "Totals") -> None:
+        """Add another's statistics to these."""
+        for k, v in other.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        for k, v in other.weighted.items():
+            self.weighted[k] = self.weighted.get(k, 0.0) + v
+        self.tokens = self.tokens + other.tokens
+
 
 def accumulate(state: LearnerState, prep: Prepared, groups: list[int], loss: MicroLoss, device: torch.device,
                totals: Totals) -> None:
@@ -243,21 +259,40 @@ def accumulate(state: LearnerState, prep: Prepared, groups: list[int], loss: Mic
 
 
 def run_updates(state: LearnerState, prep: Prepared, deal: Deal, loss: MicroLoss, model: nn.Module, optimizer,
-                scheduler) -> UpdateResult:
-    """`ppo_epochs` passes over the batch's mini-batches (as `deal` deals them), one optimizer step each."""
+                scheduler, lr_scale: Callable[[LearnerState, Totals], float] | None = None) -> UpdateResult:
+    """`ppo_epochs` passes over the batch's mini-batches (as `deal` deals them), one optimizer step each;
+    `lr_scale` (of the update's statistics) scales each step's learning rate."""
     cfg = state.config
     device = compute_device(model)
     group = state.group if world(state)[1] > 1 else None
     totals = Totals()
-    grad_norms = []
+    grad_norms, scales = [], []
     rank = world(state)[0]
     for update in deal.updates:
-        accumulate(state, prep, update[rank], loss, device, totals)
+        these = Totals()
+        accumulate(state, prep, update[rank], loss, device, these)
+        scales.append(lr_scale(state, these) if lr_scale is not None else 1.0)
         grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group,
-                                          keep_grads=cfg.cuda_graphs))
+                                          keep_grads=cfg.cuda_graphs, lr_scale=scales[-1]))
+        totals.merge(these)
     sums, weighted, tokens = _group_totals(state, totals)
-    return UpdateResult(sums=sums, means={k: v / max(tokens, 1.0) for k, v in weighted.items()},
-                        grad_norms=grad_norms, updates=len(grad_norms))
+    means = {k: v / max(tokens, 1.0) for k, v in weighted.items()}
+    if lr_scale is not None:
+        means["lr_scale"] = sum(scales) / len(scales)
+    return UpdateResult(sums=sums, means=means, grad_norms=grad_norms, updates=len(grad_norms))
+
+
+def ess_lr_scale(state: LearnerState, totals: Totals) -> float:
+    """--trainer.off-policy.ess-scaled-lr (VCPO, arXiv:2602.17616): an update's learning rate times the normalised
+    effective sample size of its token ratios π_θ/μ over the trainer group (`asyncrl.algos.drift`), measured in
+    the update's own forwards, before its step: 1 on-policy, smaller the further the policy has drifted from the
+    data's sampler. One all-reduce of three numbers per update."""
+    tokens = totals.tokens
+    ratio, ratio_sq = totals.weighted.get("behaviour_ratio", 0.0), totals.weighted.get("behaviour_ratio_sq", 0.0)
+    ratio, ratio_sq, tokens = _all_reduce(state, [float(ratio), float(ratio_sq), float(tokens)])
+    if tokens <= 0:
+        return 1.0
+    return algos.effective_sample_size(ratio / tokens, ratio_sq / tokens)
 
 
 def _group_totals(state: LearnerState, totals: Totals) -> tuple[dict[str, float], dict[str, float], float]:

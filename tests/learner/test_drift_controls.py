@@ -7,6 +7,7 @@ step, while a threshold no drift reaches leaves it as without masking."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -52,3 +53,26 @@ def test_opsm_removes_the_negative_sequences_the_policy_has_moved_away_from():
 def test_a_negative_threshold_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="opsm-threshold"):
         trainer_config(off_policy=OffPolicyConfig(opsm_threshold=-0.1)).validate()
+
+
+def test_an_ess_scaled_step_is_the_plain_step_times_the_ess():
+    """AdamW's first step is linear in the learning rate (weight decay 0): with ratios π_θ/μ spread by a per-token
+    shift, `--trainer.off-policy.ess-scaled-lr` moves every weight by ESS × the plain step's move, the ESS it logs;
+    on-policy it is the plain step."""
+    policy = tiny_policy()
+    gen = torch.Generator().manual_seed(3)
+    groups = on_policy(policy, synthetic_groups(3, 4, seed=7))
+    groups = [dataclasses.replace(g, completions=[dataclasses.replace(c, logprobs=[x + float(torch.randn(
+        (), generator=gen)) * 0.7 for x in c.logprobs]) for c in g.completions]) for g in groups]
+    start = weights(policy)
+    plain, _, _ = _step(policy, groups)
+    scaled, metrics, _ = _step(policy, groups, ess_scaled_lr=True)
+    ess = metrics["actor/lr_scale"]
+    assert ess == pytest.approx(metrics["actor/behaviour_ess"], rel=1e-5) and 0.2 < ess < 0.95
+    for name in start:
+        moved, want = scaled[name] - start[name], ess * (plain[name] - start[name])
+        assert torch.allclose(moved, want, rtol=1e-4, atol=1e-7), name
+    on = on_policy(policy, synthetic_groups(3, 4, seed=7))
+    same, metrics, _ = _step(policy, on, ess_scaled_lr=True)
+    assert metrics["actor/lr_scale"] == pytest.approx(1.0, abs=1e-5)
+    assert max_rel_diff(same, _step(policy, on)[0]) < 1e-4
