@@ -47,6 +47,7 @@ MIRRORS: dict[str, dict[str, str]] = {
         "dtype": "run.model.engine_dtype", "new_tokens": "run.rollout.max_new_tokens", "data": "run.data.path",
         "tokenizer": "run.model.tokenizer", "cuda_graphs": "run.rollout.cuda_graphs",
         "decode_attention": "run.rollout.decode_attention", "decode_ahead": "engine.decode_ahead", "seed": "run.seed",
+        "kv_dtype": "run.rollout.kv_dtype",
     },
     "AttentionBenchArgs": {},
     "GridArgs": {
@@ -90,7 +91,7 @@ OWN: dict[str, set[str]] = {
     "LearnerBenchArgs": {"device", "rows", "workload", "prompt_len", "response_len", "prompt_len_min", "prompt_len_max",
                        "response_len_min", "response_len_max", "steps", "warmup_steps", "baseline", "out", "ranks"},
     "AsyncBenchArgs": {"variants", "devices", "steps", "out", "nccl_reference"},
-    "EngineBenchArgs": {"device", "backends", "batch_sizes", "prompt_len", "seeded", "out"},
+    "EngineBenchArgs": {"device", "backends", "batch_sizes", "prompt_len", "seeded", "out", "lengths", "tail_ratio"},
     "AttentionBenchArgs": {"batch_sizes", "contexts", "lengths", "kernels", "dtype", "iters", "max_cache_gb", "seed",
                          "out"},
     "GridArgs": {"devices", "cells", "seeds", "steps", "lag", "eval_prompts", "eval_n", "eval_seed", "parallel",
