@@ -34,12 +34,17 @@ def test_on_policy_has_no_drift_and_an_empty_mask_none():
         algos.behaviour_drift(logp, logp[:2], torch.ones(3, 5, dtype=torch.bool))
 
 
+def _drifted(seed: int, scale: float, shape: tuple[int, int]):
+    """(generator, log μ, log π_θ = log μ + noise of `scale`), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    logp_b = -torch.rand(*shape, generator=gen) * 4
+    return gen, logp_b, logp_b + torch.randn(*shape, generator=gen) * scale
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), scale=st.floats(0.0, 5.0), split=st.integers(1, 5))
 def test_ess_lies_in_0_1_and_halves_combine_into_the_whole(seed, scale, split):
-    gen = torch.Generator().manual_seed(seed)
-    logp_b = -torch.rand(6, 7, generator=gen) * 4
-    logp = logp_b + torch.randn(6, 7, generator=gen) * scale
+    gen, logp_b, logp = _drifted(seed, scale, (6, 7))
     mask = torch.rand(6, 7, generator=gen) > 0.3
     mask[0, 0] = True
     whole = algos.behaviour_drift(logp, logp_b, mask)
@@ -70,9 +75,7 @@ def test_opsm_golden_values():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), scale=st.floats(0.0, 3.0), threshold=st.floats(0.0, 1.0))
 def test_opsm_removes_whole_negative_sequences_only(seed, scale, threshold):
-    gen = torch.Generator().manual_seed(seed)
-    logp_b = -torch.rand(5, 6, generator=gen) * 3
-    logp = logp_b + torch.randn(5, 6, generator=gen) * scale
+    gen, logp_b, logp = _drifted(seed, scale, (5, 6))
     adv = torch.randn(5, 1, generator=gen).expand(5, 6)
     mask = torch.rand(5, 6, generator=gen) > 0.2
     out = algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=threshold)
