@@ -215,10 +215,21 @@ class CollectivePublisher:
                 "timing_s/param_drain": max(list(drains.values()), default=0.0), "param_sync/bytes": sent}
 
     def _start(self, name: str) -> None:
+        """Tell a joiner that got its weights to start generating, without waiting for its answer: its host may have
+        dropped off the network just after the sync, and the training loop must not stall for the RPC timeout
+        (`--async-training.sync-timeout-s`) on it; the roster's heartbeats name it dead if it never answers."""
         handle = self.fleet.get(name)
-        if handle is not None:
-            handle.server.rpc_sync(timeout=self.timeout).start()
-            log.info("agent %s is live", name)
+        if handle is None:
+            return
+
+        def answered(future: torch.futures.Future) -> None:
+            try:
+                future.value()
+                log.info("agent %s is live", name)
+            except Exception as err:  # noqa: BLE001 - the heartbeats decide; this only says why it did not start
+                log.warning("agent %s did not start: %r", name, err)
+
+        handle.server.rpc_async(timeout=self.timeout).start().add_done_callback(answered)
 
 
 class ColocatedPublisher:

@@ -10,6 +10,8 @@ from tests.timing import limit
 
 
 class FakeRoster:
+    agent_timeout_s = 10.0
+
     def __init__(self, silent: dict[str, float]):
         self.silent = silent
 
@@ -77,3 +79,35 @@ def test_an_agent_finishing_an_evaluation_syncs_after_it_without_holding_the_pub
     assert started.wait(limit(5)) and runner.unfinished["agent1"].done.wait(limit(5))
     results, _ = runner.run({}, version=5)
     assert [(r.name, r.version, r.seconds) for r in results] == [("agent1", 4, 1.0)]
+
+
+def test_a_joiner_is_started_without_waiting_for_its_answer(caplog):
+    """The start of a joiner that got its weights is sent, not awaited: an agent whose host dropped off just after
+    its sync cannot hold the training loop for the RPC timeout (it did, for 300 s, in a namespace test under load);
+    its answer, or the error in its place, is logged when it comes."""
+    import logging
+    import types
+
+    import torch
+
+    from asyncrl.rpc.param_server import CollectivePublisher
+
+    answers: list[torch.futures.Future] = []
+
+    class Server:
+        def rpc_async(self, timeout):
+            return self
+
+        def start(self):
+            answers.append(torch.futures.Future())
+            return answers[-1]
+
+    fleet = types.SimpleNamespace(get=lambda name: types.SimpleNamespace(server=Server()) if name == "agent1" else None)
+    publisher = CollectivePublisher(fleet, FakeRoster({}), partial_rollout=True, timeout=300.0, bucket_mb=1,
+                                    dtype=torch.float32, weights_fn=lambda state, dtype: [])
+    with caplog.at_level(logging.INFO, logger="asyncrl.rpc.param_server"):
+        publisher._start("agent1")
+        publisher._start("gone")  # no longer in the fleet: nothing to send
+        assert len(answers) == 1 and not answers[0].done()  # returned before the agent answered
+        answers[0].set_exception(RuntimeError("connection reset"))
+    assert "agent agent1 did not start: RuntimeError('connection reset')" in caplog.text
