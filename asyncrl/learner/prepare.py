@@ -246,23 +246,15 @@ def prepare_share(state: LearnerState, share: Share, whole: RolloutBatch | None)
                 if stacked is not None else None)
     trained = [deal.held(r) for r in range(size)]
     counts = [len(t) for t in trained]
-    prepared = None
+    prepared, parts = None, None
+    fields = _shared_fields(state)
     if rank == 0:
-        order = torch.tensor([r for rows in forwarded for r in rows], device=whole.tokens.device)
-        full = None
-        if gathered is not None:
-            full = torch.zeros(whole.num_rows, *gathered.shape[1:], dtype=gathered.dtype, device=whole.tokens.device)
-            full[order] = gathered.to(full.device)
+        full = _placed(gathered, forwarded, whole.num_rows) if gathered is not None else None
         prepared = _finish(state, whole, row_lengths(whole), dataclasses.replace(
             forwards.unstacked(full), routes=None, known=whole.routed if forwards.known is not None else None))
-    fields = _shared_fields(state)
+        parts = _dealt(_field_table(prepared, fields), trained)
     like = torch.zeros(1, len(fields), batch.response_mask.shape[1], device=batch.tokens.device)
-    parts = None
-    if rank == 0:
-        table = _field_table(prepared, fields)
-        parts = [table[torch.tensor(rows, dtype=torch.long, device=table.device)] for rows in trained]
-    own = scatter_rows(state.group, parts, counts, like, device).unbind(1)
-    values = dict(zip(fields, own))
+    values = dict(zip(fields, scatter_rows(state.group, parts, counts, like, device).unbind(1)))
     routes = forwards.routes
     if routes is not None and not deal.stationary:
         routes = _moved_routes(state, share, forwards.routes, forwarded, trained)
@@ -270,6 +262,20 @@ def prepare_share(state: LearnerState, share: Share, whole: RolloutBatch | None)
                     values.get("logp_ref"), values["mask"].bool(), values.get("is_weights"),
                     prepared.metrics if prepared is not None else {}, lengths, routes)
     return prep, prepared
+
+
+def _placed(gathered: Tensor, forwarded: list[list[int]], num_rows: int) -> Tensor:
+    """Rows gathered in rank order (rank r's step rows `forwarded[r]`) at their places in a [num_rows, ...] tensor
+    (rows none ran: zeros)."""
+    order = torch.tensor([r for rows in forwarded for r in rows], dtype=torch.long, device=gathered.device)
+    full = torch.zeros(num_rows, *gathered.shape[1:], dtype=gathered.dtype, device=gathered.device)
+    full[order] = gathered
+    return full
+
+
+def _dealt(full: Tensor, trained: list[list[int]]) -> list[Tensor]:
+    """Each rank's rows of a whole-batch tensor."""
+    return [full[torch.tensor(rows, dtype=torch.long, device=full.device)] for rows in trained]
 
 
 def _shared_fields(state: LearnerState) -> list[str]:
@@ -300,10 +306,7 @@ def _moved_routes(state: LearnerState, share: Share, routes: Tensor, forwarded: 
     grid = routes.view(share.batch.num_rows, width, *routes.shape[1:])
     index = torch.tensor(share.positions(forwarded[rank]), dtype=torch.long, device=grid.device)
     gathered = gather_rows(state.group, grid[index], [len(f) for f in forwarded], state.device)
-    parts = None
-    if rank == 0:
-        by_row = dict(zip((r for rows in forwarded for r in rows), gathered))
-        parts = [torch.stack([by_row[r] for r in rows]) if rows else gathered[:0] for rows in trained]
+    parts = _dealt(_placed(gathered, forwarded, sum(share.deal.group_rows)), trained) if rank == 0 else None
     out = scatter_rows(state.group, parts, [len(t) for t in trained], grid[:1], state.device)
     return out.flatten(0, 1)
 
