@@ -14,7 +14,8 @@ from asyncrl.algos.correction import (
     sequence_tis_weights, token_rejection_mask, token_tis_weights, vtrace, m2po_mask,
 )
 from asyncrl.algos.drift import (
-    BehaviourDrift, SequenceMask, behaviour_drift, effective_sample_size, off_policy_sequence_mask,
+    BehaviourDrift, DriftRate, SequenceMask, behaviour_drift, drift_lag_cap, drift_rate_update, effective_sample_size,
+    off_policy_sequence_mask,
 )
 from asyncrl.algos.kl import (
     KL_ESTIMATORS, KLRewardResult, adaptive_kl_coef, kl_abs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards,
@@ -45,6 +46,7 @@ __all__ = [
     "token_rejection_mask", "sequence_rejection_mask", "m2po_mask", "decoupled_ppo_weights", "vtrace",
     # drift from the behaviour policy
     "BehaviourDrift", "behaviour_drift", "effective_sample_size", "SequenceMask", "off_policy_sequence_mask",
+    "DriftRate", "drift_rate_update", "drift_lag_cap",
     # staleness
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
     "verl_release", "verl_on_new_version", "areal_capacity",

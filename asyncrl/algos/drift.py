@@ -11,10 +11,19 @@ the union is `effective_sample_size` of the combined means. On-policy (λ = 0): 
 
     drift = behaviour_drift(logp, logp_behaviour, mask)       # [B, T] each
     effective_sample_size(drift.ratio, drift.ratio_sq)
+
+A drift budget bounds the version lag in drift units: each learner step's KL(μ‖π_θ) over its batch's mean lag
+updates an estimate of the drift one version of lag adds, and the lag cap is the largest lag whose predicted drift
+fits the budget (linear in the lag; re-estimated every step, so a drift that grows faster than linearly is caught
+at the lags the run actually trains):
+
+    rate = drift_rate_update(rate, kl=step_kl, mean_lag=step_lag)   # DriftRate() at the start
+    cap = drift_lag_cap(budget, rate)                                # None until a lagged step was seen
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -23,7 +32,8 @@ from torch import Tensor
 from asyncrl.algos._checks import check_mask, check_token_tensor
 from asyncrl.algos.masked import masked_mean
 
-__all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size", "SequenceMask", "off_policy_sequence_mask"]
+__all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size", "SequenceMask", "off_policy_sequence_mask",
+           "DriftRate", "drift_rate_update", "drift_lag_cap"]
 
 _CLAMP = 20.0  # as the importance weights': e^20 is finite in fp32
 
@@ -90,3 +100,34 @@ def off_policy_sequence_mask(logp: Tensor, logp_behaviour: Tensor, advantages: T
 def effective_sample_size(ratio: float, ratio_sq: float) -> float:
     """The normalised ESS (E r)² / E r² ∈ (0, 1] of token means of r and r² (1 when there were no tokens)."""
     return ratio * ratio / ratio_sq if ratio_sq > 0 else 1.0
+
+
+class DriftRate(NamedTuple):
+    per_version: float = 0.0  # estimated KL(μ‖π_θ) a version of lag adds, nats a token
+    steps: int = 0  # lagged steps that informed it (0: unknown)
+
+
+def drift_rate_update(rate: DriftRate, *, kl: float, mean_lag: float, decay: float = 0.7) -> DriftRate:
+    """The drift-per-version estimate after one learner step whose batch had drift `kl` (a KL(μ‖π_θ) estimate
+    over its tokens; a negative k1 counts as 0) at a mean version lag of `mean_lag`: an exponential moving
+    average of kl / mean_lag with weight `decay` on the past (the first lagged step sets it). A step of mean lag
+    below 1/2 says little about the rate (its drift is mostly the engine–learner numerical gap) and leaves the
+    estimate as it was."""
+    if not 0 <= decay < 1:
+        raise ValueError(f"drift_rate_update: decay must lie in [0, 1), got {decay}")
+    if not (math.isfinite(kl) and math.isfinite(mean_lag)) or mean_lag < 0.5:
+        return rate
+    observed = max(kl, 0.0) / mean_lag
+    value = observed if rate.steps == 0 else decay * rate.per_version + (1 - decay) * observed
+    return DriftRate(value, rate.steps + 1)
+
+
+def drift_lag_cap(budget: float, rate: DriftRate) -> int | None:
+    """The largest version lag L ≥ 1 with L · rate.per_version ≤ `budget` (nats a token); None while the rate is
+    unknown or zero (no cap). Never below 1: work admitted at the current version has lag 1 once the next version
+    is published, so a cap of 0 could never publish."""
+    if not budget > 0:
+        raise ValueError(f"drift_lag_cap: budget must be > 0 nats, got {budget}")
+    if rate.steps == 0 or rate.per_version <= 0:
+        return None
+    return max(1, math.floor(budget / rate.per_version * (1 + 1e-9)))  # 0.06 / 0.02 is 3, not 2.999…

@@ -154,6 +154,12 @@ class AsyncConfig:
     """Hard cap on a trained group's version lag (oldest token)."""
     lag_policy: Literal["drop", "wait"] = "drop"
     """Over the cap: drop the group at dequeue, or hold back publication until old work is consumed."""
+    drift_budget: float | None = None
+    """A staleness bound in drift units (nats a token of KL(μ‖π_θ), None: off): each learner step's measured
+    drift (actor/behaviour_kl) over its mean version lag estimates what a version of lag costs, and publication is
+    held back (as --async-training.lag-policy wait does) while queued or in-flight work would exceed the lag whose
+    predicted drift fits the budget (never below 1). Logged as fully_async/drift/*. Off by default: the grid of
+    docs/staleness.md decides where it pays."""
     total_versions: int = 10
     """Weight publications in the run (each follows trigger_parameter_sync_step learner steps)."""
     time_budget_s: float | None = None
@@ -191,6 +197,9 @@ class AsyncConfig:
             _fail(owner, "lag_policy", self.lag_policy, f"'wait' with --async-training.max-version-lag 0 can never publish when "
                   f"--async-training.staleness-threshold {self.staleness_threshold} > 0; use --async-training.lag-policy "
                   "drop, --async-training.max-version-lag 1 or more, or --async-training.staleness-threshold 0")
+        if self.drift_budget is not None and not self.drift_budget > 0:
+            _fail(owner, "drift_budget", self.drift_budget, "must be > 0 nats a token (KL(μ‖π_θ)), or unset to turn it off; "
+                  "0.01–0.05 bounds a run at a few versions of lag at lr 1e-5")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             _fail(owner, "time_budget_s", self.time_budget_s, "must be > 0 seconds or None")
         for field in ("take_timeout_s", "agent_timeout_s", "sync_timeout_s"):

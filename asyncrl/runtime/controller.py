@@ -10,7 +10,8 @@
 One version window = `trigger_parameter_sync_step` learner steps, each on `require_batches ×
 mini_batch_size` groups taken oldest-first from the queue (DAPO's dynamic sampling drops all-equal groups
 and takes more), then one publication. With `lag_policy="wait"` the publication is held back (the trainer
-keeps training on queued groups) until no queued or in-flight work would exceed `max_version_lag`.
+keeps training on queued groups) until no queued or in-flight work would exceed `max_version_lag`; a drift budget
+(`drift_budget`) holds it the same way at the lag whose predicted KL(μ‖π_θ) fits the budget, learnt from each step.
 
 Agents' health is the roster's business (its own thread); the loop only raises the roster's fatal error (no
 agent left) and, when no agent is live but one is waiting for its first weights (a restarted or joining
@@ -34,6 +35,7 @@ import pathlib
 import time
 from typing import Callable, NamedTuple, Protocol
 
+from asyncrl.algos.drift import DriftRate, drift_lag_cap, drift_rate_update
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
 from asyncrl.planning import Layout
@@ -191,6 +193,7 @@ class Controller:
         self.final_books: dict | None = None  # the ledger as the last checkpoint wrote it
         self.saved_at_step = -1  # the learner step of the last checkpoint this run wrote
         self.started_at_step = state.step
+        self.drift = DriftRate()  # the drift budget's estimate (re-learnt after a resume)
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -263,7 +266,22 @@ class Controller:
             "training/version_lag/max_group": max(self.state.version - lo for lo, _ in versions),
             "perf/response_tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
         })
+        if self.config.drift_budget is not None:
+            metrics.update(self._bound_drift(metrics))
         return metrics
+
+    def _bound_drift(self, metrics: dict) -> dict:
+        """The drift budget: learn the drift a version of lag adds from this step, and hold the next publications
+        to the lag that fits the budget (`asyncrl.algos.drift_lag_cap`)."""
+        kl, lag = metrics.get("actor/behaviour_kl"), metrics.get("training/version_lag/mean")
+        if kl is not None and lag is not None:
+            self.drift = drift_rate_update(self.drift, kl=float(kl), mean_lag=float(lag))
+        cap = drift_lag_cap(self.config.drift_budget, self.drift)
+        self.queue.set_drift_cap(cap)
+        out = {"fully_async/drift/kl_per_version": self.drift.per_version}
+        if cap is not None:  # none until a lagged step was seen
+            out["fully_async/drift/lag_cap"] = cap
+        return out
 
     def _window(self) -> dict:
         """One version window: the rest of `trigger` learner steps (more while the lag gate is closed), then
@@ -410,7 +428,8 @@ def _merge(steps: list[dict]) -> dict:
             out[key] = sum(values)
         elif key.endswith(("/max", "max_partial_span", "max_group")):
             out[key] = max(values)
-        elif key in ("training/global_step", "actor/skipped_updates", "actor/lr", "reward/errors"):
+        elif key in ("training/global_step", "actor/skipped_updates", "actor/lr", "reward/errors",
+                     "fully_async/drift/kl_per_version", "fully_async/drift/lag_cap"):
             out[key] = values[-1]
         else:
             out[key] = sum(values) / len(values)

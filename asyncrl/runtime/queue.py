@@ -115,6 +115,7 @@ class SampleQueue:
         self.budget = VerlBudget(max_required_samples)
         self.version = version
         self.max_version_lag, self.lag_policy = max_version_lag, lag_policy
+        self.drift_cap: int | None = None  # the drift budget's lag cap (`set_drift_cap`), held like lag_policy wait
         self.ledger = Ledger()
         self.next_id = 0
         self.tasks: dict[int, Task] = {}  # admitted, not yet finished (in flight or pending re-admission)
@@ -231,12 +232,23 @@ class SampleQueue:
             versions = [g.min_version for g in self.queue] + [t.admitted_version for t in self.tasks.values()]
             return min(versions) if versions else None
 
+    def set_drift_cap(self, cap: int | None) -> None:
+        """The drift budget's lag cap (`asyncrl.algos.drift_lag_cap`; None: none), held at publication as
+        lag_policy "wait" holds `max_version_lag`."""
+        if cap is not None and cap < 1:
+            raise ValueError(f"SampleQueue: a drift cap must be >= 1 (a cap of 0 could never publish), got {cap}")
+        with self.lock:
+            self.drift_cap = cap
+
     def lag_gate_open(self, next_version: int) -> bool:
-        """lag_policy "wait": may the trainer publish `next_version` without pushing work over the cap?"""
-        if self.max_version_lag is None or self.lag_policy != "wait":
+        """May the trainer publish `next_version` without pushing queued or in-flight work over a held cap
+        (`max_version_lag` with lag_policy "wait", the drift cap)?"""
+        caps = [cap for cap in (self.max_version_lag if self.lag_policy == "wait" else None, self.drift_cap)
+                if cap is not None]
+        if not caps:
             return True
         oldest = self.oldest_version()
-        return oldest is None or next_version - oldest <= self.max_version_lag
+        return oldest is None or next_version - oldest <= min(caps)
 
     def new_version(self, version: int) -> None:
         """A weight version was published: restart the budget window with the carry-over."""

@@ -87,3 +87,41 @@ def test_opsm_removes_whole_negative_sequences_only(seed, scale, threshold):
             assert float(adv[row, 0]) < 0
     same = algos.off_policy_sequence_mask(logp, logp_b, adv, mask, threshold=float("inf"))
     assert torch.equal(same.mask, mask) and float(same.masked_fraction) == 0.0
+
+
+def test_drift_rate_and_lag_cap_golden_values():
+    """The first lagged step sets the rate (0.06 at lag 2: 0.03 a version); the next (0.02 at lag 1) moves it by
+    (1 − decay); steps below lag 1/2 say nothing; the cap is budget / rate rounded down, never below 1."""
+    rate = algos.DriftRate()
+    assert algos.drift_lag_cap(0.1, rate) is None  # unknown: no cap
+    assert algos.drift_rate_update(rate, kl=0.5, mean_lag=0.4) == rate
+    rate = algos.drift_rate_update(rate, kl=0.06, mean_lag=2.0)
+    assert rate == algos.DriftRate(pytest.approx(0.03), 1)
+    assert algos.drift_lag_cap(0.09, rate) == 3 and algos.drift_lag_cap(0.089, rate) == 2
+    assert algos.drift_lag_cap(0.001, rate) == 1
+    rate = algos.drift_rate_update(rate, kl=0.02, mean_lag=1.0, decay=0.5)
+    assert rate == algos.DriftRate(pytest.approx(0.025), 2)
+    assert algos.drift_rate_update(rate, kl=-0.01, mean_lag=1.0, decay=0.0) == algos.DriftRate(0.0, 3)
+    assert algos.drift_lag_cap(0.1, algos.DriftRate(0.0, 3)) is None  # no drift: no cap
+    with pytest.raises(ValueError, match="budget"):
+        algos.drift_lag_cap(0.0, rate)
+    with pytest.raises(ValueError, match="decay"):
+        algos.drift_rate_update(rate, kl=0.1, mean_lag=1.0, decay=1.0)
+
+
+@given(kls=st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.5, 8.0)), min_size=1, max_size=12),
+       budget=st.floats(1e-4, 1.0))
+def test_the_rate_stays_within_the_observed_rates_and_the_cap_affords_the_budget(kls, budget):
+    """An average of the observed per-version drifts lies between their extremes; the cap L is the largest lag
+    with L · rate ≤ budget (or 1)."""
+    rate = algos.DriftRate()
+    for kl, lag in kls:
+        rate = algos.drift_rate_update(rate, kl=kl, mean_lag=lag)
+    observed = [kl / lag for kl, lag in kls]
+    assert min(observed) - 1e-12 <= rate.per_version <= max(observed) + 1e-12 and rate.steps == len(kls)
+    cap = algos.drift_lag_cap(budget, rate)
+    if rate.per_version == 0:
+        assert cap is None
+    else:
+        assert cap >= 1 and (cap == 1 or cap * rate.per_version <= budget * (1 + 1e-9))
+        assert (cap + 1) * rate.per_version > budget

@@ -60,6 +60,8 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--model.path", "/no/such/model"], ["--model.path /no/such/model: does not exist"]),
     (["--model.path", "random:nope"], ["--model.path random:nope: no preset or config.json 'nope'"]),
     (["--async-training.staleness-threshold", "-1"], ["--async-training.staleness-threshold -1.0 is invalid"]),
+    (["--async-training.drift-budget", "0"], ["--async-training.drift-budget 0.0 is invalid: must be > 0 nats a token",
+                                               "unset to turn it off"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is invalid: must be >= 0"]),
     (["--trainer.temperature", "0.5"], ["--trainer.temperature 0.5 is invalid: must equal --rollout.temperature 1.0",
                                         "leave it out and the trainer takes the rollout's"]),

@@ -117,6 +117,48 @@ def test_wait_policy_with_cap_zero_needs_staleness_zero():
     assert max(rec.lags) == 0 and summary.steps == 6
 
 
+class DriftingRecorder(TrainRecorder):
+    """Reports a drift of `per_version` nats a token for each version of the step's mean lag (the learner's real
+    drift on the toy task is noise around 0): the drift budget's input, made exact."""
+
+    def __init__(self, run, per_version: float):
+        super().__init__(run)
+        self.per_version = per_version
+
+    def step(self, state, groups):
+        state, metrics = super().step(state, groups)
+        return state, {**metrics, "actor/behaviour_kl": self.per_version * metrics["training/version_lag/mean"]}
+
+
+def drifting_run(budget: float | None, per_version: float = 0.05):
+    config = AsyncConfig(staleness_threshold=3.0, trigger_parameter_sync_step=1, partial_rollout=False,
+                         drift_budget=budget, total_versions=8, take_timeout_s=limit(60), sync_timeout_s=limit(60))
+    run = local_run(config, mini_batch_size=MINI, engines=2, step_delays=[0.0, 0.01], concurrent_prompts=2)
+    rec = DriftingRecorder(run, per_version=per_version)
+    summary = run.run()
+    assert not [(a.name, a.error) for a in run.agents if a.error is not None]
+    assert summary.versions == config.total_versions
+    check_books(run.queue.ledger, summary.ledger, rec.trained_ids, stale_drops_allowed=False)
+    assert "stale" not in run.queue.ledger.dropped.values()
+    return summary, rec
+
+
+def test_a_drift_budget_holds_publication_to_the_lag_it_affords():
+    # staleness 3 lets the rollout run versions ahead (the same run without a budget trains groups 2+ versions old);
+    # at 0.05 nats a version a budget of 0.05 affords a lag of 1: once a lagged step has taught the controller the
+    # rate, every publication is held until no queued or in-flight work would be older than that
+    _, free = drifting_run(None)
+    assert max(free.lags) >= 2, free.lags
+    summary, rec = drifting_run(0.05)
+    capped = [m for m in summary.history if "fully_async/drift/lag_cap" in m]
+    assert capped and all(m["fully_async/drift/lag_cap"] == 1 for m in capped)
+    assert all(abs(m["fully_async/drift/kl_per_version"] - 0.05) < 1e-9 for m in capped)
+    first = capped[0]["version"]  # the version published once the cap was known
+    late = [version - g.min_version for version, groups in rec.steps if version >= first for g in groups]
+    assert late and max(late) <= 1, rec.lags
+    assert summary.steps > summary.versions  # held back: extra steps at the same version
+
+
 # ----------------------------------------------------------------------------------------------- modes
 def test_colocated_sync_mode_sleeps_the_engine_between_windows():
     config = AsyncConfig(colocated=True, staleness_threshold=0.0, trigger_parameter_sync_step=1,

@@ -219,6 +219,27 @@ def test_lag_policy_wait_never_drops_and_gates_publication():
 
 
 # --------------------------------------------------------------------------------------- agent failures
+
+def test_a_drift_cap_gates_publication_like_wait_and_the_tighter_cap_wins():
+    q = make_queue(20, max_version_lag=3, lag_policy="drop")  # a drop cap never gates
+    early = q.request("a0", 1)[0]  # admitted at version 0
+    assert q.lag_gate_open(3)
+    q.set_drift_cap(2)
+    assert q.lag_gate_open(2) and not q.lag_gate_open(3)
+    q.set_drift_cap(None)
+    assert q.lag_gate_open(3)
+    held = make_queue(20, max_version_lag=3, lag_policy="wait")
+    held.request("a0", 1)
+    held.set_drift_cap(1)
+    assert held.lag_gate_open(1) and not held.lag_gate_open(2)  # the drift cap is the tighter
+    held.set_drift_cap(5)
+    assert held.lag_gate_open(3) and not held.lag_gate_open(4)  # the wait cap is
+    with pytest.raises(ValueError, match="drift cap must be >= 1"):
+        q.set_drift_cap(0)
+    q.submit("a0", group_of(early))
+    q.trained(q.take(1, timeout=1))
+    assert q.lag_gate_open(100)
+
 def test_agent_failed_readmits_with_the_same_id_and_seed():
     q = make_queue(6, seed=7)
     mine = q.request("a0", 3)
