@@ -7,7 +7,9 @@
 #                                        #   --trainer.routing-replay r3, beside the same run without replay on
 #                                        #   cuda:2 + cuda:3; the learner recomputes pi_old in both, so each reports
 #                                        #   the train-rollout log-prob mismatch (rollout_corr/mismatch_kl)
-#   bash scripts/gpu_moe.sh one OUT      # only the r3 run, on cuda:0 + cuda:1 (a 2-GPU host; LAYERS=48: the whole shape)
+#   bash scripts/gpu_moe.sh one OUT      # only the r3 run, on cuda:0 + cuda:1 (a 2-GPU host; LAYERS=48: the whole shape,
+#                                        #   with WEIGHTS=1: its random bf16 weights written once, on the GPU, as an HF
+#                                        #   directory both processes load, rather than built in fp32 in each)
 #   bash scripts/gpu_moe.sh learner OUT  # the learner step of an OLMoE-1B-7B-shaped model, full fine-tune, as a
 #                                        #   RANKS-rank FSDP2 group (default 4; 6.9 B parameters' fp32 weights, gradients
 #                                        #   and AdamW moments are 110 GB: one GPU cannot hold them), ROWS rows a rank
@@ -26,9 +28,18 @@ export PYTHONPATH=/tmp/vsite:/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHON
 
 run() {  # run NAME GPUS REPLAY: a fully async LoRA run of the Qwen3-30B-A3B shape on 2 GPUs
   local name=$1 gpus=$2 replay=$3
-  python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" > /dev/null
+  local model="random:/tmp/moe-$name/config.json"
+  if [ -n "${WEIGHTS:-}" ]; then
+    local t0=$SECONDS
+    CUDA_VISIBLE_DEVICES=${gpus%%,*} python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" \
+      --weights --device cuda > "$OUT/$name-weights.log" 2>&1 || { echo "== $name: weights failed"; tail -n 5 "$OUT/$name-weights.log"; return; }
+    echo "== $name: random bf16 weights written in $((SECONDS - t0)) s ($(du -sh "/tmp/moe-$name" | cut -f1))"
+    model="/tmp/moe-$name"
+  else
+    python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" > /dev/null
+  fi
   CUDA_VISIBLE_DEVICES=$gpus timeout "$LIMIT" python3 -m asyncrl.cli train cpu-demo \
-    --model.path "random:/tmp/moe-$name/config.json" --data.task toy --rollout.backend vllm \
+    --model.path "$model" --data.task toy --rollout.backend vllm \
     --placement.trainer-devices cuda:0 --placement.agent-devices cuda:1 --async-training.no-colocated \
     --async-training.staleness-threshold 0.5 --async-training.total-versions "${VERSIONS:-12}" \
     --lora.rank 32 --lora.alpha 32 --trainer.optim.lr 1e-5 --trainer.routing-replay "$replay" \
