@@ -9,8 +9,18 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
     sync            colocated: one process generates a batch, then trains on it (staleness 0, trigger 1)
     stale-partial   fully async, 1 trainer + 1 rollout process: staleness 0.5, trigger 4, partial rollout,
                     the default correction (behaviour log-probs as π_old)
-    lag-naive       a forced lag: staleness --lag, trigger 1, no partial rollout, so the rollout runs up to
-                    --lag versions ahead of the trainer; behaviour log-probs as π_old, no importance weights
+    lag-naive       the bypass cell: a forced lag, staleness --lag, trigger 1, no partial rollout, so the rollout
+                    runs up to --lag versions ahead of the trainer; behaviour log-probs as π_old (PPO's clip around
+                    μ, the sampler), no importance weights
+    lag-ignore-mu   the same lag, π_old recomputed with the learner's weights and μ ignored: no importance weights,
+                    no rejection, the clip around a policy that did not sample the data (the "naive PPO under
+                    staleness" of the literature; docs/staleness.md says why not to do it)
+    lag-opsm        lag-naive with off-policy sequence masking: a negative-advantage sequence whose mean
+                    log μ − log π_θ exceeds --opsm-threshold δ gets no loss
+    lag-ess         lag-naive with the ESS-scaled step: each update's learning rate times the normalised effective
+                    sample size of its ratios π_θ/μ
+    lag-drift-budget  lag-naive with a drift budget (--drift-budget nats a token of KL(μ‖π_θ)): publication is
+                    held back at the lag whose predicted drift fits it, so the lag realised may stay below --lag
     lag-corrected   the same lag, corrected: decoupled PPO (proximal log-probs recomputed with the learner's
                     weights before the update, the clip around them) with token-level truncated importance
                     weights π_prox/μ (C = 2)
@@ -29,10 +39,16 @@ Every cell trains `--mini-batch-size` groups per learner step; a cell of M updat
 mini-batches of `--mini-batch-size` / M groups (`--async-training.require-batches M`), so versions, samples
 and the rollout's admission per version (hence the lag in versions) are those of the one-update cells.
 
-A run ends with a checkpoint, which is evaluated on prompts of another task seed (`--eval-seed`) at the
-training temperature. Per cell: the final evaluation accuracy and the training reward over the last quarter
-of the steps, mean ± std over seeds, the version lag that was actually trained on, and the run's means of the
-PPO clip fraction and of the behaviour/proximal mismatch KL (only the cells that recompute π_prox record it).
+The task is the built-in two-digit sums, or a prompt file (`--data-path`, e.g. the GSM8K-calc prompts of
+`asyncrl data convert-gsm8k-calc`), evaluated on another file (`--eval-data-path`, its first `--eval-prompts`
+rows). A run ends with a checkpoint, which is evaluated on prompts of another task seed (`--eval-seed`) at the
+training temperature; the pre-registered evaluation of docs/staleness.md is `--eval-prompts 1024 --eval-n 8`.
+Per cell: the final evaluation accuracy and the training reward over the last quarter of the steps, mean ± std
+over seeds, the version lag that was actually trained on, the drift from the behaviour policy (the means over
+steps of actor/behaviour_kl, the k3 estimate of KL(μ‖π_θ), and of its k1 estimate actor/behaviour_k1), and the
+run's means of the PPO clip fraction and of the behaviour/proximal mismatch KL (only the cells that recompute
+π_prox record it). Every step's curve keeps the drift metrics (and OPSM's masked fraction, the ESS-scaled step's
+lr scale and the drift budget's lag cap where a cell logs them); `scripts/staleness_analysis.py` reads them.
 Writes one directory per run (its metrics.jsonl and result.json), then results.json, learning_grid.md and
 learning_grid.png to --out. A run whose result.json exists is not run again: an interrupted grid resumes where
 it stopped.
@@ -63,6 +79,12 @@ CELLS: dict[str, dict] = {
     "sync": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="none", updates=1),
     "stale-partial": dict(staleness=0.5, trigger=4, partial=True, colocated=False, correction="none", updates=1),
     "lag-naive": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none", updates=1),
+    "lag-ignore-mu": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="ignore-mu",
+                          updates=1),
+    "lag-opsm": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="opsm", updates=1),
+    "lag-ess": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="ess", updates=1),
+    "lag-drift-budget": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="none", updates=1,
+                             drift_budget=True),
     "lag-corrected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis", updates=1),
     "lag-rejected": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis+rs", updates=1),
     "lag-m2po": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po", updates=1),
@@ -73,7 +95,8 @@ CELLS: dict[str, dict] = {
     "sync-dec-m4": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=4),
 }
 """Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS; updates = optimizer steps
-per learner step (mini-batches of --mini-batch-size / updates groups)."""
+per learner step (mini-batches of --mini-batch-size / updates groups); drift_budget (where present) bounds the lag
+by --drift-budget (`AsyncConfig.drift_budget`)."""
 
 CORRECTIONS: dict[str, OffPolicyConfig] = {
     "none": OffPolicyConfig(),
@@ -81,10 +104,15 @@ CORRECTIONS: dict[str, OffPolicyConfig] = {
     "tis+rs": OffPolicyConfig(use_rollout_log_probs=False, is_level="token", is_threshold=2.0, rs_stat="k1",
                               rs_level="token", rs_upper=2.0),
     "m2po": OffPolicyConfig(use_rollout_log_probs=False, m2_threshold=0.04),
+    "ignore-mu": OffPolicyConfig(use_rollout_log_probs=False),
+    "opsm": OffPolicyConfig(opsm_threshold=0.1),
+    "ess": OffPolicyConfig(ess_scaled_lr=True),
 }
-"""The off-policy settings of the cells: behaviour log-probs as π_old; decoupled PPO with token TIS (C = 2);
-the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style masking); decoupled PPO with M2PO
-(τ = 0.04, arXiv:2510.01161)."""
+"""The off-policy settings of the cells: behaviour log-probs as π_old (bypass); decoupled PPO with token TIS
+(C = 2); the same plus token rejection of π_prox/μ outside [1/2, 2] (IcePop-style masking); decoupled PPO with
+M2PO (τ = 0.04, arXiv:2510.01161); π_old recomputed with μ ignored (no weights, no rejection or masking: every
+other field at its default); bypass with OPSM (DeepSeek-V3.2; `cell_config` sets δ to --opsm-threshold); bypass
+with the ESS-scaled step (VCPO, arXiv:2602.17616)."""
 
 
 @dataclasses.dataclass
@@ -104,7 +132,15 @@ class GridArgs:
     digits: int = 2
     """The grid's task, the built-in arithmetic: two-digit sums (--data.digits, the grid's own)."""
     system_prompt: str = "Reply with the result only."
-    """The grid's task: the model is asked for the number alone (--data.system-prompt, the grid's own)."""
+    """The grid's task: the model is asked for the number alone (--data.system-prompt, the grid's own; with
+    --data-path, the system message of the rows without one of their own)."""
+    data_path: str | None = DataConfig.path
+    """A .jsonl or .parquet prompt file to train on in place of the sums (--data.path), e.g. GSM8K-calc's train
+    split made by `asyncrl data convert-gsm8k-calc` (its rows' data_source picks the reward). Needs
+    --eval-data-path; --max-prompt-length and --max-new-tokens must fit its prompts and answers."""
+    eval_data_path: str | None = None
+    """The prompt file of the evaluation when training from --data-path (e.g. GSM8K-calc's test split): its
+    first --eval-prompts rows that fit --max-prompt-length, in file order."""
     n: int = RolloutConfig.n
     """Responses per prompt (--rollout.n)."""
     mini_batch_size: int = TrainerConfig.mini_batch_size
@@ -116,6 +152,12 @@ class GridArgs:
     """--async-training.staleness-threshold of the lag cells: how many versions the rollout may run ahead."""
     lr: float = 1e-5
     """The grid's learning rate (--trainer.optim.lr, the grid's own)."""
+    opsm_threshold: float = 0.1
+    """δ of the lag-opsm cell, nats a token (--trainer.off-policy.opsm-threshold; docs/staleness.md's
+    pre-registered value)."""
+    drift_budget: float = 0.02
+    """The lag-drift-budget cell's budget, nats a token of KL(μ‖π_θ) (--async-training.drift-budget;
+    docs/staleness.md's pre-registered value)."""
     temperature: float = RolloutConfig.temperature
     """--rollout.temperature (the learner's and the evaluation's too)."""
     max_new_tokens: int = 32
@@ -129,7 +171,9 @@ class GridArgs:
     """Learner micro-batch token budget (memory only: the loss and gradient do not depend on it;
     --trainer.max-tokens-per-micro-batch)."""
     eval_prompts: int = 128
+    """Evaluation prompts of every run (docs/staleness.md's pre-registered evaluation: 1024)."""
     eval_n: int = 4
+    """Samples per evaluation prompt (docs/staleness.md's pre-registered evaluation: 8)."""
     eval_seed: int = 1000
     """Task seed of the evaluation prompts (training uses the run's seed)."""
     parallel: int = 1
@@ -148,10 +192,36 @@ def _run_dir(args: GridArgs, cell: str, seed: int) -> pathlib.Path:
     return pathlib.Path(args.out) / cell / f"seed{seed}"
 
 
+def _data(args: GridArgs, path: str | None, seed: int, shuffle: bool) -> DataConfig:
+    """The grid's task: the prompt file `path`, or the built-in sums (None)."""
+    return DataConfig(path=path, task="arithmetic", digits=args.digits, operators="+",
+                      system_prompt=args.system_prompt, shuffle=shuffle, seed=seed)
+
+
+def _check_data_paths(args: GridArgs) -> None:
+    if args.data_path is not None and args.eval_data_path is None:
+        raise ValueError(f"--data-path {args.data_path}: also pass --eval-data-path, the prompt file to evaluate on "
+                         "(e.g. the test split of the same task)")
+    if args.data_path is None and args.eval_data_path is not None:
+        raise ValueError(f"--eval-data-path {args.eval_data_path}: evaluates a grid trained from --data-path; pass "
+                         "it too (without it the grid trains and evaluates on the built-in sums)")
+
+
+def _drift_budget(args: GridArgs, cell: str, knobs: dict) -> dict:
+    """The AsyncConfig keyword of a drift-budget cell (none for the others)."""
+    if not knobs.get("drift_budget"):
+        return {}
+    if "drift_budget" not in {f.name for f in dataclasses.fields(AsyncConfig)}:
+        raise ValueError(f"--cells {cell}: this checkout's AsyncConfig has no drift_budget; run the other cells, or "
+                         "update asyncrl to a version with --async-training.drift-budget")
+    return {"drift_budget": args.drift_budget}
+
+
 def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
     """The RunConfig of one (cell, seed): shared hyperparameters, the cell's mode and correction."""
     if cell not in CELLS:
         raise ValueError(f"--cells {cell}: unknown cell; choose from {', '.join(CELLS)}")
+    _check_data_paths(args)
     k = CELLS[cell]
     if args.steps % k["trigger"]:
         raise ValueError(f"--steps {args.steps}: must be a multiple of {cell}'s trigger ({k['trigger']}) so that "
@@ -162,11 +232,12 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
                          f"step ({updates}) so that its mini-batches add up to the same prompts per learner step")
     trainer, rollout = args.devices
     off_policy = dataclasses.replace(CORRECTIONS[k["correction"]])
+    if off_policy.opsm_threshold is not None:
+        off_policy.opsm_threshold = args.opsm_threshold
     staleness = args.lag if k["staleness"] is None else k["staleness"]
     return RunConfig(
         model=ModelConfig(path=args.model, tokenizer=args.tokenizer, seed=seed),
-        data=DataConfig(task="arithmetic", digits=args.digits, operators="+", system_prompt=args.system_prompt,
-                        seed=seed),
+        data=_data(args, args.data_path, seed, shuffle=DataConfig.shuffle),
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               max_prompt_length=args.max_prompt_length, max_slots=args.slots),
@@ -176,7 +247,8 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
                               optim=OptimConfig(lr=args.lr)),
         async_training=AsyncConfig(staleness_threshold=staleness, trigger_parameter_sync_step=k["trigger"],
                                    partial_rollout=k["partial"], colocated=k["colocated"], require_batches=updates,
-                                   total_versions=args.steps // k["trigger"], sync_timeout_s=args.sync_timeout_s),
+                                   total_versions=args.steps // k["trigger"], sync_timeout_s=args.sync_timeout_s,
+                                   **_drift_budget(args, cell, k)),
         placement=PlacementConfig(launcher="rpc", trainer_devices=(trainer,),
                                   agent_devices=(trainer if k["colocated"] else rollout,),
                                   threads_per_process=args.threads_per_process),
@@ -186,8 +258,7 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
 
 
 def _eval(args: GridArgs, model: str, device: str) -> dict:
-    data = DataConfig(task="arithmetic", digits=args.digits, operators="+", system_prompt=args.system_prompt,
-                      seed=args.eval_seed)
+    data = _data(args, args.eval_data_path, args.eval_seed, shuffle=False)  # a file: its first rows, every run alike
     return evaluate(model, data, num_prompts=args.eval_prompts, n=args.eval_n, temperature=args.temperature,
                     max_new_tokens=args.max_new_tokens, max_slots=min(256, args.eval_prompts * args.eval_n),
                     device=device, tokenizer=args.tokenizer, seed=args.eval_seed, max_prompt_length=args.max_prompt_length)
@@ -197,7 +268,10 @@ def _curve(run_dir: pathlib.Path, samples_per_step: int) -> list[dict]:
     rows = read_metrics(run_dir)
     keys = {"reward": "critic/score/mean", "lag_mean": "training/version_lag/mean",
             "lag_max": "training/version_lag/max", "mismatch_kl": "rollout_corr/mismatch_kl",
-            "clipfrac": "actor/pg_clipfrac", "response_length": "response_length/mean"}
+            "clipfrac": "actor/pg_clipfrac", "response_length": "response_length/mean",
+            "behaviour_kl": "actor/behaviour_kl", "behaviour_k1": "actor/behaviour_k1",
+            "behaviour_ess": "actor/behaviour_ess", "opsm_masked_fraction": "actor/opsm_masked_fraction",
+            "lr_scale": "actor/lr_scale", "drift_lag_cap": "fully_async/drift/lag_cap"}
     return [{"step": r["training/global_step"], "samples": r["training/global_step"] * samples_per_step,
              **{name: r.get(key) for name, key in keys.items()}} for r in rows]
 
@@ -220,8 +294,10 @@ def run_one(args: GridArgs, cell: str, seed: int) -> dict:
     result = {"cell": cell, "seed": seed, "steps": summary.steps, "train_s": train_s,
               "samples": summary.steps * samples_per_step,
               "train_reward_last_quarter": statistics.fmean(c["reward"] for c in tail),
+              "forced_lag": cfg.async_training.staleness_threshold,
               "lag_mean": statistics.fmean(lags) if lags else 0.0,
               "lag_max": max((c["lag_max"] or 0 for c in curve), default=0),
+              "drift_kl": _mean_of(curve, "behaviour_kl"), "drift_k1": _mean_of(curve, "behaviour_k1"),
               "eval": _eval(args, summary.checkpoint, args.devices[1]), "curve": curve}
     (pathlib.Path(cfg.run_dir) / "result.json").write_text(json.dumps(result, indent=1))
     if not args.keep_checkpoints:
@@ -234,20 +310,21 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def _run_mean(run: dict, key: str) -> float | None:
+def _mean_of(curve: list[dict], key: str) -> float | None:
     """The mean of one curve column over a run's steps (None: the run did not record it)."""
-    values = [c[key] for c in run["curve"] if c.get(key) is not None]
+    values = [c[key] for c in curve if c.get(key) is not None]
     return statistics.fmean(values) if values else None
 
 
 def _cell_mean(runs: list[dict], key: str) -> float | None:
-    values = [v for v in (_run_mean(r, key) for r in runs) if v is not None]
+    values = [v for v in (_mean_of(r["curve"], key) for r in runs) if v is not None]
     return statistics.fmean(values) if values else None
 
 
 def aggregate(results: list[dict]) -> list[dict]:
     """Per cell (in CELLS order): seeds, eval accuracy and last-quarter training reward as (mean, std), lag,
-    and the mean over steps and seeds of the clip fraction and the mismatch KL (None where not recorded)."""
+    and the mean over steps and seeds of the drift (k3 and k1 of KL(μ‖π_θ)), the clip fraction and the mismatch
+    KL (None where not recorded)."""
     rows = []
     for cell in CELLS:
         mine = [r for r in results if r["cell"] == cell]
@@ -259,6 +336,7 @@ def aggregate(results: list[dict]) -> list[dict]:
                      "train_reward": _mean_std([r["train_reward_last_quarter"] for r in mine]),
                      "lag_mean": statistics.fmean(r["lag_mean"] for r in mine),
                      "lag_max": max(r["lag_max"] for r in mine),
+                     "drift_kl": _cell_mean(mine, "behaviour_kl"), "drift_k1": _cell_mean(mine, "behaviour_k1"),
                      "train_s": statistics.fmean(r["train_s"] for r in mine),
                      "clipfrac": _cell_mean(mine, "clipfrac"), "mismatch_kl": _cell_mean(mine, "mismatch_kl"),
                      "per_seed": [round(r["eval"]["accuracy"], 3) for r in sorted(mine, key=lambda r: r["seed"])]})
@@ -269,16 +347,23 @@ def _num(value: float | None) -> str:
     return "–" if value is None else f"{value:.4f}"
 
 
+def _sci(value: float | None) -> str:
+    """A drift: nats a token, from ~1e-6 (fp32 engine and learner at no lag) to ~0.1."""
+    return "–" if value is None else f"{value:.2e}"
+
+
 def table(rows: list[dict], initial: dict | None) -> str:
     lines = ["| cell | seeds | trained samples | eval accuracy (mean ± std) | per seed | train reward, last quarter "
-             "| version lag mean / max | train s | pg_clipfrac | mismatch KL |", "|" + "---|" * 10]
+             "| version lag mean / max | drift KL(μ‖π) k3 / k1 | train s | pg_clipfrac | mismatch KL |",
+             "|" + "---|" * 11]
     if initial is not None:
-        lines.append(f"| initial model | – | 0 | {initial['accuracy']:.3f} | – | – | – | – | – | – |")
+        lines.append(f"| initial model | – | 0 | {initial['accuracy']:.3f} | – | – | – | – | – | – | – |")
     for r in rows:
         (acc, acc_sd), (rew, rew_sd) = r["eval_accuracy"], r["train_reward"]
         lines.append(f"| {r['cell']} | {len(r['seeds'])} | {r['samples']:,} | {acc:.3f} ± {acc_sd:.3f} | "
                      f"{' / '.join(f'{a:.3f}' for a in r['per_seed'])} | {rew:.3f} ± {rew_sd:.3f} | "
-                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {r['train_s']:.0f} | {_num(r.get('clipfrac'))} | "
+                     f"{r['lag_mean']:.2f} / {r['lag_max']} | {_sci(r.get('drift_kl'))} / "
+                     f"{_sci(r.get('drift_k1'))} | {r['train_s']:.0f} | {_num(r.get('clipfrac'))} | "
                      f"{_num(r.get('mismatch_kl'))} |")
     return "\n".join(lines)
 

@@ -54,7 +54,7 @@ MIRRORS: dict[str, dict[str, str]] = {
         "model": "run.model.path", "tokenizer": "run.model.tokenizer", "n": "run.rollout.n",
         "mini_batch_size": "run.trainer.mini_batch_size", "temperature": "run.rollout.temperature",
         "max_tokens_per_micro_batch": "run.trainer.max_tokens_per_micro_batch",
-        "threads_per_process": "run.placement.threads_per_process",
+        "threads_per_process": "run.placement.threads_per_process", "data_path": "run.data.path",
     },
     "ProfileArgs": {
         "max_tokens_per_micro_batch": "run.trainer.max_tokens_per_micro_batch",
@@ -82,6 +82,8 @@ DIFFERENT: dict[str, dict[str, tuple[str, str]]] = {
         "lr": ("run.trainer.optim.lr", "the grid's learning rate"),
         "slots": ("run.rollout.max_slots", "a learner step's responses at once"),
         "sync_timeout_s": ("run.async_training.sync_timeout_s", "parallel runs share the GPUs"),
+        "opsm_threshold": ("run.trainer.off_policy.opsm_threshold", "the lag-opsm cell's δ (the others: off)"),
+        "drift_budget": ("run.async_training.drift_budget", "the lag-drift-budget cell's budget (the others: off)"),
     },
     "ProfileArgs": {"model": ("run.model.path", GPU_SHAPE)},
     "LaunchBenchArgs": {"versions": ("run.async_training.total_versions", "a tiny job: its launch is what is timed")},
@@ -94,8 +96,8 @@ OWN: dict[str, set[str]] = {
     "EngineBenchArgs": {"device", "backends", "batch_sizes", "prompt_len", "seeded", "out", "lengths", "tail_ratio"},
     "AttentionBenchArgs": {"batch_sizes", "contexts", "lengths", "kernels", "dtype", "iters", "max_cache_gb", "seed",
                          "out"},
-    "GridArgs": {"devices", "cells", "seeds", "steps", "lag", "eval_prompts", "eval_n", "eval_seed", "parallel",
-               "keep_checkpoints", "out"},
+    "GridArgs": {"devices", "cells", "seeds", "steps", "lag", "eval_prompts", "eval_n", "eval_seed", "eval_data_path",
+               "parallel", "keep_checkpoints", "out"},
     "ProfileArgs": {"rows", "workload", "warmup_steps", "layer_tokens", "top"},
     "LaunchBenchArgs": {"repeats", "agents", "restart", "timeout_s", "out"},
 }

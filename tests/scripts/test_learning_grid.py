@@ -10,7 +10,11 @@ import sys
 
 import pytest
 
+import dataclasses
+
 from asyncrl.algos.staleness import verl_max_required_samples
+from asyncrl.config import AsyncConfig, OffPolicyConfig
+from scripts import learning_grid
 from scripts.learning_grid import CELLS, GridArgs, aggregate, cell_config, table
 from tests.run_helpers import ROOT
 from tests.timing import limit
@@ -69,6 +73,99 @@ def test_cells_of_several_updates_split_the_same_prompts_per_step_into_mini_batc
         cell_config(GridArgs(steps=10), "stale-partial", 0)
     with pytest.raises(ValueError, match="--cells async"):
         cell_config(args, "async", 0)
+
+
+def _flat(config) -> dict:
+    """A config's leaves by dotted path."""
+    def leaves(d: dict, prefix: str) -> dict:
+        out = {}
+        for name, value in d.items():
+            out.update(leaves(value, f"{prefix}{name}.") if isinstance(value, dict) else {prefix + name: value})
+        return out
+    return leaves(dataclasses.asdict(config), "")
+
+
+def _differences(a, b) -> set[str]:
+    flat_a, flat_b = _flat(a), _flat(b)
+    return {k for k in flat_a.keys() | flat_b.keys() if flat_a.get(k) != flat_b.get(k)}
+
+
+HAS_DRIFT_BUDGET = "drift_budget" in {f.name for f in dataclasses.fields(AsyncConfig)}
+
+
+def test_the_staleness_cells_are_the_bypass_cell_with_one_control_changed():
+    # lag-naive is the bypass cell (π_old = μ, no weights); each control cell differs from it in its knob alone
+    args = GridArgs(steps=96, lag=8.0, mini_batch_size=16, n=8, opsm_threshold=0.05)
+    bypass = cell_config(args, "lag-naive", seed=2)
+    assert bypass.trainer.off_policy == OffPolicyConfig() and bypass.trainer.off_policy.use_rollout_log_probs
+    a = bypass.async_training
+    assert (a.staleness_threshold, a.trigger_parameter_sync_step, a.partial_rollout, a.colocated,
+            a.require_batches) == (8.0, 1, False, False, 1)
+    expected = {"lag-ignore-mu": {"trainer.off_policy.use_rollout_log_probs": False},
+                "lag-opsm": {"trainer.off_policy.opsm_threshold": 0.05},
+                "lag-ess": {"trainer.off_policy.ess_scaled_lr": True}}
+    for cell, knobs in expected.items():
+        cfg = cell_config(args, cell, seed=2)
+        cfg.validate()
+        assert _differences(bypass, cfg) == {"run_dir", *knobs}, cell
+        assert {k: _flat(cfg)[k] for k in knobs} == knobs, cell
+    ignore = cell_config(args, "lag-ignore-mu", seed=2).trainer.off_policy
+    # μ is ignored entirely: no importance weights, rejection, M2PO, OPSM, ESS step or KL toward μ
+    assert (ignore.is_level, ignore.rs_stat, ignore.m2_threshold, ignore.opsm_threshold, ignore.ess_scaled_lr,
+            ignore.behaviour_kl_coef) == ("none", "none", None, None, False, 0.0)
+    assert GridArgs().opsm_threshold == 0.1  # docs/staleness.md's pre-registered δ
+    assert cell_config(GridArgs(), "lag-opsm", 0).trainer.off_policy.opsm_threshold == 0.1
+
+
+@pytest.mark.skipif(not HAS_DRIFT_BUDGET, reason="this checkout's AsyncConfig has no drift_budget "
+                                                 "(--async-training.drift-budget) yet")
+def test_the_drift_budget_cell_is_the_bypass_cell_with_a_budget():
+    args = GridArgs(lag=8.0, drift_budget=0.03)
+    cfg = cell_config(args, "lag-drift-budget", seed=0)
+    cfg.validate()
+    assert _differences(cell_config(args, "lag-naive", seed=0), cfg) == {"run_dir", "async_training.drift_budget"}
+    assert cfg.async_training.drift_budget == 0.03 and cfg.async_training.staleness_threshold == 8.0
+    assert GridArgs().drift_budget == 0.02
+    assert all(cell_config(args, c, 0).async_training.drift_budget is None for c in CELLS if c != "lag-drift-budget")
+
+
+def test_a_prompt_file_trains_and_evaluates_from_files(monkeypatch):
+    args = GridArgs(data_path="data/gsm8k-calc/train.parquet", eval_data_path="data/gsm8k-calc/test.parquet",
+                    eval_prompts=1024, eval_n=8, eval_seed=7)
+    cfg = cell_config(args, "lag-naive", seed=3)
+    cfg.validate()
+    assert (cfg.data.path, cfg.data.seed, cfg.data.shuffle) == ("data/gsm8k-calc/train.parquet", 3, True)
+    seen = {}
+    monkeypatch.setattr(learning_grid, "evaluate", lambda model, data, **kw: seen.update(data=data, **kw) or {})
+    learning_grid._eval(args, "ckpt", "cpu")
+    data = seen["data"]
+    assert (data.path, data.shuffle, data.seed) == ("data/gsm8k-calc/test.parquet", False, 7)  # its first rows
+    assert (seen["num_prompts"], seen["n"]) == (1024, 8)
+    learning_grid._eval(GridArgs(eval_seed=7), "ckpt", "cpu")  # the built-in sums by default
+    assert seen["data"].path is None and seen["data"].digits == 2 and seen["data"].seed == 7
+    assert cell_config(GridArgs(), "sync", 0).data.path is None
+    with pytest.raises(ValueError, match="--data-path data/x.jsonl: also pass --eval-data-path"):
+        cell_config(GridArgs(data_path="data/x.jsonl"), "sync", 0)
+    with pytest.raises(ValueError, match="--eval-data-path data/y.jsonl: .* pass it too"):
+        cell_config(GridArgs(eval_data_path="data/y.jsonl"), "sync", 0)
+
+
+def test_the_curve_keeps_the_drift_metrics_and_the_summary_their_run_means(tmp_path):
+    rows = [{"training/global_step": 1, "critic/score/mean": 0.5, "actor/behaviour_kl": 0.01,
+             "actor/behaviour_k1": 0.02, "actor/behaviour_ess": 0.9, "actor/opsm_masked_fraction": 0.1},
+            {"training/global_step": 2, "critic/score/mean": 0.6, "actor/behaviour_kl": 0.03,
+             "actor/behaviour_k1": -0.01, "actor/behaviour_ess": 0.8, "actor/lr_scale": 0.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curve = learning_grid._curve(tmp_path, samples_per_step=4)
+    assert [(c["samples"], c["behaviour_kl"], c["behaviour_k1"], c["behaviour_ess"]) for c in curve] == \
+        [(4, 0.01, 0.02, 0.9), (8, 0.03, -0.01, 0.8)]
+    assert [c["opsm_masked_fraction"] for c in curve] == [0.1, None] and curve[1]["lr_scale"] == 0.8
+    # run means: k3 (0.01 + 0.03) / 2 = 0.02, k1 (0.02 − 0.01) / 2 = 0.005; a second seed with k3 0.04, k1 0.015:
+    # the cell 0.03 and 0.01
+    other = [{"behaviour_kl": 0.04, "behaviour_k1": 0.015}]
+    rows = aggregate([_result("lag-opsm", 0, 0.5, 0.5, 7.5, curve), _result("lag-opsm", 1, 0.5, 0.5, 7.5, other)])
+    assert rows[0]["drift_kl"] == pytest.approx(0.03) and rows[0]["drift_k1"] == pytest.approx(0.01)
+    assert "| 7.50 / 8 | 3.00e-02 / 1.00e-02 | 10 |" in table(rows, None)
 
 
 def _result(cell: str, seed: int, accuracy: float, reward: float, lag: float, curve=()) -> dict:
