@@ -10,6 +10,7 @@
 #   bash scripts/gpu_moe.sh one OUT      # only the r3 run, on cuda:0 + cuda:1 (a 2-GPU host; LAYERS=48: the whole shape,
 #                                        #   with WEIGHTS=1: its random bf16 weights written once, on the GPU, as an HF
 #                                        #   directory both processes load, rather than built in fp32 in each)
+#   bash scripts/gpu_moe.sh weights OUT  # only those weights (a warm machine keeps /tmp: `one` then reuses them)
 #   bash scripts/gpu_moe.sh learner OUT  # the learner step of an OLMoE-1B-7B-shaped model, full fine-tune, as a
 #                                        #   RANKS-rank FSDP2 group (default 4; 6.9 B parameters' fp32 weights, gradients
 #                                        #   and AdamW moments are 110 GB: one GPU cannot hold them), ROWS rows a rank
@@ -26,14 +27,21 @@ LIMIT=${LIMIT:-420}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/vsite:/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 
+weights() {  # weights NAME GPU: the shape's random bf16 weights in /tmp/moe-NAME, once per warm machine
+  local name=$1 gpu=$2 t0=$SECONDS
+  if [ -f "/tmp/moe-$name/model.safetensors.index.json" ]; then
+    echo "== $name: the random weights of an earlier call in /tmp/moe-$name"; return 0
+  fi
+  CUDA_VISIBLE_DEVICES=$gpu python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" \
+    --weights --device cuda > "$OUT/$name-weights.log" 2>&1 || { echo "== $name: weights failed"; tail -n 5 "$OUT/$name-weights.log"; return 1; }
+  echo "== $name: random bf16 weights written in $((SECONDS - t0)) s ($(du -sh "/tmp/moe-$name" | cut -f1))"
+}
+
 run() {  # run NAME GPUS REPLAY: a fully async LoRA run of the Qwen3-30B-A3B shape on 2 GPUs
   local name=$1 gpus=$2 replay=$3
   local model="random:/tmp/moe-$name/config.json"
   if [ -n "${WEIGHTS:-}" ]; then
-    local t0=$SECONDS
-    CUDA_VISIBLE_DEVICES=${gpus%%,*} python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" \
-      --weights --device cuda > "$OUT/$name-weights.log" 2>&1 || { echo "== $name: weights failed"; tail -n 5 "$OUT/$name-weights.log"; return; }
-    echo "== $name: random bf16 weights written in $((SECONDS - t0)) s ($(du -sh "/tmp/moe-$name" | cut -f1))"
+    weights "$name" "${gpus%%,*}" || return
     model="/tmp/moe-$name"
   else
     python3 scripts/moe_shapes.py qwen3-30b-a3b "/tmp/moe-$name" --layers "$LAYERS" > /dev/null
@@ -80,6 +88,8 @@ case "$STAGE" in
     run off 2,3 off &
     wait
     summary r3 off | tee "$OUT/summary.md" ;;
+  weights)  # only the random weights `one` uses with WEIGHTS=1, for a call of their own before it
+    weights r3 0 ;;
   one)
     run r3 0,1 r3
     summary r3 | tee "$OUT/summary.md" ;;
