@@ -14,7 +14,9 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
                     μ, the sampler), no importance weights
     lag-ignore-mu   the same lag, π_old recomputed with the learner's weights and μ ignored: no importance weights,
                     no rejection, the clip around a policy that did not sample the data (the "naive PPO under
-                    staleness" of the literature; docs/staleness.md says why not to do it)
+                    staleness" of the literature; docs/staleness.md says why not to do it). With one update a step
+                    π_θ = π_old at the update, so the clip never acts: a policy gradient on stale samples as if
+                    they were fresh
     lag-opsm        lag-naive with off-policy sequence masking: a negative-advantage sequence whose mean
                     log μ − log π_θ exceeds --opsm-threshold δ gets no loss
     lag-ess         lag-naive with the ESS-scaled step: each update's learning rate times the normalised effective
