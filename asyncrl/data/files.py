@@ -46,7 +46,7 @@ from asyncrl.rewards.gsm8k import gsm8k_ground_truth
 from asyncrl.types import Prompt
 
 __all__ = [
-    "read_jsonl", "read_parquet", "write_rows", "rows_to_prompts", "load_prompt_file", "convert_gsm8k",
+    "read_jsonl", "read_parquet", "write_rows", "rows_to_prompts", "load_prompt_file", "read_gsm8k", "convert_gsm8k",
     "GSM8K_INSTRUCTION", "SUFFIXES", "RowKeys",
 ]
 
@@ -315,6 +315,26 @@ def load_prompt_file(path: str | os.PathLike, tokenizer, *, max_prompt_length: i
                            on_empty=on_empty, system_prompt=system_prompt, line_numbers=lines, keys=keys)
 
 
+def read_gsm8k(src: str | os.PathLike) -> list[tuple[str, dict]]:
+    """(where, row) for every row of a GSM8K .jsonl or .parquet file; `where` is `path:LINE` (JSONL) or
+    `path: row I` (Parquet) for error messages.
+
+    Raises:
+      ValueError: the file is missing or unreadable, or a row's `question` or `answer` is not a string.
+    """
+    src = pathlib.Path(src)
+    if src.suffix == ".parquet":
+        numbered = [(f"{src}: row {i}", row) for i, row in enumerate(read_parquet(src))]
+    else:
+        numbered = [(f"{src}:{number}", row) for number, row in _read_jsonl_numbered(src)]
+    for where, row in numbered:
+        for field in ("question", "answer"):
+            if not isinstance(row.get(field), str):
+                raise ValueError(f"{where}: field '{field}' must be a string; is this a GSM8K file "
+                                 "(fields 'question' and 'answer')?")
+    return numbered
+
+
 def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,
                   instruction: str = GSM8K_INSTRUCTION) -> int:
     """Convert a GSM8K .jsonl or .parquet file (`question`, `answer` ending in "#### N") to verl rows; returns
@@ -327,17 +347,8 @@ def convert_gsm8k(src_jsonl: str | os.PathLike, out_path: str | os.PathLike, *,
     out = pathlib.Path(out_path)
     if out.suffix not in SUFFIXES:
         raise ValueError(f"{out}: the output must end in .jsonl or .parquet")
-    src = pathlib.Path(src_jsonl)
-    if src.suffix == ".parquet":
-        numbered = [(f"{src}: row {i}", row) for i, row in enumerate(read_parquet(src))]
-    else:
-        numbered = [(f"{src}:{number}", row) for number, row in _read_jsonl_numbered(src)]
     rows = []
-    for index, (where, row) in enumerate(numbered):
-        for field in ("question", "answer"):
-            if not isinstance(row.get(field), str):
-                raise ValueError(f"{where}: field '{field}' must be a string; is this a GSM8K file "
-                                 "(fields 'question' and 'answer')?")
+    for index, (where, row) in enumerate(read_gsm8k(src_jsonl)):
         try:
             truth = gsm8k_ground_truth(row["answer"])
         except ValueError as err:
