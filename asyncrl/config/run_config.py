@@ -341,7 +341,7 @@ class RewardConfig:
     `compute_score(data_source, solution_str, ground_truth, extra_info=None)` or
     `(response, ground_truth, **row)`, sync or async, returning a float or a dict with `score`);
     `DATA_SOURCE=PATH.py:NAME` scores only that data source. Without it, the built-in rewards score their
-    data sources (arithmetic, countdown, toy, openai/gsm8k, math)."""
+    data sources (arithmetic, countdown, toy, openai/gsm8k, gsm8k-calc, math)."""
     timeout_s: float = 60.0
     """Seconds one call of an async reward may take; a call that takes longer scores 0 and is counted
     (reward/timeouts)."""

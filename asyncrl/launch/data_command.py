@@ -1,6 +1,7 @@
 """`asyncrl data`: make and check prompt files.
 
     asyncrl data convert-gsm8k --src gsm8k/train.jsonl --out data/gsm8k/train.parquet
+    asyncrl data convert-gsm8k-calc --src gsm8k/train.jsonl --out data/gsm8k-calc/train.parquet
     asyncrl data inspect data/gsm8k/train.parquet --model /models/Qwen2.5-0.5B-Instruct --max-prompt-length 1024
 """
 
@@ -13,11 +14,12 @@ from typing import Annotated
 import tyro
 
 from asyncrl.data.files import GSM8K_INSTRUCTION, convert_gsm8k, load_prompt_file
+from asyncrl.data.gsm8k_calc import convert_gsm8k_calc, format_drops
 from asyncrl.tools.hub import dataset_name, model_name, resolve_dataset, resolve_model
 from asyncrl.policies.loading import load_tokenizer
 from asyncrl.launch.model_checks import check_model_path
 
-__all__ = ["data_main", "convert_gsm8k_command", "inspect_command"]
+__all__ = ["data_main", "convert_gsm8k_command", "convert_gsm8k_calc_command", "inspect_command"]
 
 
 _Path = Annotated[str, tyro.conf.arg(metavar="PATH")]
@@ -38,6 +40,30 @@ def convert_gsm8k_command(
     """
     count = convert_gsm8k(_local_data(src, "--src"), out, instruction=instruction)
     print(f"wrote {count} rows to {out}")
+
+
+def convert_gsm8k_calc_command(src: _Path, out: _Path, max_operators: int = 2, max_digits: int = 4,
+                               dedupe: bool = True) -> None:
+    """GSM8K-calc: each calculator annotation of GSM8K (<<48/2=24>>) as a prompt, "Compute 48/2.", truth "24".
+
+    The rows' data_source is "gsm8k-calc" (its reward: the last number of the response equals the value). The
+    expressions are parsed, never run: numbers, + - * /, a leading - and parentheses, computed exactly. An
+    annotation whose exact value differs from the one it states, or that is refused, filtered or a repeat, is
+    dropped; the drops are printed by reason (asyncrl.data.gsm8k_calc lists them).
+
+    Args:
+        src: The GSM8K split: a .jsonl or .parquet file of {"question", "answer"} rows (the answer with its
+            <<expr=value>> steps), or its Hub name, hf:openai/gsm8k:main/train (through the local Hugging Face cache).
+        out: Where to write the rows: a .parquet or .jsonl path (parent directories are created).
+        max_operators: Most binary operators in an expression (a difficulty knob).
+        max_digits: Most digits in an expression's longest number, leading zeros aside (a difficulty knob).
+        dedupe: Keep only the first of expressions written the same way.
+    """
+    stats = convert_gsm8k_calc(_local_data(src, "--src"), out, max_operators=max_operators, max_digits=max_digits,
+                               dedupe=dedupe)
+    print(f"read {stats.rows} rows with {stats.annotations} calculator annotations; dropped "
+          f"{sum(stats.drops.values())}: {format_drops(stats.drops) or 'none'}")
+    print(f"wrote {stats.written} rows to {out}")
 
 
 def _local_data(path: str, flag: str) -> str:
@@ -101,9 +127,11 @@ def inspect_command(path: Annotated[str, tyro.conf.Positional, tyro.conf.arg(met
 _DESCRIPTION = """Make and check prompt files (.jsonl / .parquet in verl's row format).
 
   asyncrl data convert-gsm8k --src gsm8k/train.jsonl --out data/gsm8k/train.parquet
+  asyncrl data convert-gsm8k-calc --src gsm8k/train.jsonl --out data/gsm8k-calc/train.parquet
   asyncrl data inspect data/gsm8k/train.parquet --model /models/Qwen2.5-0.5B-Instruct"""
 
-COMMANDS = {"convert-gsm8k": convert_gsm8k_command, "inspect": inspect_command}
+COMMANDS = {"convert-gsm8k": convert_gsm8k_command, "convert-gsm8k-calc": convert_gsm8k_calc_command,
+            "inspect": inspect_command}
 
 
 def data_main(args: list[str]) -> None:

@@ -9,11 +9,12 @@ from asyncrl.rewards.arithmetic import arithmetic_reward, countdown_reward, even
 from asyncrl.rewards.bounded_arithmetic import compare_integer_text, evaluate_arithmetic
 from asyncrl.rewards.format import GSM8K_FORMAT, THINK_ANSWER_FORMAT, format_reward
 from asyncrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_ground_truth, gsm8k_reward
+from asyncrl.rewards.gsm8k_calc import gsm8k_calc_reward
 from asyncrl.rewards.math_answer import answers_match, extract_boxed, math_reward, normalize_answer
 from asyncrl.rewards.overlong import overlong_penalty
 
 __all__ = [
-    "gsm8k_ground_truth", "extract_gsm8k_answer", "gsm8k_reward",
+    "gsm8k_ground_truth", "extract_gsm8k_answer", "gsm8k_reward", "gsm8k_calc_reward",
     "extract_boxed", "normalize_answer", "answers_match", "math_reward",
     "GSM8K_FORMAT", "THINK_ANSWER_FORMAT", "format_reward",
     "overlong_penalty", "arithmetic_reward", "countdown_reward", "even_token_reward",

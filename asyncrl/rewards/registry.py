@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 from asyncrl.rewards.arithmetic import arithmetic_reward, countdown_reward, even_token_reward
 from asyncrl.rewards.gsm8k import gsm8k_reward
+from asyncrl.rewards.gsm8k_calc import gsm8k_calc_reward
 from asyncrl.rewards.math_answer import math_reward
 
 __all__ = ["BUILTIN_REWARDS"]
@@ -22,6 +23,7 @@ BUILTIN_REWARDS: Mapping[str, Callable[[str, str], float]] = types.MappingProxyT
     "countdown": countdown_reward,
     "toy": even_token_reward,
     "openai/gsm8k": gsm8k_reward,
+    "gsm8k-calc": gsm8k_calc_reward,
     "math": math_reward,
 })
 """data_source -> reward function `(response_text, ground_truth) -> float` (read-only)."""

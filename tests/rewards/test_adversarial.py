@@ -20,7 +20,7 @@ from asyncrl.envs.builtin import Calculator, RetryArithmetic
 from asyncrl.envs.protocol import Turn
 from asyncrl.envs.tools import calculator, parse_tool_calls
 from asyncrl.rewards import (GSM8K_FORMAT, THINK_ANSWER_FORMAT, answers_match, arithmetic_reward, countdown_reward,
-                             format_reward, gsm8k_reward, math_reward)
+                             format_reward, gsm8k_calc_reward, gsm8k_reward, math_reward)
 from asyncrl.rewards.bounded_arithmetic import MAX_CHARS
 from asyncrl.types import Prompt
 from tests.rewards.bounded_calls import bounded_worker  # noqa: F401 - the fixture
@@ -77,12 +77,16 @@ def read_gsm8k(text: str) -> tuple[float, float]:
     return gsm8k_reward(text, "42"), gsm8k_reward(text, "42", method="flexible")
 
 
+def read_gsm8k_calc(text: str) -> float:
+    return gsm8k_calc_reward(text, "42")
+
+
 def read_formats(text: str) -> tuple[float, float]:
     return format_reward(text, GSM8K_FORMAT), format_reward(text, THINK_ANSWER_FORMAT)
 
 
 READERS = (read_calculator, read_calculator_call, read_tool_turn, read_countdown, read_arithmetic, read_retry,
-           read_math, read_gsm8k, read_formats)
+           read_math, read_gsm8k, read_gsm8k_calc, read_formats)
 
 
 def assert_bounded(worker, text: str) -> None:
@@ -234,6 +238,7 @@ def test_non_ascii_digits_are_never_numbers(digits):
     assert math_reward("\\boxed{" + digits + "}", str(value)) == 0.0
     assert not answers_match(digits, str(value))
     assert gsm8k_reward("#### " + digits, str(value), method="flexible") == 0.0
+    assert gsm8k_calc_reward(digits, str(value)) == 0.0
     assert countdown_reward(digits, f"{value}|{value}") == 0.0
     assert read_calculator(digits + " + 1").startswith("error: cannot evaluate")
     assert RetryArithmetic(Prompt([1], ground_truth=str(value))).step(Turn(digits, (), 0, "stop")).observation \
