@@ -212,14 +212,16 @@ def test_every_path_the_pages_name_exists():
 @pytest.fixture
 def workdir(tmp_path, smollm2_tokenizer, gsm8k_test_file):
     """A fresh directory with what the docs' commands expect around them: GSM8K's raw files (here its test
-    split under both names), the examples, and a Hugging Face cache (hf-home, read offline) holding the Hub model
+    split, cut in two: 1,000 rows as train.jsonl, 319 as test.jsonl, so that a split excluding the other's
+    expressions keeps some), the examples, and a Hugging Face cache (hf-home, read offline) holding the Hub model
     and dataset the docs name (tests/hub_helpers.py)."""
     from tests.hub_helpers import readme_hub
     (tmp_path / "gsm8k").mkdir()
-    for name in ("train.jsonl", "test.jsonl"):
-        shutil.copy(gsm8k_test_file, tmp_path / "gsm8k" / name)
+    lines = gsm8k_test_file.read_text().splitlines(keepends=True)
+    (tmp_path / "gsm8k" / "train.jsonl").write_text("".join(lines[:1000]))
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(lines[1000:]))
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    rows = [json.loads(line) for line in gsm8k_test_file.read_text().splitlines()]
+    rows = [json.loads(line) for line in lines]
     readme_hub(tmp_path / "hf-home", smollm2_tokenizer, rows)
     return tmp_path
 

@@ -31,6 +31,8 @@ under the first of these reasons that applies (`DROP_REASONS`, in this order):
   max_operators  more binary operators than `max_operators` (--max-operators)
   max_digits     an operand of more than `max_digits` digits (--max-digits; leading zeros aside, 0.25 has 2)
   duplicate      an expression written the same way (spaces aside) came earlier (--dedupe, the default)
+  excluded       the expression is one of another split's annotations (--exclude: a held-out split stays held out;
+                 GSM8K's test and train splits share over half of their calculator steps)
 
 Rows come out in the source's order, by row and then by annotation, so one source file gives one output file.
 """
@@ -48,7 +50,7 @@ from typing import Iterable, Mapping
 
 from asyncrl.data.files import SUFFIXES, read_gsm8k, write_rows
 
-__all__ = ["parse_calc", "decimal_text", "gsm8k_calc_rows", "convert_gsm8k_calc", "format_drops", "CalcExpression",
+__all__ = ["parse_calc", "decimal_text", "calc_expressions", "gsm8k_calc_rows", "convert_gsm8k_calc", "format_drops", "CalcExpression",
            "CalcRefused", "CalcConversion", "DROP_REASONS", "GSM8K_CALC_SOURCE", "GSM8K_CALC_PROMPT",
            "MAX_EXPRESSION_CHARS", "MAX_LITERAL_DIGITS", "MAX_DECIMALS"]
 
@@ -63,7 +65,7 @@ MAX_LITERAL_DIGITS = 15
 MAX_DECIMALS = 6
 """Most decimal places of a kept value."""
 DROP_REASONS = ("malformed", "too_long", "stated_value", "unsupported", "zero_division", "no_operator", "inexact",
-                "mismatch", "max_operators", "max_digits", "duplicate")
+                "mismatch", "max_operators", "max_digits", "duplicate", "excluded")
 """Why an annotation is dropped, in the order they are checked (the module docstring says what each means)."""
 
 _ANNOTATION = re.compile(r"<<([^<>]*)>>")
@@ -211,10 +213,18 @@ def _annotation_row(annotation: str, *, max_operators: int, max_digits: int) -> 
     return "".join(expression.split()), truth, parsed
 
 
+def calc_expressions(solutions: Iterable[str]) -> frozenset[str]:
+    """Every calculator annotation's expression in the solutions, as written without spaces, whatever its value
+    or knobs: what `exclude` takes."""
+    return frozenset("".join(annotation.split("=")[0].split()) for solution in solutions
+                     for annotation in _ANNOTATION.findall(solution))
+
+
 def gsm8k_calc_rows(solutions: Iterable[str], *, max_operators: int = 2, max_digits: int = 4,
-                    dedupe: bool = True) -> tuple[list[dict], dict[str, int]]:
+                    dedupe: bool = True, exclude: frozenset[str] = frozenset()) -> tuple[list[dict], dict[str, int]]:
     """verl rows, one per kept calculator annotation of the GSM8K solutions (`answer` fields) given, in order;
-    and the drops by reason (every reason of DROP_REASONS, zeros included).
+    and the drops by reason (every reason of DROP_REASONS, zeros included). `exclude`: expressions (written
+    without spaces, `calc_expressions`) dropped as "excluded".
 
     Each row: prompt [{"role": "user", "content": "Compute 48/2."}], data_source "gsm8k-calc", ability "math",
     reward_model {"style": "rule", "ground_truth": "24"}, extra_info {"index": the solution's position,
@@ -232,6 +242,9 @@ def gsm8k_calc_rows(solutions: Iterable[str], *, max_operators: int = 2, max_dig
             if dedupe and expression in seen:
                 drops["duplicate"] += 1
                 continue
+            if expression in exclude:
+                drops["excluded"] += 1
+                continue
             seen.add(expression)
             rows.append({
                 "data_source": GSM8K_CALC_SOURCE,
@@ -245,10 +258,12 @@ def gsm8k_calc_rows(solutions: Iterable[str], *, max_operators: int = 2, max_dig
 
 
 def convert_gsm8k_calc(src: str | os.PathLike, out_path: str | os.PathLike, *, max_operators: int = 2,
-                       max_digits: int = 4, dedupe: bool = True) -> CalcConversion:
+                       max_digits: int = 4, dedupe: bool = True,
+                       exclude: str | os.PathLike | None = None) -> CalcConversion:
     """Convert the calculator annotations of a GSM8K .jsonl or .parquet file (`question`, `answer` with
     `<<expr=value>>` steps) to verl rows (`gsm8k_calc_rows`), written as `.parquet` or `.jsonl` by the output's
-    suffix; returns the counts (`CalcConversion`).
+    suffix; returns the counts (`CalcConversion`). `exclude`: another GSM8K file whose annotations' expressions
+    are left out (the training split, when writing a held-out evaluation file).
 
     Raises:
       ValueError: a bad output suffix or knob, a source row that is not GSM8K's (`path:LINE`), or no annotation
@@ -259,7 +274,9 @@ def convert_gsm8k_calc(src: str | os.PathLike, out_path: str | os.PathLike, *, m
         raise ValueError(f"{out}: the output must end in .jsonl or .parquet")
     _check_knobs(max_operators, max_digits)
     solutions = [row["answer"] for _, row in read_gsm8k(src)]
-    rows, drops = gsm8k_calc_rows(solutions, max_operators=max_operators, max_digits=max_digits, dedupe=dedupe)
+    excluded = calc_expressions(row["answer"] for _, row in read_gsm8k(exclude)) if exclude is not None else frozenset()
+    rows, drops = gsm8k_calc_rows(solutions, max_operators=max_operators, max_digits=max_digits, dedupe=dedupe,
+                                  exclude=excluded)
     annotations = len(rows) + sum(drops.values())
     if not rows:
         raise ValueError(f"{src}: no calculator annotation kept of {annotations} ({format_drops(drops) or 'none'}); "

@@ -43,7 +43,7 @@ def convert_gsm8k_command(
 
 
 def convert_gsm8k_calc_command(src: _Path, out: _Path, max_operators: int = 2, max_digits: int = 4,
-                               dedupe: bool = True) -> None:
+                               dedupe: bool = True, exclude: _Path | None = None) -> None:
     """GSM8K-calc: each calculator annotation of GSM8K (<<48/2=24>>) as a prompt, "Compute 48/2.", truth "24".
 
     The rows' data_source is "gsm8k-calc" (its reward: the last number of the response equals the value). The
@@ -58,9 +58,11 @@ def convert_gsm8k_calc_command(src: _Path, out: _Path, max_operators: int = 2, m
         max_operators: Most binary operators in an expression (a difficulty knob).
         max_digits: Most digits in an expression's longest number, leading zeros aside (a difficulty knob).
         dedupe: Keep only the first of expressions written the same way.
+        exclude: Another GSM8K split (same forms as --src) whose calculator expressions are left out: give the
+            training split when writing an evaluation file, so that it holds no prompt trained on.
     """
     stats = convert_gsm8k_calc(_local_data(src, "--src"), out, max_operators=max_operators, max_digits=max_digits,
-                               dedupe=dedupe)
+                               dedupe=dedupe, exclude=None if exclude is None else _local_data(exclude, "--exclude"))
     print(f"read {stats.rows} rows with {stats.annotations} calculator annotations; dropped "
           f"{sum(stats.drops.values())}: {format_drops(stats.drops) or 'none'}")
     print(f"wrote {stats.written} rows to {out}")

@@ -15,7 +15,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from asyncrl.data.files import load_prompt_file, read_jsonl, read_parquet
-from asyncrl.data.gsm8k_calc import (DROP_REASONS, MAX_EXPRESSION_CHARS, CalcRefused, convert_gsm8k_calc,
+from asyncrl.data.gsm8k_calc import (DROP_REASONS, MAX_EXPRESSION_CHARS, CalcRefused, calc_expressions,
+                                     convert_gsm8k_calc,
                                      decimal_text, gsm8k_calc_rows, parse_calc)
 from asyncrl.data.scoring import Scorer
 from asyncrl.data.tasks import render_chat
@@ -239,6 +240,22 @@ def test_dedupe_keeps_the_first_of_expressions_written_the_same_way():
     rows, drops = gsm8k_calc_rows(solutions, dedupe=False)
     assert [_summary(r)[0] for r in rows] == ["Compute 2*3.", "Compute 4+4.", "Compute 2*3.", "Compute 3*2."]
     assert drops == _drops()
+
+
+
+def test_exclude_leaves_out_another_splits_expressions_whatever_their_knobs(tmp_path):
+    solutions = ["<<2*3=6>> <<4+4=8>>", "<<10/4=2.5>> <<7-1=6>>"]
+    held = calc_expressions(["x <<4 + 4=8>> y <<12345*2=24690>>", "<<7-1=5>>"])  # written with spaces, wrong, big
+    assert held == {"4+4", "12345*2", "7-1"}
+    rows, drops = gsm8k_calc_rows(solutions, exclude=held)
+    assert [_summary(r)[0] for r in rows] == ["Compute 2*3.", "Compute 10/4."]
+    assert drops == _drops(excluded=2)
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "q", "answer": "so <<16-3-4=9>>9 #### 9"}\n')
+    stats = convert_gsm8k_calc(train, tmp_path / "self.jsonl", exclude=None)
+    assert stats.written == 1
+    with pytest.raises(ValueError, match="no calculator annotation kept.*excluded 1"):
+        convert_gsm8k_calc(train, tmp_path / "none.jsonl", exclude=train)
 
 
 # --------------------------------------------------------------------------------------------------------------
