@@ -209,7 +209,15 @@ class Engine(EngineControl[_Request]):
     @torch.inference_mode()
     def _advance(self) -> list[_Request]:
         """Admit and prefill waiting requests (none while draining), decode one token for every running
-        sequence; return the requests that finished."""
+        sequence; return the requests that finished. On a GPU the step runs with the engine's GPU current, whichever
+        thread calls it: Triton kernels launch on the current device, so an engine on cuda:2 stepped from a thread
+        whose current device is cuda:0 (an evaluation in the launching process) would hand them foreign pointers."""
+        if self.model.device.type != "cuda":
+            return self._step_rows()
+        with torch.cuda.device(self.model.device):
+            return self._step_rows()
+
+    def _step_rows(self) -> list[_Request]:
         finished: list[_Request] = []
         if not self._draining:
             admitted = self._admit()
