@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mixture-of-experts runs behind docs/benchmarks/moe-h100-*.md, on a host of 2 or 4 GPUs, after vLLM 0.26 is
+# The mixture-of-experts runs behind docs/benchmarks/moe-*.md, on a host of 2 or 4 GPUs, after vLLM 0.26 is
 # carried and set up (.gpu/vllm26m/setup.sh: vLLM with its MoE kernels):
 #
 #   bash scripts/gpu_moe.sh r3 OUT       # a Qwen3-30B-A3B-shaped model (LAYERS of its 48 layers, default 6), rank-32
