@@ -51,7 +51,7 @@ def _ragged(policy):
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in model.named_parameters()}
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _learner(policy, algo, trainer, packed: bool):
@@ -82,9 +82,16 @@ def test_packed_and_padded_steps_give_the_same_gradients_weights_and_metrics(alg
         if key.startswith("timing_s/"):
             continue
         assert m_packed[key] == pytest.approx(value, rel=REL_TOL, abs=1e-7), key
-    assert max_rel_diff(_params(padded.policy), _params(packed.policy)) <= REL_TOL
-    if padded.critic is not None:
-        assert max_rel_diff(_params(padded.critic), _params(packed.critic)) <= REL_TOL
+    # The weights after several Adam updates (mini-batches of 2 groups: 3 a step) are held to a share of the learning
+    # rate, not to rounding: an update divides by √v̂ of the gradients so far, and where they nearly cancel a rounding
+    # difference in them moves that weight's step by a visible share of lr (seen: 0.4 % of lr at one weight of 16k,
+    # with the gradients equal to 1e-9). The gradients themselves are held to rounding above.
+    lr = padded.scheduler.get_last_lr()[0]
+    for name in ("policy", "critic"):
+        a, b = getattr(padded, name), getattr(packed, name)
+        if a is not None:
+            worst = max(float((x - y).abs().max()) for x, y in zip(_params(a).values(), _params(b).values()))
+            assert worst <= 0.05 * lr, (name, worst, lr)
 
 
 def test_a_packed_micro_batch_is_one_sequence_without_padding():
