@@ -53,6 +53,7 @@ from asyncrl.launch.train import train
 from asyncrl.policies.loading import hf_config, load_model
 from asyncrl.policies.model import CausalLM, TransformerConfig
 from asyncrl.rpc.roles import free_port
+from asyncrl.tracking.report import lag_by_length
 from asyncrl_bench.engine import step_bytes
 from asyncrl_bench.flops import body_params, train_flops
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops, unknown_peak_note
@@ -266,6 +267,7 @@ def summarize(run_dir: str | pathlib.Path, *, n: int, warmup_versions: int = 1) 
         "response_length_mean": _mean(measured, "response_length/mean"),
         "tokens_measured": tokens, "rows_measured": groups * n,
         "response_tokens_measured": sum(r.get("perf/response_tokens", 0) for r in measured),
+        "lag_by_length": {str(bucket): [count, mean] for bucket, (count, mean) in lag_by_length(measured).items()},
         "reward_first": rows[0].get("critic/score/mean"), "reward_last": rows[-1].get("critic/score/mean"),
         "curve": [(r["wall_s"], r.get("critic/score/mean"), r["step"]) for r in rows],
         "_window": (warm["wall_s"] if warm else 0.0, measured[-1]["wall_s"]),
@@ -444,10 +446,26 @@ def _table(results: list[dict], reference: dict | None) -> str:
     for r in results:
         if "error" in r:
             lines.append(f"| {r['variant']} | FAILED: {r['error'][:120]} |")
+    lines += _lag_by_length_table(ok)
     if reference:
         lines.append(f"\nBare broadcast of the {reference['bytes'] / 2**20:.0f} MiB of weights between two devices: "
                      f"{reference['seconds'] * 1e3:.1f} ms.")
     return "\n".join(lines)
+
+
+def _lag_by_length_table(results: list[dict]) -> list[str]:
+    """The trained samples' mean version lag by response length (the measured versions), a row per variant: where a
+    run's staleness lives (long responses span publications)."""
+    buckets = sorted({int(b) for r in results for b in r.get("lag_by_length") or {}})
+    if not buckets:
+        return []
+    lines = ["", "Mean version lag (trained samples) by response length, tokens:", "",
+             "| variant | " + " | ".join(f"≤ {b}" for b in buckets) + " |", "|" + "---|" * (len(buckets) + 1)]
+    for r in results:
+        cells = r.get("lag_by_length") or {}
+        lines.append(f"| {r['variant']} | " + " | ".join(
+            f"{cells[str(b)][1]:.2f} ({cells[str(b)][0]})" if str(b) in cells else "–" for b in buckets) + " |")
+    return lines
 
 
 def _write(out: pathlib.Path, results: list[dict], reference: dict | None) -> None:

@@ -17,7 +17,7 @@ Neither bounds the lag of one slow sample by itself; `staleness_mask` with `max_
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Iterable, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ from asyncrl.algos._checks import check_choice, check_mask, check_token_tensor
 
 __all__ = [
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
-    "verl_release", "verl_on_new_version", "areal_capacity",
+    "verl_release", "verl_on_new_version", "areal_capacity", "length_bucket", "lag_by_length",
 ]
 
 
@@ -162,3 +162,26 @@ def areal_capacity(*, version: int, max_staleness: int, batch_size: int, accepte
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - running)
     return max(capacity, 0)
+
+
+def length_bucket(length: int) -> int:
+    """The response-length bucket of `length` tokens: the smallest power of two ≥ it (1 for 0 or 1)."""
+    if length < 0:
+        raise ValueError(f"length_bucket: length must be >= 0, got {length}")
+    return 1 << max(length - 1, 0).bit_length()
+
+
+def lag_by_length(samples: Iterable[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Version lag against response length: for (response length, lag) pairs, per length bucket
+    (`length_bucket`) the number of samples and the sum of their lags (so that windows and runs add up, and a mean
+    is sum / count). Long responses span more publications: this is where staleness lives.
+
+      lag_by_length([(3, 0), (4, 2), (100, 5)])  ->  {4: (2, 2), 128: (1, 5)}
+    """
+    out: dict[int, tuple[int, int]] = {}
+    for length, lag in samples:
+        if lag < 0:
+            raise ValueError(f"lag_by_length: a lag must be >= 0, got {lag} (length {length})")
+        count, total = out.get(bucket := length_bucket(length), (0, 0))
+        out[bucket] = (count + 1, total + lag)
+    return dict(sorted(out.items()))

@@ -36,6 +36,7 @@ import time
 from typing import Callable, NamedTuple, Protocol
 
 from asyncrl.algos.drift import DriftRate, drift_lag_cap, drift_rate_update
+from asyncrl.algos.staleness import lag_by_length
 from asyncrl.config import AsyncConfig
 from asyncrl.learner import LearnerState, filter_groups
 from asyncrl.planning import Layout
@@ -47,7 +48,11 @@ from asyncrl.runtime.roster import Roster
 from asyncrl.runtime.run_log import QuietLog, RunLog
 from asyncrl.types import Group
 
-__all__ = ["Controller", "RunParts", "CheckpointPolicy", "RunSummary", "TrainingEnd", "Interrupted",
+LAG_BY_LENGTH = "training/version_lag/by_length/"
+"""Per response-length bucket (`asyncrl.algos.length_bucket`), `<bucket>/count` trained samples and `<bucket>/lag_sum`
+their summed version lag (oldest token): summed over a window, so a run's mean lag at a length is sum / count."""
+
+__all__ = ["LAG_BY_LENGTH", "Controller", "RunParts", "CheckpointPolicy", "RunSummary", "TrainingEnd", "Interrupted",
            "WeightPublisher", "Trainers", "BatchTimeout", "batch_timeout_message"]
 
 log = logging.getLogger(__name__)
@@ -259,6 +264,11 @@ class Controller:
         lags = [self.state.version - lo for lo, _ in versions]
         for lag in set(lags):  # histogram of trained groups' version lag (summed over a window, then a run)
             metrics[f"training/version_lag/hist/{lag}"] = lags.count(lag)
+        by_length = lag_by_length((len(c.token_ids), self.state.version - c.min_version)
+                                  for g in groups for c in g.completions if c.versions)
+        for bucket, (count, lag_sum) in by_length.items():  # samples' lag by response length (summed likewise)
+            metrics[f"{LAG_BY_LENGTH}{bucket}/count"] = count
+            metrics[f"{LAG_BY_LENGTH}{bucket}/lag_sum"] = lag_sum
         metrics.update({
             "timing_s/gen": waited, "timing_s/update_actor": time.monotonic() - start,
             "fully_async/partial/partial_ratio": sum(lo != hi for lo, hi in versions) / len(versions),
@@ -423,7 +433,7 @@ def _merge(steps: list[dict]) -> dict:
     out: dict = {}
     for key in dict.fromkeys(k for m in steps for k in m):
         values = [m[key] for m in steps if key in m]
-        if key.startswith(("timing_s/", "training/version_lag/hist/")) or key in ("perf/total_num_tokens",
+        if key.startswith(("timing_s/", "training/version_lag/hist/", LAG_BY_LENGTH)) or key in ("perf/total_num_tokens",
                                                                                    "perf/response_tokens"):
             out[key] = sum(values)
         elif key.endswith(("/max", "max_partial_span", "max_group")):

@@ -7,6 +7,8 @@ Figures (each skipped when the run logged none of its metrics):
                    held-out evaluations (`val-core/<data_source>/reward/mean@N`, `--eval.*`) at their versions
   throughput.png   perf/throughput (trained tokens/s per version window) vs version
   version_lag.png  histogram of trained groups' version lag (training/version_lag/hist/<lag>, summed)
+  lag_by_length.png  the trained samples' mean version lag against their response length
+                   (training/version_lag/by_length/<bucket>/{count,lag_sum}, summed): where staleness lives
   idle.png         trainer/idle_ratio and rollouter/idle_ratio vs version
 report.md (in the run directory) links the figures and tabulates first / last / best reward, total wall
 time, mean idle ratios and mean param_sync time.
@@ -25,11 +27,12 @@ import tyro
 
 from asyncrl.tracking.tracker import read_metrics
 
-__all__ = ["write_report", "summarize", "report_main"]
+__all__ = ["write_report", "summarize", "lag_by_length", "report_main"]
 
 REWARD_KEYS = ("critic/score/mean", "reward/accuracy")
 HELD_OUT_PREFIX = "val-core/"
 LAG_PREFIX = "training/version_lag/hist/"
+BY_LENGTH_PREFIX = "training/version_lag/by_length/"
 
 
 def _number(value) -> float | None:
@@ -61,6 +64,22 @@ def _lag_histogram(rows: list[dict]) -> dict[int, float]:
                     continue
                 hist[lag] = hist.get(lag, 0.0) + float(value)
     return dict(sorted(hist.items()))
+
+
+def lag_by_length(rows: list[dict]) -> dict[int, tuple[int, float]]:
+    """Per response-length bucket (tokens, a power of two): trained samples and their mean version lag, over the
+    run's rows."""
+    sums: dict[int, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith(BY_LENGTH_PREFIX) or _number(value) is None:
+                continue
+            bucket, _, field = key[len(BY_LENGTH_PREFIX):].partition("/")
+            if not bucket.isdigit() or field not in ("count", "lag_sum"):
+                continue
+            totals = sums.setdefault(int(bucket), [0.0, 0.0])
+            totals[field == "lag_sum"] += float(value)
+    return {bucket: (int(count), lag_sum / count) for bucket, (count, lag_sum) in sorted(sums.items()) if count}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -99,6 +118,10 @@ def summarize(rows: list[dict], run_dir: str | pathlib.Path | None = None) -> di
         total = sum(hist.values())
         out["trained_groups"] = int(total)
         out["mean_version_lag"] = sum(k * v for k, v in hist.items()) / total if total else None
+    by_length = lag_by_length(rows)
+    if by_length:
+        out["lag_by_length"] = {str(bucket): {"samples": count, "mean_lag": mean}
+                                for bucket, (count, mean) in by_length.items()}
     return out
 
 
@@ -169,6 +192,21 @@ def _plot_lag(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
     return _save(fig, out / "version_lag.png")
 
 
+def _plot_lag_by_length(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
+    by_length = lag_by_length(rows)
+    if not by_length:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    buckets = list(by_length)
+    ax.bar(range(len(buckets)), [mean for _, mean in by_length.values()], color="tab:purple")
+    ax.set_xticks(range(len(buckets)), [f"≤{b}\n({count})" for b, (count, _) in by_length.items()], fontsize=7)
+    ax.set(xlabel="response length, tokens (trained samples)", ylabel="mean version lag (oldest token)",
+           title=f"{title}: version lag by response length")
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, out / "lag_by_length.png")
+
+
 def _plot_idle(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
     keys = [k for k in ("trainer/idle_ratio", "rollouter/idle_ratio") if _series(rows, k)[1]]
     if not keys:
@@ -213,6 +251,7 @@ def _plot_drift(rows, out: pathlib.Path, title: str) -> pathlib.Path | None:
 FIGURES = (("reward.png", "Reward vs version and wall-clock", _plot_reward),
            ("throughput.png", "Throughput vs version", _plot_throughput),
            ("version_lag.png", "Version lag of trained groups", _plot_lag),
+           ("lag_by_length.png", "Version lag by response length", _plot_lag_by_length),
            ("drift.png", "Drift from the behaviour policy", _plot_drift),
            ("idle.png", "Trainer and rollouter idle ratios", _plot_idle))
 
@@ -249,6 +288,11 @@ def _markdown(run_dir: pathlib.Path, figures: list[tuple[str, pathlib.Path]], su
     if "trained_groups" in summary:
         lines += [f"| trained groups (lag histogram) | {summary['trained_groups']} |",
                   f"| mean version lag | {_fmt(summary.get('mean_version_lag'), 3)} |"]
+    if summary.get("lag_by_length"):
+        lines += ["", "## Version lag by response length", "", "| response tokens | trained samples | mean version lag |",
+                  "|---|---|---|"]
+        lines += [f"| ≤ {bucket} | {cell['samples']} | {cell['mean_lag']:.2f} |"
+                  for bucket, cell in summary["lag_by_length"].items()]
     lines += ["", "## Figures", ""]
     if not figures:
         lines.append("No figure: the run logged none of the plotted metrics.")

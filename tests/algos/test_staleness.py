@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from asyncrl import algos
 from asyncrl.algos.staleness import (
     VerlBudget,
     areal_capacity,
@@ -401,3 +402,24 @@ def test_areal_capacity_rejects(kwargs):
     args = dict(version=0, max_staleness=0, batch_size=4, accepted=0, running=0) | kwargs
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         areal_capacity(**args)
+
+
+def test_lag_by_length_golden_values():
+    assert [algos.length_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 8, 16, 1024, 2048]
+    assert algos.lag_by_length([(3, 0), (4, 2), (100, 5), (0, 1)]) == {1: (1, 1), 4: (2, 2), 128: (1, 5)}
+    assert algos.lag_by_length([]) == {}
+    with pytest.raises(ValueError, match="lag must be >= 0"):
+        algos.lag_by_length([(3, -1)])
+    with pytest.raises(ValueError, match="length must be >= 0"):
+        algos.length_bucket(-1)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 50)), max_size=40))
+def test_lag_by_length_counts_every_sample_once_in_the_bucket_that_holds_it(samples):
+    out = algos.lag_by_length(samples)
+    assert sum(count for count, _ in out.values()) == len(samples)
+    assert sum(total for _, total in out.values()) == sum(lag for _, lag in samples)
+    for length, _ in samples:
+        bucket = algos.length_bucket(length)
+        assert bucket in out and (bucket == 1 or bucket // 2 < length <= bucket)
+    assert list(out) == sorted(out)

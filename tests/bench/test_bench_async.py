@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.config import AsyncConfig
 
-from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async, parse_variant, summarize, variant_config
+from asyncrl_bench.async_runs import AsyncBenchArgs, _table, bench_async, parse_variant, summarize, variant_config
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def test_sync_and_stale_partial_runs_write_table_results_and_plot(tmp_path):
     table = (tmp_path / "bench_async.md").read_text()
     assert "| sync | 2+2 (colocated) |" in table and "1.00×" in table
     assert (tmp_path / "bench_async.png").stat().st_size > 10_000
+    assert "by response length" in table and all(r["lag_by_length"] for r in results)
 
 
 def test_variants_parse_and_bad_ones_name_the_key():
@@ -67,7 +68,9 @@ def test_summarize_counts_only_versions_after_the_warm_up(tmp_path):
         {"step": 1, "wall_s": 10.0, "training/global_step": 2, "training/num_groups": 4, "perf/total_num_tokens": 999},
         {"step": 2, "wall_s": 12.0, "training/global_step": 4, "training/num_groups": 4, "perf/total_num_tokens": 100,
          "trainer/idle_ratio": 0.5, "training/version_lag/mean": 1.0, "training/version_lag/max": 2,
-         "fully_async/count/staleness_samples": 3, "fully_async/static/max_required_samples": 6},
+         "fully_async/count/staleness_samples": 3, "fully_async/static/max_required_samples": 6,
+         "training/version_lag/by_length/16/count": 6, "training/version_lag/by_length/16/lag_sum": 3,
+         "training/version_lag/by_length/256/count": 2, "training/version_lag/by_length/256/lag_sum": 4},
         {"step": 3, "wall_s": 14.0, "training/global_step": 6, "training/num_groups": 4, "perf/total_num_tokens": 300,
          "trainer/idle_ratio": 0.1, "training/version_lag/mean": 0.0, "training/version_lag/max": 1,
          "fully_async/count/staleness_samples": 6, "fully_async/static/max_required_samples": 6},
@@ -79,6 +82,10 @@ def test_summarize_counts_only_versions_after_the_warm_up(tmp_path):
     assert s["samples_per_s"] == 4 * 4 * 2 / 4.0
     assert s["trainer_idle_ratio"] == pytest.approx(0.3) and s["version_lag_max"] == 2
     assert s["queue_utilisation"] == pytest.approx(0.75)
+    assert s["lag_by_length"] == {"16": [6, 0.5], "256": [2, 2.0]}
+    table = _table([{**s, "variant": "stale", "trainer_devices": ["cpu"], "agent_devices": ["cpu"],
+                     "roofline_tok_s": None, "roofline_fraction": None}], None)
+    assert "| variant | ≤ 16 | ≤ 256 |" in table and "| stale | 0.50 (6) | 2.00 (2) |" in table
     with pytest.raises(ValueError, match="raise --steps"):
         (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]))
         summarize(tmp_path, n=2)

@@ -14,6 +14,7 @@ import torch
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.config import AsyncConfig
 from asyncrl.policies import random_model
+from asyncrl.runtime.controller import LAG_BY_LENGTH
 from asyncrl.runtime.roster import Fenced
 from tests.rpc.helpers import (
     MODEL_CONFIG, TrainRecorder, allowed_lag, check_books, full_forward_logprobs, local_run,
@@ -59,6 +60,13 @@ def run_and_check(config: AsyncConfig, **kw):
         assert seen == sorted(seen) and len(set(seen)) == len(seen), (agent.name, seen)
         assert seen[0] == 0 and seen[-1] == config.total_versions
     assert len(summary.history) == config.total_versions
+    # every trained sample counted once in the lag-by-length view, at the lag it was trained at
+    by_length = {k: sum(m.get(k, 0) for m in summary.history) for m in summary.history for k in m
+                 if k.startswith(LAG_BY_LENGTH)}
+    samples = [(len(c.token_ids), version - c.min_version) for version, groups in rec.steps for g in groups
+               for c in g.completions if c.versions]
+    assert sum(v for k, v in by_length.items() if k.endswith("/count")) == len(samples)
+    assert sum(v for k, v in by_length.items() if k.endswith("/lag_sum")) == sum(lag for _, lag in samples)
     return run, summary, rec
 
 

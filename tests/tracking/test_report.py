@@ -14,7 +14,7 @@ from tests.cli_forks import cli_forks
 from tests.run_helpers import ROOT, tiny_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ALL_FIGURES = {"reward.png", "throughput.png", "version_lag.png", "drift.png", "idle.png"}
+ALL_FIGURES = {"reward.png", "throughput.png", "version_lag.png", "lag_by_length.png", "drift.png", "idle.png"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,11 @@ def synthetic_rows(versions: int = 4) -> list[dict]:
                      "trainer/idle_ratio": 0.1 * v, "rollouter/idle_ratio": 0.5, "timing_s/param_sync": 0.25 * v,
                      "training/version_lag/hist/0": 3, **({"training/version_lag/hist/2": 1} if v % 2 else {}),
                      "actor/behaviour_k1": [2e-4, -1e-5, 4e-4, 8e-4][v - 1], "actor/behaviour_kl": 1e-4 * v,
-                     "actor/behaviour_ess": [1.0, 0.99, 0.95, 0.9][v - 1]})
+                     "actor/behaviour_ess": [1.0, 0.99, 0.95, 0.9][v - 1],
+                     # 3 short samples at lag 0 a version; a long one at lag 2 every other version
+                     "training/version_lag/by_length/8/count": 3, "training/version_lag/by_length/8/lag_sum": 0,
+                     **({"training/version_lag/by_length/512/count": 1,
+                         "training/version_lag/by_length/512/lag_sum": 2} if v % 2 else {})})
     return rows
 
 
@@ -90,12 +94,14 @@ def test_synthetic_summary_numbers(tmp_path):
     assert s["trained_groups"] == 14  # 4 × 3 at lag 0 + 2 × 1 at lag 2
     assert s["mean_version_lag"] == pytest.approx(4 / 14)
     assert s["mean_behaviour_k1"] == pytest.approx(1.39e-3 / 4) and s["mean_behaviour_ess"] == pytest.approx(0.96)
+    assert s["lag_by_length"] == {"8": {"samples": 12, "mean_lag": 0.0}, "512": {"samples": 2, "mean_lag": 2.0}}
     paths = write_report(write_rows(tmp_path / "run", rows))
     assert {p.name for p in paths[:-1]} == ALL_FIGURES
     text = paths[-1].read_text()
     assert "| critic/score/mean best | 0.9 (version 4) |" in text
     assert "| trained groups (lag histogram) | 14 |" in text
     assert "| mean actor/behaviour_ess | 0.96 |" in text
+    assert "| ≤ 8 | 12 | 0.00 |" in text and "| ≤ 512 | 2 | 2.00 |" in text
 
 
 def test_missing_metrics_are_skipped(tmp_path):
