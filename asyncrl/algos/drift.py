@@ -35,7 +35,9 @@ from asyncrl.algos.masked import masked_mean
 __all__ = ["BehaviourDrift", "behaviour_drift", "effective_sample_size", "SequenceMask", "off_policy_sequence_mask",
            "DriftRate", "drift_rate_update", "drift_lag_cap"]
 
-_CLAMP = 20.0  # as the importance weights': e^20 is finite in fp32
+_CLAMP = 20.0
+UNBOUNDED_LAG = 2**20
+"""A drift budget affording more versions of lag than this bounds nothing a run reaches: no cap."""  # as the importance weights': e^20 is finite in fp32
 
 
 class BehaviourDrift(NamedTuple):
@@ -124,10 +126,10 @@ def drift_rate_update(rate: DriftRate, *, kl: float, mean_lag: float, decay: flo
 
 def drift_lag_cap(budget: float, rate: DriftRate) -> int | None:
     """The largest version lag L ≥ 1 with L · rate.per_version ≤ `budget` (nats a token); None while the rate is
-    unknown or zero (no cap). Never below 1: work admitted at the current version has lag 1 once the next version
+    unknown, zero, or so small that L would pass UNBOUNDED_LAG (no cap). Never below 1: work admitted at the current version has lag 1 once the next version
     is published, so a cap of 0 could never publish."""
     if not budget > 0:
         raise ValueError(f"drift_lag_cap: budget must be > 0 nats, got {budget}")
-    if rate.steps == 0 or rate.per_version <= 0:
+    if rate.steps == 0 or rate.per_version <= 0 or budget / rate.per_version > UNBOUNDED_LAG:
         return None
     return max(1, math.floor(budget / rate.per_version * (1 + 1e-9)))  # 0.06 / 0.02 is 3, not 2.999…

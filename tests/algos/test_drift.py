@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from asyncrl import algos
+from asyncrl.algos.drift import UNBOUNDED_LAG
 
 
 def test_golden_values():
@@ -103,6 +104,7 @@ def test_drift_rate_and_lag_cap_golden_values():
     assert rate == algos.DriftRate(pytest.approx(0.025), 2)
     assert algos.drift_rate_update(rate, kl=-0.01, mean_lag=1.0, decay=0.0) == algos.DriftRate(0.0, 3)
     assert algos.drift_lag_cap(0.1, algos.DriftRate(0.0, 3)) is None  # no drift: no cap
+    assert algos.drift_lag_cap(0.1, algos.DriftRate(1e-9, 3)) is None  # 10^8 versions of lag: no cap either
     with pytest.raises(ValueError, match="budget"):
         algos.drift_lag_cap(0.0, rate)
     with pytest.raises(ValueError, match="decay"):
@@ -120,7 +122,7 @@ def test_the_rate_stays_within_the_observed_rates_and_the_cap_affords_the_budget
     observed = [kl / lag for kl, lag in kls]
     assert min(observed) - 1e-12 <= rate.per_version <= max(observed) + 1e-12 and rate.steps == len(kls)
     cap = algos.drift_lag_cap(budget, rate)
-    if rate.per_version == 0:
+    if rate.per_version == 0 or budget / rate.per_version > UNBOUNDED_LAG:
         assert cap is None
     else:
         assert cap >= 1 and (cap == 1 or cap * rate.per_version <= budget * (1 + 1e-9))
