@@ -18,6 +18,7 @@ only when `asyncrl bench ...` runs.
     timing.py        warm-up and timed steps, with torch.compile's counts
     shared.py        the device clock and name, a Hugging Face copy of our model, the --out JSON file
     staleness_stats.py  scripts/staleness_analysis.py's statistics: drift fit, partial F, TOST, bootstrap
+    plots.py         the scripts' figures, where matplotlib is installed
     wallclock.py     scripts/wallclock_race.py's curves, times to a target and the async / sync ratio
 
 A benchmark's flag that is a run's knob reads its default from the run's config (`asyncrl.config`,

@@ -41,3 +41,4 @@ def write_json(path: str | None, results) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+

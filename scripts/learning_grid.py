@@ -74,6 +74,7 @@ from asyncrl.config import (
 from asyncrl.evaluate import evaluate
 from asyncrl.launch.train import train
 from asyncrl.tracking import read_metrics
+from asyncrl_bench.plots import pyplot_or_none
 
 __all__ = ["GridArgs", "CELLS", "CORRECTIONS", "cell_config", "run_one", "aggregate", "table", "run_grid"]
 
@@ -371,14 +372,10 @@ def table(rows: list[dict], initial: dict | None) -> str:
 
 
 def _plot(results: list[dict], rows: list[dict], initial: dict | None, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"[grid] no matplotlib here: {path.name} not drawn (run the same command where it is installed: "
-              "the finished runs are not run again)", flush=True)
+    plt = pyplot_or_none(path, "grid", " (run the same command where it is installed: the finished runs are not "
+                                     "run again)")
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, cell in enumerate(r["cell"] for r in rows):
         color = f"C{i}"

@@ -36,6 +36,7 @@ import numpy as np
 import tyro
 
 from asyncrl_bench.staleness_stats import bootstrap_ci, bootstrap_diff_ci, drift_fit, lag_increment, tost
+from asyncrl_bench.plots import pyplot_or_none
 
 __all__ = ["AnalysisArgs", "Run", "read_runs", "drift_law", "equivalence", "cell_summary", "goals", "report",
            "analyse"]
@@ -314,13 +315,9 @@ def report(result: dict) -> str:
 
 
 def _plot(runs: list[Run], result: dict, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"[analysis] no matplotlib here: {path.name} not drawn", flush=True)
+    plt = pyplot_or_none(path, "analysis")
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     cells = sorted({r.cell for r in runs})
     lrs = sorted({r.lr for r in runs})

@@ -35,6 +35,7 @@ from asyncrl.config import (
 from asyncrl.launch.train import train
 from asyncrl.tracking import read_metrics
 from asyncrl_bench.wallclock import held_out_curve, race_summary, time_to_target
+from asyncrl_bench.plots import pyplot_or_none
 
 __all__ = ["RaceArgs", "MODES", "race_config", "run_race"]
 
@@ -172,13 +173,9 @@ def _markdown(args: RaceArgs, runs: list[dict], race: dict | None) -> str:
 
 
 def _plot(runs: list[dict], target: float, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"[race] no matplotlib here: {path.name} not drawn", flush=True)
+    plt = pyplot_or_none(path, "race")
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, mode in enumerate(MODES):
         for j, r in enumerate(x for x in runs if x["mode"] == mode):
