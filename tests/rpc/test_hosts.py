@@ -218,8 +218,16 @@ def test_a_host_cut_off_past_the_agent_timeout_loses_its_agent_which_rejoins_whe
         def admitted(name: str) -> bool:  # rank 0 logs every admission ("is live" only when an agent was late)
             return re.search(rf"agent {name} \(pid \d+, cpu\) admitted", text("hosta")) is not None
 
+        def live_agents() -> int:  # the newest version's count of agents generating
+            rows = metrics()
+            return int(json.loads(rows[-1]).get("fully_async/agents/live", 0)) if rows else 0
+
         wait_until(lambda: admitted("agent1"), limit(180), "hostb's agent to be admitted")
-        wait_until(lambda: len(metrics()) >= 3, limit(120), "3 versions with hostb's agent")
+        # live, not just admitted: cut during its first weight sync, a joiner would stall that publication until
+        # --async-training.sync-timeout-s (it is not yet subject to the agent timeout); then 2 versions with it
+        wait_until(lambda: live_agents() >= 2, limit(120), "hostb's agent to get its first weights")
+        versions = len(metrics())
+        wait_until(lambda: len(metrics()) >= versions + 2, limit(120), "2 versions with hostb's agent")
         net_hosts.link("hostb", up=False)
         dead = wait_until(lambda: re.search(r"rollout agent agent1 is dead \(silent for ([0-9.]+) s.*re-admitting",
                                             text("hosta")), timeout + detection_margin() + limit(30),
