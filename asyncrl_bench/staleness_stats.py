@@ -261,7 +261,8 @@ def tost(a: Sequence[float], b: Sequence[float], margin: float = 0.03, alpha: fl
     if se == 0:
         inside = abs(diff) < margin
         return Tost(diff, diff, diff, inside, 0.0 if inside else 1.0, math.inf)
-    df = (va + vb) ** 2 / (va * va / (len(x) - 1) + vb * vb / (len(y) - 1))
+    wa, wb = va / (va + vb), vb / (va + vb)  # Welch's ν in shares of se², which cannot underflow as va² can
+    df = 1.0 / (wa * wa / (len(x) - 1) + wb * wb / (len(y) - 1))
     p = max(t_sf((diff + margin) / se, df), t_cdf((diff - margin) / se, df))
     half = t_ppf(1 - alpha, df) * se
     return Tost(diff, diff - half, diff + half, p < alpha, p, df)
