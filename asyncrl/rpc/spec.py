@@ -156,5 +156,6 @@ class RunSpec:
         max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
         return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
                             decode_attention=self.rollout.decode_attention, kv_dtype=self.rollout.kv_dtype,
+                            speculation=self.rollout.speculation,
                             seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha,
                             lora_targets=self.lora_targets)

@@ -50,6 +50,11 @@ MIRRORS: dict[str, dict[str, str]] = {
         "kv_dtype": "run.rollout.kv_dtype",
     },
     "AttentionBenchArgs": {},
+    "SpeculationBenchArgs": {
+        "dtype": "run.model.engine_dtype", "tokenizer": "run.model.tokenizer", "data": "run.data.path",
+        "n": "run.rollout.n", "new_tokens": "run.rollout.max_new_tokens", "seed": "run.seed",
+        "temperature": "run.rollout.temperature",
+    },
     "GridArgs": {
         "model": "run.model.path", "tokenizer": "run.model.tokenizer", "n": "run.rollout.n",
         "mini_batch_size": "run.trainer.mini_batch_size", "temperature": "run.rollout.temperature",
@@ -74,6 +79,10 @@ DIFFERENT: dict[str, dict[str, tuple[str, str]]] = {
                                 "the timed run repeats the warm-up's prompts: a cache would skip their prefill"),
     },
     "AttentionBenchArgs": {"model": ("run.model.path", "only the shape of a GPU model is used")},
+    "SpeculationBenchArgs": {
+        "model": ("run.model.path", GPU_SHAPE),
+        "tokens": ("run.rollout.speculation.tokens", "the draft lengths measured (a run's default: off)"),
+    },
     "GridArgs": {
         "digits": ("run.data.digits", "the grid's task: two-digit sums"),
         "system_prompt": ("run.data.system_prompt", "the grid's task: the number alone is asked for"),
@@ -100,6 +109,7 @@ OWN: dict[str, set[str]] = {
                "parallel", "keep_checkpoints", "out"},
     "ProfileArgs": {"rows", "workload", "warmup_steps", "layer_tokens", "top"},
     "LaunchBenchArgs": {"repeats", "agents", "restart", "timeout_s", "out"},
+    "SpeculationBenchArgs": {"device", "prompts", "prompt_len", "batch_sizes", "steps", "out"},
 }
 
 ARGS_CLASSES = [args for name, (args, _, _) in BENCHMARKS.items() if name != "plan"] + [GridArgs, ProfileArgs]

@@ -122,6 +122,29 @@ def assert_same_output(a: GenerationOutput, b: GenerationOutput, model: CausalLM
         torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=atol, rtol=0)
 
 
+@torch.no_grad()
+def assert_follows_the_model(model: CausalLM, prompts: list[list[int]], outs: list[GenerationOutput],
+                             temperature: float) -> None:
+    """The sampled tokens follow the model's distribution at `temperature`: a randomised probability integral
+    transform (F(t−1) + w·p(t), w ~ U(0, 1), is U(0, 1) for t drawn from p, whatever the vocabulary's order, and
+    independent across tokens) passes a KS test at p = 0.001 over at least 300 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    pit = []
+    for prompt, out in zip(prompts, outs):
+        for c in out.completions:
+            logits = model.logits(model(torch.tensor([prompt + c.token_ids])))[0, len(prompt) - 1:-1]
+            p = torch.softmax(logits.double() / temperature, -1)
+            t = torch.tensor(c.token_ids)
+            lo = torch.cumsum(p, -1).gather(-1, t[:, None])[:, 0] - p.gather(-1, t[:, None])[:, 0]
+            pit.append(lo + torch.rand(len(t), generator=gen, dtype=torch.float64) * p.gather(-1, t[:, None])[:, 0])
+    v = torch.sort(torch.cat(pit)).values
+    n = len(v)
+    assert n > 300
+    grid = torch.arange(1, n + 1, dtype=torch.float64) / n
+    ks = torch.maximum(grid - v, v - (grid - 1 / n)).max().item()
+    assert ks < 1.95 / n ** 0.5, f"KS statistic {ks:.3f} over {n} tokens (critical {1.95 / n ** 0.5:.3f} at p=0.001)"
+
+
 def assert_consistent(out: GenerationOutput) -> None:
     """Every completion carries one log-prob and one version per token."""
     for c in out.completions:

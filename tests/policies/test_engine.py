@@ -8,8 +8,8 @@ import torch
 
 from asyncrl.policies import Engine, EngineConfig, RolloutEngine, SamplingParams, save_pretrained
 from tests.policies.helpers import (
-    EOS, VOCAB, assert_consistent, assert_same_output, drain, forward_logprobs, logprob_tol, make_prompts,
-    run_alone, small_config, tiny_model,
+    EOS, VOCAB, assert_consistent, assert_follows_the_model, assert_same_output, drain, forward_logprobs, logprob_tol,
+    make_prompts, run_alone, small_config, tiny_model,
 )
 
 
@@ -56,22 +56,7 @@ def test_engine_samples_follow_the_model_distribution(model, temperature):
     prompts = make_prompts([5, 17, 30], seed=12)
     outs = Engine(model, small_config()).generate(prompts, SamplingParams(n=8, temperature=temperature,
                                                                           max_new_tokens=30, seed=3))
-    gen = torch.Generator().manual_seed(0)
-    pit = []
-    for prompt, out in zip(prompts, outs):
-        for c in out.completions:
-            with torch.no_grad():
-                logits = model.logits(model(torch.tensor([prompt + c.token_ids])))[0, len(prompt) - 1:-1]
-            p = torch.softmax(logits.double() / temperature, -1)
-            t = torch.tensor(c.token_ids)
-            lo = torch.cumsum(p, -1).gather(-1, t[:, None])[:, 0] - p.gather(-1, t[:, None])[:, 0]
-            pit.append(lo + torch.rand(len(t), generator=gen, dtype=torch.float64) * p.gather(-1, t[:, None])[:, 0])
-    v = torch.sort(torch.cat(pit)).values
-    n = len(v)
-    assert n > 300
-    grid = torch.arange(1, n + 1, dtype=torch.float64) / n
-    ks = torch.maximum(grid - v, v - (grid - 1 / n)).max().item()
-    assert ks < 1.95 / n ** 0.5, f"KS statistic {ks:.3f} over {n} tokens (critical {1.95 / n ** 0.5:.3f} at p=0.001)"
+    assert_follows_the_model(model, prompts, outs, temperature)
 
 
 def test_greedy_equals_transformers_generate(tmp_path):

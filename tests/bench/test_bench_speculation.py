@@ -1,0 +1,47 @@
+"""`asyncrl bench speculation` (asyncrl_bench/speculation.py) on CPU, small: both parts run, the speculative runs
+give plain decoding's tokens (fp32), and the fields a report reads come out in range; bad flags are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.policies import save_pretrained
+from asyncrl_bench.speculation import SpeculationBenchArgs, bench_speculation
+from tests.policies.helpers import tiny_model
+
+
+def test_a_small_cpu_run_reports_both_parts(tmp_path):
+    out = tmp_path / "spec.json"
+    save_pretrained(tiny_model(seed=3, initializer_range=1.0), tmp_path / "model")  # peaked: some drafts are kept
+    rows = bench_speculation(SpeculationBenchArgs(
+        model=str(tmp_path / "model"), device="cpu", prompts=3, n=4, new_tokens=24, prompt_len=12, batch_sizes=(2, 5),
+        steps=3, tokens=(1, 3), out=str(out)))
+    ends = [r for r in rows if r["kind"] == "end_to_end"]
+    costs = [r for r in rows if r["kind"] == "step_cost"]
+    assert [r["draft_tokens"] for r in ends] == [1, 3]
+    assert [(r["batch"], r["draft_tokens"]) for r in costs] == [(2, 1), (2, 3), (5, 1), (5, 3)]
+    for r in ends:
+        assert r["identical_share"] == 1.0  # lossless: fp32 gives plain decoding's tokens
+        assert r["generated"] == 3 * 4 * 24 and 0.0 < r["acceptance"] <= 1.0 and r["spec_steps"] > 0
+        assert r["divergences_per_1k_tokens"] == 0.0 and r["spec_mean_abs_dlogp"] < 1e-4
+        assert 1.0 <= r["tokens_per_spec_row_step"] <= 1 + r["draft_tokens"]
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+    for r in costs:
+        assert r["plain_step_ms"] > 0 and r["spec_step_ms"] > 0
+        assert r["cost_ratio"] == pytest.approx(r["spec_step_ms"] / r["plain_step_ms"])
+    assert json.loads(out.read_text()) == rows
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tokens=(0,)), "--tokens 0"),
+    (dict(prompts=-1), "--prompts"),
+    (dict(batch_sizes=(0,)), "--batch-sizes"),
+    (dict(dtype="float17"), "--dtype float17"),
+])
+def test_bad_flags_are_refused(changes, message):
+    args = SpeculationBenchArgs(device="cpu", **changes)
+    with pytest.raises(ValueError, match=message):
+        args.validate()
+        args.torch_dtype()
