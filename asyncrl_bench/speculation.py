@@ -50,6 +50,9 @@ class SpeculationBenchArgs:
     """auto = bfloat16 on CUDA, float32 on CPU (a run's --model.engine-dtype); or a torch dtype name."""
     tokens: tuple[int, ...] = (2, 4, 8)
     """Draft lengths to measure (--rollout.speculation.tokens)."""
+    max_rows: int = SpeculationConfig.max_rows
+    """End to end: speculate while at most this many rows run (--rollout.speculation.max-rows); the step-cost rows
+    speculate at every batch size."""
     data: str | None = None
     """End to end: a prompt file (.jsonl / .parquet, verl's format), generated until EOS; None: random prompts of
     --prompt-len tokens, --new-tokens each."""
@@ -100,8 +103,8 @@ class RandomDrafts:
         return [self.rng.randrange(self.vocab) for _ in range(limit)]
 
 
-def _engine(model, slots: int, max_len: int, tokens: int = 0, drafter=None) -> Engine:
-    spec = SpeculationConfig(tokens=tokens, max_rows=slots)
+def _engine(model, slots: int, max_len: int, tokens: int = 0, drafter=None, max_rows: int | None = None) -> Engine:
+    spec = SpeculationConfig(tokens=tokens, max_rows=max_rows or slots)
     return Engine(model, EngineConfig(max_slots=slots, max_len=max_len, speculation=spec), drafter=drafter)
 
 
@@ -153,7 +156,7 @@ def end_to_end(args: SpeculationBenchArgs, model) -> list[dict]:
     mismatch = logprob_mismatch(model, plain)["mean_abs_dlogp"]
     rows = []
     for k in args.tokens:
-        engine = _engine(model, slots, max_len, tokens=k)
+        engine = _engine(model, slots, max_len, tokens=k, max_rows=args.max_rows)
         outs, seconds = _timed_generate(engine, warm_up, prompts, params, args.device)
         stats = engine.stats
         identical, per_1k = divergence(plain, outs)

@@ -173,3 +173,14 @@ def test_cli_help_and_smoke_run(tmp_path):
     assert no_checkpoint.returncode != 0 and f"--model {missing}: no such checkpoint" in no_checkpoint.stderr
     assert "--checkpoint-every" in no_checkpoint.stderr and "Traceback" not in no_checkpoint.stderr
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_speculation_evaluates_the_same_samples_and_reports_its_acceptance():
+    """Greedy evaluation with drafts: the same scores as without (speculation is lossless), and what it kept."""
+    from asyncrl.config.speculation import SpeculationConfig
+    kwargs = dict(TINY, max_new_tokens=24)
+    plain = evaluate("random:tiny-qwen2", TOY, k=(1,), temperature=0.0, **kwargs)
+    spec = evaluate("random:tiny-qwen2", TOY, k=(1,), temperature=0.0, speculation=SpeculationConfig(tokens=4),
+                    **kwargs)
+    assert same_numbers(plain, {k: v for k, v in spec.items() if k != "speculation_acceptance"})
+    assert "speculation_acceptance" not in plain and 0.0 <= spec["speculation_acceptance"] <= 1.0

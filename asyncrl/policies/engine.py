@@ -61,6 +61,7 @@ from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
 from asyncrl.policies.speculation import draft_room, verify_samples
+from asyncrl.policies.verify_steps import VerifySteps
 from asyncrl.tools.seeding import derive_seed
 
 __all__ = ["EngineConfig", "Engine"]
@@ -143,6 +144,8 @@ class Engine(EngineControl[_Request]):
         spec = config.speculation
         self._drafter = None if not spec.enabled else drafter or DraftIndex(min_match=spec.min_match,
                                                                               max_match=spec.max_match)
+        self._verify = None if not spec.enabled else VerifySteps(model, self.cache, config.max_slots, spec.tokens + 1,
+                                                                 self._sample_plain, buckets=self._steps.buckets)
 
     # ---------------------------------------------------------------- requests
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_new: int,
@@ -287,9 +290,7 @@ class Engine(EngineControl[_Request]):
     def _forward_prefill(self, prompts: list[list[int]], slots: list[int]) -> Tensor:
         device = self.model.device
         width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.tensor(p)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long)
         slot_t = torch.tensor(slots, device=device)
         return self.model(ids.to(device), cache=self.cache, cache_slots=slot_t)
 
@@ -324,34 +325,32 @@ class Engine(EngineControl[_Request]):
 
     def _speculate(self, finished: list[_Request]) -> bool:
         """A speculative step (`asyncrl.policies.speculation`) of every running row: read the step in flight, draft,
-        verify the drafts in one forward, append each row's kept tokens. False: no row has a draft (the step in
-        flight is read; a plain decode step follows)."""
+        verify, append each row's kept tokens. False: no row has a draft (a plain decode step follows)."""
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             self._consume(inflight, finished)
-        samples = list(self._running)
-        room = self.config.speculation.tokens
+        samples, room = list(self._running), self.config.speculation.tokens
         drafts = [self._drafter.propose(s.request.draft_key, s.request.prompt_ids,
                                         [x.completion.token_ids for x in s.request.samples], s.index,
                                         draft_room(s.cached_len, len(s.completion.token_ids), s.request.max_new,
                                                    self.config.max_len, room)) for s in samples]
         if not any(drafts):
             return not samples
-        verified = verify_samples(self.model, self.cache, samples, drafts, plain=self._sample_plain)
-        self.stats["spec_steps"] += 1
-        self.stats["spec_rows"] += len(samples)
-        self.stats["spec_drafted_tokens"] += sum(map(len, drafts))
-        self.stats["spec_accepted_tokens"] += sum(k - 1 for k in verified.kept)
-        lasts: list[tuple[int, float]] = []
-        for s, tokens, logprobs, kept in zip(samples, verified.tokens, verified.logprobs, verified.kept):
-            stop = next((i + 1 for i, t in enumerate(tokens[:kept]) if t in s.request.stop_ids), kept)
-            c = s.completion  # all but the last kept token: none of them stops or reaches the budget (draft_room)
-            c.token_ids.extend(tokens[:stop - 1])
-            c.logprobs.extend(logprobs[:stop - 1])
-            c.versions.extend([self.version] * (stop - 1))
-            self.stats["generated_tokens"] += stop - 1
-            lasts.append((tokens[stop - 1], logprobs[stop - 1]))
-        self._append(samples, [t for t, _ in lasts], [lp for _, lp in lasts], finished)
+        if any(s.request.params.filtered for s in samples):
+            verified = verify_samples(self.model, self.cache, samples, drafts, plain=self._sample_plain)
+        else:  # fixed shapes: a captured graph on CUDA (`asyncrl.policies.verify_steps`)
+            span = self._attend_len(max(s.cached_len for s in samples) + self._verify.width)
+            graph = self._steps.buckets is not None and self._verify.bucket(len(samples)) <= self._held.bottom
+            verified = self._verify.verify(samples, drafts, span, graph=graph)
+        self.stats.update(spec_steps=1, spec_rows=len(samples), spec_drafted_tokens=sum(map(len, drafts)),
+                          spec_accepted_tokens=sum(k - 1 for k in verified.kept))
+        runs = verified.runs([s.request.stop_ids for s in samples])
+        for s, (tokens, logprobs) in zip(samples, runs):  # all but the last kept token: none stops or ends the budget
+            s.completion.token_ids.extend(tokens[:-1])
+            s.completion.logprobs.extend(logprobs[:-1])
+            s.completion.versions.extend([self.version] * (len(tokens) - 1))
+            self.stats["generated_tokens"] += len(tokens) - 1
+        self._append(samples, [t[-1] for t, _ in runs], [lp[-1] for _, lp in runs], finished)
         return True
 
     def _launch(self, pending: frozenset[int]) -> Launched:
@@ -487,6 +486,8 @@ class Engine(EngineControl[_Request]):
         self._held.clear()
         self.cache.free()
         self._steps.clear()
+        if self._verify is not None:
+            self._verify.clear()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 

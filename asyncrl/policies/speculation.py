@@ -49,6 +49,15 @@ class Verified:
     logprobs: list[list[float]]
     kept: list[int]
 
+    def runs(self, stop_ids: Sequence[frozenset[int]]) -> list[tuple[list[int], list[float]]]:
+        """Each row's tokens to append and their log-probs: the kept ones, up to and including the first of the
+        row's stop tokens (a stop inside a kept draft ends the sample there)."""
+        out = []
+        for tokens, logprobs, kept, stops in zip(self.tokens, self.logprobs, self.kept, stop_ids):
+            end = next((i + 1 for i, t in enumerate(tokens[:kept]) if t in stops), kept)
+            out.append((tokens[:end], logprobs[:end]))
+        return out
+
 
 @torch.inference_mode()
 def verify_drafts(model: CausalLM, cache: KVCache, *, slots: Sequence[int], newest: Sequence[int],

@@ -17,7 +17,7 @@ def test_a_small_cpu_run_reports_both_parts(tmp_path):
     save_pretrained(tiny_model(seed=3, initializer_range=1.0), tmp_path / "model")  # peaked: some drafts are kept
     rows = bench_speculation(SpeculationBenchArgs(
         model=str(tmp_path / "model"), device="cpu", prompts=3, n=4, new_tokens=24, prompt_len=12, batch_sizes=(2, 5),
-        steps=3, tokens=(1, 3), out=str(out)))
+        steps=3, tokens=(1, 3), max_rows=64, out=str(out)))
     ends = [r for r in rows if r["kind"] == "end_to_end"]
     costs = [r for r in rows if r["kind"] == "step_cost"]
     assert [r["draft_tokens"] for r in ends] == [1, 3]

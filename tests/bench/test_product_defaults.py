@@ -53,7 +53,7 @@ MIRRORS: dict[str, dict[str, str]] = {
     "SpeculationBenchArgs": {
         "dtype": "run.model.engine_dtype", "tokenizer": "run.model.tokenizer", "data": "run.data.path",
         "n": "run.rollout.n", "new_tokens": "run.rollout.max_new_tokens", "seed": "run.seed",
-        "temperature": "run.rollout.temperature",
+        "temperature": "run.rollout.temperature", "max_rows": "run.rollout.speculation.max_rows",
     },
     "GridArgs": {
         "model": "run.model.path", "tokenizer": "run.model.tokenizer", "n": "run.rollout.n",

@@ -144,3 +144,27 @@ def test_capture_while_another_thread_copies_to_host_and_allocates():
     assert not errors, f"the other thread failed during capture: {errors[0]!r}"
     assert copies[0] > 0
     assert len(engine._steps.graphs) >= 7, "the decode steps above did not run as captured graphs"
+
+
+def test_speculation_in_captured_graphs_keeps_plain_decodings_tokens():
+    """The verifying step replayed from CUDA graphs (`asyncrl.policies.verify_steps`): the tokens of plain decoding
+    (fp32, vocabulary 256), the draft kept where plain decoding drew it."""
+    from asyncrl.config.speculation import SpeculationConfig
+    model = random_model(CONFIG, seed=1, device="cuda")
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=3)
+    prompts = _prompts(5)
+    plain = Engine(model, EngineConfig(max_slots=20, max_len=64, attend_bucket=16)).generate(prompts, params)
+    reference = {(tuple(o.prompt_ids), j): c.token_ids for o in plain for j, c in enumerate(o.completions)}
+
+    class Oracle:  # the reference's next tokens, every third one wrong
+        def propose(self, key, prompt, completions, own, limit):
+            want = reference[(tuple(prompt), own)][len(completions[own]):][:limit]
+            return [t if i % 3 < 2 else (t + 1) % 256 for i, t in enumerate(want)]
+
+    spec = SpeculationConfig(tokens=4, max_rows=20)
+    engine = Engine(model, EngineConfig(max_slots=20, max_len=64, attend_bucket=16, speculation=spec), drafter=Oracle())
+    for a, b in zip(plain, engine.generate(prompts, params)):
+        for ca, cb in zip(a.completions, b.completions):
+            assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason
+            torch.testing.assert_close(torch.tensor(cb.logprobs), torch.tensor(ca.logprobs), atol=1e-4, rtol=0)
+    assert engine.stats["spec_accepted_tokens"] > 0 and engine._verify.graphs, "the verifying step was not captured"

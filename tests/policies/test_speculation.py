@@ -294,3 +294,13 @@ def test_the_run_gives_the_engine_its_speculation_and_refuses_it_for_vllm():
     assert not [p for p in implementation_problems(cfg) if "speculation" in p]
     with pytest.raises(ValueError, match="--rollout.speculation.tokens 3 is invalid: .*--rollout.backend vllm"):
         dataclasses.replace(cfg.rollout, backend="vllm").validate()
+
+
+def test_a_rows_run_ends_at_its_first_stop_token():
+    from asyncrl.policies.speculation import Verified
+    verified = Verified(tokens=[[5, 2, 7, 9], [4, 6], [1]], logprobs=[[-0.1, -0.2, -0.3, -0.4], [-1.0, -2.0], [-3.0]],
+                        kept=[4, 1, 1])
+    assert verified.runs([frozenset({2}), frozenset({6}), frozenset()]) == [
+        ([5, 2], [-0.1, -0.2]),  # the stop drawn second ends the row there, though the draft was kept past it
+        ([4], [-1.0]),  # only the first draw kept: the stop after it is not reached
+        ([1], [-3.0])]
