@@ -24,10 +24,13 @@ class CacheExtension:
 
     starts: [B] long, on the model's device.
     span: the key positions any row attends to (max of start + new tokens), on the host.
+    in_order: row b continues slot b (a speculative step's running rows): the keys are read in place rather than
+      gathered from the cache_slots.
     """
 
     starts: Tensor
     span: int
+    in_order: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

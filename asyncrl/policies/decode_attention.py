@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-__all__ = ["DecodeKernel", "DecodeAttention", "decode_attention", "sdpa_decode"]
+__all__ = ["DecodeKernel", "DecodeAttention", "VerifyAttention", "decode_attention", "sdpa_decode", "verify_attention"]
 
 DecodeKernel = Literal["auto", "sdpa", "triton"]
 
@@ -45,6 +45,25 @@ def sdpa_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, 
 def _triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, attend_len: int) -> Tensor:
     from asyncrl.policies.triton_decode import triton_decode_attention
     return triton_decode_attention(q, k_cache, v_cache, positions + 1, attend_len=attend_len)
+
+
+VerifyAttention = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+"""(q [B, H, W, D], k_cache, v_cache [slots, Hkv, max_len, D], last [B], attend_len) -> [B, H, W, D]: W queries a slot
+(row b in slot b), query w over positions 0..last[b] − (W − 1 − w)."""
+
+
+def _triton_verify(q: Tensor, k_cache: Tensor, v_cache: Tensor, last: Tensor, attend_len: int) -> Tensor:
+    from asyncrl.policies.triton_decode import triton_decode_attention
+    width = q.shape[2]
+    flat = rearrange(q, "b h w d -> (b w) h d").contiguous()
+    out = triton_decode_attention(flat, k_cache, v_cache, last + 1, attend_len=attend_len, width=width)
+    return rearrange(out, "(b w) h d -> b h w d", w=width)
+
+
+def verify_attention(decode: DecodeAttention) -> VerifyAttention | None:
+    """The attention of a speculative step's rows that goes with a decode attention: the Triton kernel's form with
+    several queries a slot beside the Triton decode kernel; None beside SDPA (the step then masks SDPA over the span)."""
+    return _triton_verify if decode is _triton_decode else None
 
 
 def decode_attention(kernel: DecodeKernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> DecodeAttention:

@@ -48,7 +48,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from asyncrl.policies.decode_attention import decode_attention, sdpa_decode
+from asyncrl.policies.decode_attention import decode_attention, sdpa_decode, verify_attention
 from asyncrl.policies.decode_steps import DecodeSteps, Launched
 from asyncrl.policies.drafts import DraftIndex, Drafter
 from asyncrl.policies.engine_adapters import EngineAdapters
@@ -117,8 +117,8 @@ class Engine(EngineControl[_Request]):
         attention = decode_attention(config.decode_attention, model.device, model.dtype, cfg.head_dim)
         self.decode_kernel = "triton" if attention is not sdpa_decode else "sdpa"
         self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
-                             model.dtype, model.device, attention=attention, storage=kv_storage(config.kv_dtype,
-                                                                                               model.dtype))
+                             model.dtype, model.device, attention=attention, verify=verify_attention(attention),
+                             storage=kv_storage(config.kv_dtype, model.dtype))
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Sample] = []  # index = KV slot
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -336,12 +336,12 @@ class Engine(EngineControl[_Request]):
                                                    self.config.max_len, room)) for s in samples]
         if not any(drafts):
             return not samples
-        if any(s.request.params.filtered for s in samples):
+        width = self._verify.width  # rows near their slot's end (the fixed width past it) or filtering: eagerly
+        if any(s.request.params.filtered or s.cached_len + width > self.config.max_len for s in samples):
             verified = verify_samples(self.model, self.cache, samples, drafts, plain=self._sample_plain)
         else:  # fixed shapes: a captured graph on CUDA (`asyncrl.policies.verify_steps`)
-            span = self._attend_len(max(s.cached_len for s in samples) + self._verify.width)
-            graph = self._steps.buckets is not None and self._verify.bucket(len(samples)) <= self._held.bottom
-            verified = self._verify.verify(samples, drafts, span, graph=graph)
+            span = self._attend_len(max(s.cached_len for s in samples) + width)
+            verified = self._verify.verify(samples, drafts, span, held_from=self._held.bottom)
         self.stats.update(spec_steps=1, spec_rows=len(samples), spec_drafted_tokens=sum(map(len, drafts)),
                           spec_accepted_tokens=sum(k - 1 for k in verified.kept))
         runs = verified.runs([s.request.stop_ids for s in samples])

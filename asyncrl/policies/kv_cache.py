@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from asyncrl.policies.decode_attention import DecodeAttention, sdpa_decode
+from asyncrl.policies.decode_attention import DecodeAttention, VerifyAttention, sdpa_decode
 
 __all__ = ["KVCache", "KVDtype", "kv_storage", "FP8_MAX"]
 
@@ -47,13 +47,14 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, *, attention: DecodeAttention = sdpa_decode,
-                 storage: torch.dtype | None = None):
+                 storage: torch.dtype | None = None, verify: VerifyAttention | None = None):
         self.shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.storage = storage or dtype
         self.num_slots, self.max_len = num_slots, max_len
         self.attend_len = max_len  # decode attends over positions [0, attend_len)
         self.attention = attention  # the decode step's attention over a layer's slots
+        self.verify = verify  # a speculative step's, several queries a slot (None: SDPA over the span)
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.allocate()
@@ -99,9 +100,10 @@ class KVCache:
         self._raw(self.v)[layer, :, :, :s].index_copy_(0, slots, self._stored(v))
 
     def write_extend(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
-                     span: int) -> tuple[Tensor, Tensor]:
+                     span: int, *, in_order: bool = False) -> tuple[Tensor, Tensor]:
         """Write K/V [B, Hkv, S, D] of row b into slot `slots[b]` at `positions[b]` ([B, S]); return the rows'
-        keys and values [B, Hkv, span, D] (their cached prefixes and the new positions).
+        keys and values [B, Hkv, span, D] (their cached prefixes and the new positions): views of slots 0..B−1
+        when `in_order` (slots[b] == b), else gathered (only their first `span` positions).
 
         A right-padded row's extra positions lie past its sequence: what they write there is written again
         before a decode step reads it (positions past the slot are clamped to its last, never yet in use)."""
@@ -111,8 +113,11 @@ class KVCache:
         keys, values = self._raw(self.k)[layer], self._raw(self.v)[layer]
         keys[rows, :, at] = self._stored(rearrange(k, "b h s d -> b s h d"))
         values[rows, :, at] = self._stored(rearrange(v, "b h s d -> b s h d"))
-        return (self._read(keys.index_select(0, slots)[:, :, :span]),
-                self._read(values.index_select(0, slots)[:, :, :span]))
+        if in_order:
+            b = slots.shape[0]
+            return self._read(keys[:b, :, :span]), self._read(values[:b, :, :span])
+        return (self._read(keys[:, :, :span].index_select(0, slots)),
+                self._read(values[:, :, :span].index_select(0, slots)))
 
     def attend_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
         """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`), then attend: q [B, H, 1, D]
@@ -122,6 +127,14 @@ class KVCache:
         self._raw(self.k)[layer][rows, :, positions] = self._stored(k[:, :, 0])
         self._raw(self.v)[layer][rows, :, positions] = self._stored(v[:, :, 0])
         return self.attention(q[:, :, 0], self.k[layer], self.v[layer], positions, self.attend_len)[:, :, None]
+
+    def attend_in_order(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int) -> Tensor:
+        """A speculative step's rows, row b in slot b: write K/V [B, Hkv, W, D] at `positions` [B, W] (consecutive,
+        below max_len), then attend q [B, H, W, D] causally over each slot (`self.verify`) -> [B, H, W, D]."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
+        self._raw(self.k)[layer][rows, :, positions] = self._stored(rearrange(k, "b h s d -> b s h d"))
+        self._raw(self.v)[layer][rows, :, positions] = self._stored(rearrange(v, "b h s d -> b s h d"))
+        return self.verify(q, self.k[layer], self.v[layer], positions[:, -1], span)
 
     @torch.inference_mode()
     def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:

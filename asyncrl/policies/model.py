@@ -313,8 +313,11 @@ class Attention(_UsesKernels, nn.Module):
             out = cache.attend_decode(self.layer_idx, q, k, v, positions[:, 0])  # one query per row
         elif documents is not None:
             out = documents.attend(q, k, v)
+        elif extension is not None and extension.in_order and cache.verify is not None:  # a speculative step
+            out = cache.attend_in_order(self.layer_idx, q, k, v, positions, extension.span)
         elif extension is not None:  # rows continue their slots: attend over the cached positions and their own
-            keys, values = cache.write_extend(self.layer_idx, cache_slots, positions, k, v, extension.span)
+            keys, values = cache.write_extend(self.layer_idx, cache_slots, positions, k, v, extension.span,
+                                              in_order=extension.in_order)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         else:

@@ -31,18 +31,23 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
              scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
              DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PV_TF32: tl.constexpr,
-             PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr, WIDTH: tl.constexpr):
+    # WIDTH queries a slot (a speculative step's newest token and draft): tile row r is query r // GROUP of slot b,
+    # head kv_head·GROUP + r % GROUP; query w sees the slot's first length − (WIDTH − 1 − w) positions (causal)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(Lengths + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
-    g = tl.arange(0, GROUP_PAD)
+    r = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
+    w, g = r // GROUP, r % GROUP
     heads = kv_head * GROUP + g
-    g_ok, d_ok = g < GROUP, d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    rows = b * WIDTH + w  # the query's row of Q, O, Lse and Out
+    limit = length - (WIDTH - 1 - w)
+    g_ok, d_ok = r < GROUP * WIDTH, d < HEAD_DIM
+    q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -54,10 +59,11 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_row + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G, N], log2 units
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        scores = tl.where(n_ok[None, :] & (n[None, :] < limit[:, None]), scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query that sees none of these keys yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_row + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if PV_TF32:  # probabilities kept to tf32's 10 bits (rounded to the cache's dtype otherwise)
@@ -68,13 +74,13 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
         m = m_new
     out = acc / tl.maximum(total, 1e-30)[:, None]  # an empty split (start >= length) stays 0, weight 0 below
     if SPLITS == 1:
-        tl.store(Out + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+        tl.store(Out + rows[:, None] * stride_outb + heads[:, None] * stride_outh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+        tl.store(O + rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
                  mask=g_ok[:, None] & d_ok[None, :])
         lse = tl.where(total > 0, m + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
-        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+        tl.store(Lse + rows * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
 
 @triton.jit
@@ -101,28 +107,32 @@ def choose_splits(batch: int, kv_heads: int, attend_len: int, *, programs: int =
 
 def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
                             attend_len: int, block_n: int = 64, splits: int | None = None,
-                            pv_tf32: bool = False, num_warps: int = 4, num_stages: int = 2) -> Tensor:
-    """Attention of one query per row over its slot's first `lengths[b]` cached positions.
+                            pv_tf32: bool = False, num_warps: int = 4, num_stages: int = 2, width: int = 1) -> Tensor:
+    """Attention of one query per row over its slot's first `lengths[b]` cached positions (or of `width` queries a
+    slot, causal among themselves: a speculative step's newest token and draft).
 
     Args:
       q: [B, H, D] queries (after RoPE), the model's dtype; the cache in it or in float8 (converted as loaded).
+        With width W: [B·W, H, D], row b·W + w the w-th query of slot b, which sees its first
+        lengths[b] − (W − 1 − w) positions.
       k_cache, v_cache: [slots, Hkv, max_len, D], slot b holding row b (slots >= B; last dim contiguous).
-      lengths: [B] integer, 1 <= lengths[b] <= attend_len.
+      lengths: [B] integer, W <= lengths[b] <= attend_len.
       attend_len: an upper bound of the lengths, on the host (chooses the split count; one per graph shape).
       splits: splits per (row, KV head) instead of `choose_splits`'.
       pv_tf32: weight the values with tf32 probabilities instead of probabilities rounded to the cache's dtype.
       block_n, num_warps, num_stages: the kernel's tile of keys and launch (tuned on an H100: BENCHMARKS.md).
     Returns [B, H, D] in q's dtype, scaled by 1/sqrt(D).
     """
-    b, heads, dim = q.shape
+    rows, heads, dim = q.shape
+    b = rows // width
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"triton_decode_attention: {heads} query heads over {kv_heads} KV heads, contiguous last dims")
     group = heads // kv_heads
     splits = splits or choose_splits(b, kv_heads, attend_len, block_n=block_n)
     out = torch.empty_like(q)
-    parts = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device) if splits > 1 else out
-    lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     dim_pad = max(16, triton.next_power_of_2(dim))
     scale_log2 = (1.0 / math.sqrt(dim)) * 1.4426950408889634  # softmax in base 2
     _partial[(b, kv_heads, splits)](
@@ -131,11 +141,12 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         parts.stride(0), parts.stride(1), parts.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), scale_log2,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group * width)), HEAD_DIM=dim, DIM_PAD=dim_pad,
         BLOCK_N=block_n, SPLITS=splits, PV_TF32=pv_tf32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        WIDTH=width)
     if splits > 1:
-        _merge[(b, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+        _merge[(rows, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
                            SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out

@@ -5,9 +5,11 @@ eagerly it costs a host-bound forward: 27 ms a step for a Qwen3-1.7B shape at 8 
 for a graph-replayed decode step, which no draft could pay back. Here every row checks `width` positions (its draft
 padded; the padding's outputs are ignored and its K/V writes lie past the row's sequence), rows are the running
 slots 0..n−1 as in a decode step, and the keys span an attention bucket: the shapes depend only on (batch bucket,
-attend length), and each pair is captured once, as `DecodeSteps` does for decode steps. The logits are the LM
-head's in the model's dtype and the sampler the decode step's, so a verified token is computed as a decoded one
-is. Rows that filter (top-k / top-p) take the eager `verify_drafts` instead.
+attend length), and each pair is captured once, as `DecodeSteps` does for decode steps. The rows being the slots,
+the keys are read in place: on CUDA by the Triton decode kernel in its several-queries-a-slot form
+(`KVCache.attend_in_order`), elsewhere by SDPA masked over the span. The logits are the LM head's in the model's
+dtype and the sampler the decode step's, so a verified token is computed as a decoded one is. Rows that filter
+(top-k / top-p), and rows whose fixed width would run past their slot's end, take the eager `verify_drafts`.
 """
 
 from __future__ import annotations
@@ -53,19 +55,20 @@ class VerifySteps:
         return n if self.buckets is None else next((b for b in self.buckets if b >= n), n)
 
     def _step(self, batch: int, span: int) -> tuple[Tensor, Tensor]:
-        extension = CacheExtension(self.starts[:batch], span)
+        extension = CacheExtension(self.starts[:batch], span, in_order=True)  # rows are slots 0..batch−1
         hidden = self.model(self.ids[:batch], cache=self.cache, cache_slots=self.slots[:batch], extension=extension)
         logits = self.model.lm_head(hidden.reshape(batch * self.width, -1))  # the samplers read it in fp32
         n = batch * self.width
         return self.sampler(logits, self.temperature[:n], self.uniforms[:n])
 
     @torch.inference_mode()
-    def verify(self, samples: Sequence, drafts: Sequence[Sequence[int]], span: int, *, graph: bool) -> Verified:
+    def verify(self, samples: Sequence, drafts: Sequence[Sequence[int]], span: int, *, held_from: int) -> Verified:
         """Check `drafts` (one per running sample, rows 0..n−1 in order; each at most width − 1 tokens) over keys
-        [0, span) (a bucket covering every row's newest position + width, at most the cache's length); `graph`:
-        replay a captured graph of the batch's bucket (padding rows decode a dummy draft at position 0 of free
-        slots) rather than run eagerly."""
+        [0, span) (a bucket covering every row's newest position + width, at most the cache's length). With graphs,
+        replay the captured graph of the batch's bucket (padding rows decode a dummy draft at position 0 of free
+        slots) unless the bucket reaches `held_from`, the first slot of held sessions; else run eagerly."""
         n, width = len(samples), self.width
+        graph = self.buckets is not None and self.bucket(n) <= held_from
         batch = self.bucket(n) if graph else n
         done = [len(s.completion.token_ids) for s in samples]
         ids = torch.zeros(batch, width, dtype=torch.long)

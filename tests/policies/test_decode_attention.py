@@ -31,6 +31,28 @@ def _cases() -> list[dict]:
     return cases
 
 
+def _width_cases() -> list[dict]:
+    """Several queries a slot (a speculative step's newest token and draft, causal among themselves): widths 2..9,
+    a slot whose first query sees one position, splits whose keys some queries do not see yet."""
+    rng = random.Random(1)
+    cases = []
+    for i, (kv_heads, group, dim, width) in enumerate([(2, 1, 64, 3), (8, 2, 128, 5), (2, 7, 64, 9), (2, 2, 80, 2)]):
+        batch, max_len = rng.randint(1, 4), rng.choice([40, 130, 300])
+        positions = [rng.randrange(width - 1, max_len) for _ in range(batch)]
+        positions[0] = width - 1  # its first query sees position 0 alone
+        cases.append(dict(seed=100 + i, batch=batch, kv_heads=kv_heads, group=group, dim=dim, max_len=max_len,
+                          positions=positions, block_n=rng.choice([16, 32]), splits=[1, 3, 5, 2][i], width=width))
+    return cases
+
+
+@pytest.mark.e2e
+def test_triton_kernel_with_several_queries_a_slot_matches_causal_attention():
+    results = run_kernel_cases("tests.policies.decode_kernel_cases", _width_cases())
+    assert len(results) == len(_width_cases())
+    for r in results:
+        assert r["max_abs_diff"] <= r["atol"], r
+
+
 @pytest.mark.e2e
 def test_triton_kernel_matches_sdpa():
     """Under Triton's interpreter on CPU; compiled where a GPU is."""
