@@ -47,7 +47,7 @@ from asyncrl.policies import (Engine, EngineConfig, SamplingParams, load_model, 
 from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm_offline_generate
 from asyncrl_bench.flops import body_params
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
-from asyncrl_bench.shared import device_name, hf_copy, synchronize, write_json
+from asyncrl_bench.shared import bench_dtype, device_name, hf_copy, synchronize, write_json
 from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats, time_finishes
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
@@ -131,13 +131,8 @@ class EngineBenchArgs:
         self.torch_dtype()
 
     def torch_dtype(self) -> torch.dtype:
-        """--dtype as a torch dtype (auto: bfloat16 on CUDA, float32 elsewhere, as a run's engine)."""
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"--dtype {self.dtype}: choose auto or a torch dtype (bfloat16, float16, float32)")
-        return dtype
+        """--dtype as a torch dtype (`bench_dtype`)."""
+        return bench_dtype(self.dtype, self.device)
 
 
 def step_bytes(model, batch: int, attend_len: int, kv_elem: int | None = None) -> float:

@@ -1,5 +1,5 @@
-"""What the engine and learner benchmarks share: the device's clock and name, a Hugging Face copy of our model,
-the `--out` JSON file."""
+"""What the engine and learner benchmarks share: the device's clock and name, the --dtype, a Hugging Face copy of
+our model, the `--out` JSON file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ import torch
 
 from asyncrl.policies import save_pretrained
 
-__all__ = ["synchronize", "device_name", "hf_copy", "write_json"]
+__all__ = ["synchronize", "device_name", "hf_copy", "write_json", "bench_dtype"]
+
+
+def bench_dtype(dtype: str, device: str) -> torch.dtype:
+    """A benchmark's --dtype as a torch dtype (auto: bfloat16 on CUDA, float32 elsewhere, as a run's engine)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"--dtype {dtype}: choose auto or a torch dtype (bfloat16, float16, float32)")
+    return found
 
 
 def synchronize(device: str) -> None:

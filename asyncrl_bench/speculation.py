@@ -34,7 +34,7 @@ from asyncrl.config.speculation import SpeculationConfig
 from asyncrl.data.files import load_prompt_file
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model, load_tokenizer
 from asyncrl_bench.engine import logprob_mismatch
-from asyncrl_bench.shared import device_name, synchronize, write_json
+from asyncrl_bench.shared import bench_dtype, device_name, synchronize, write_json
 
 __all__ = ["SpeculationBenchArgs", "bench_speculation"]
 
@@ -85,12 +85,8 @@ class SpeculationBenchArgs:
             raise ValueError("every --batch-sizes value must be >= 1")
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"--dtype {self.dtype}: choose auto or a torch dtype (bfloat16, float16, float32)")
-        return dtype
+        """--dtype as a torch dtype (`bench_dtype`)."""
+        return bench_dtype(self.dtype, self.device)
 
 
 class RandomDrafts:

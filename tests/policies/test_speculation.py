@@ -304,3 +304,17 @@ def test_a_rows_run_ends_at_its_first_stop_token():
         ([5, 2], [-0.1, -0.2]),  # the stop drawn second ends the row there, though the draft was kept past it
         ([4], [-1.0]),  # only the first draw kept: the stop after it is not reached
         ([1], [-3.0])]
+
+
+def test_rows_at_their_slots_end_stay_lossless():
+    """Slots exactly as long as prompt + budget: the last steps' fixed width would pass the slot's end, so those rows
+    are verified by the eager path with shorter drafts (`draft_room`), and the tokens still equal plain decoding's."""
+    model = tiny_model(seed=10)
+    prompts = make_prompts([6, 9], seed=10)
+    params = SamplingParams(n=2, max_new_tokens=30, seed=4, ignore_eos=True)
+    config = dict(max_slots=4, max_len=9 + 30)
+    plain = Engine(model, small_config(**config)).generate(prompts, params)
+    reference = {(tuple(o.prompt_ids), j): c.token_ids for o in plain for j, c in enumerate(o.completions)}
+    engine = Engine(model, spec_config(tokens=6, **config), drafter=OracleDrafter(reference, 0.0))
+    _assert_lossless(plain, engine.generate(prompts, params))
+    assert all(len(c.token_ids) == 30 for o in plain for c in o.completions)
