@@ -12,7 +12,8 @@ Requests join and leave between steps (continuous batching). Every token comes w
 log-prob and the weight version that produced it. With `decode_ahead` (the default) a step launches the next
 decode before reading the tokens of the one before (`asyncrl.policies.decode_steps`), so the host's per-token
 work overlaps the GPU's; a step's tokens then appear one `step()` later, and a control (pause, abort, update,
-sleep) drops the step in flight, whose rows simply decode the same token again.
+sleep) drops the step in flight, whose rows simply decode the same token again. With `EngineConfig.speculation` a
+step of few rows checks model-free drafts instead, losslessly (`asyncrl.policies.speculation`).
 
 Sessions (multi-turn episodes): `add_request(..., sessions=[name per sample])` keeps each finished sample's
 K/V under its name, in a slot at the top of the cache that no running sequence uses. A later request with

@@ -294,6 +294,9 @@ def test_the_run_gives_the_engine_its_speculation_and_refuses_it_for_vllm():
     assert not [p for p in implementation_problems(cfg) if "speculation" in p]
     with pytest.raises(ValueError, match="--rollout.speculation.tokens 3 is invalid: .*--rollout.backend vllm"):
         dataclasses.replace(cfg.rollout, backend="vllm").validate()
+    vllm = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm"))  # as auto resolving to it
+    (problem,) = [p for p in implementation_problems(vllm) if "speculation" in p]
+    assert problem.startswith("--rollout.speculation.tokens 3: ") and "leave it at 0" in problem
 
 
 def test_a_rows_run_ends_at_its_first_stop_token():
