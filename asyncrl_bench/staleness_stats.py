@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Fit", "Increment", "Tost", "Interval", "drift_fit", "lag_increment", "tost", "bootstrap_ci",
+__all__ = ["Fit", "Hinge", "Increment", "Tost", "Interval", "drift_fit", "hinge_fit", "lag_increment", "tost", "bootstrap_ci",
            "bootstrap_diff_ci", "betainc", "t_sf", "t_cdf", "t_ppf", "f_sf"]
 
 _TINY = 1e-300  # Lentz's guard against a zero denominator
@@ -173,6 +173,41 @@ def drift_fit(accuracy: Sequence[float], log_drift: Sequence[float]) -> Fit:
     slope = sxy / sxx
     return Fit(slope=slope, intercept=float(y.mean() - slope * x.mean()),
                r2=min(max(sxy * sxy / (sxx * syy), 0.0), 1.0), n=len(y))
+
+
+class Hinge(NamedTuple):
+    knee: float  # log D where accuracy starts to fall
+    plateau: float  # the accuracy at and below the knee
+    slope: float  # accuracy per unit of log D past the knee
+    r2: float  # share of the accuracy's variance explained (3 parameters: compare with adjusted_r2)
+    adjusted_r2: float  # 1 − (1 − R²)(n − 1)/(n − 3): R² charged for the knee and slope
+    n: int
+
+
+def hinge_fit(accuracy: Sequence[float], log_drift: Sequence[float]) -> Hinge:
+    """Least squares of accuracy on a flat line that bends at a knee: accuracy ≈ plateau + slope · max(log D − knee, 0).
+    The knee is searched over the midpoints between distinct log drifts (each candidate's plateau and slope by OLS;
+    the smallest residual wins), so at least one run lies on each side of it. An exploratory model, not the
+    pre-registered line (`drift_fit`): it was chosen after the pilot's plot showed accuracy flat below a drift.
+
+    Args: accuracy, log_drift: [n] per run (or cell mean), n ≥ 4, at least three distinct drifts.
+    Raises ValueError when accuracy is constant or fewer than three drifts differ."""
+    fn = "hinge_fit"
+    y, x = _paired(fn, 4, accuracy=accuracy, log_drift=log_drift)
+    _not_constant(fn, "accuracy", y, "there is no variance to explain (R² undefined)")
+    distinct = np.unique(x)
+    if len(distinct) < 3:
+        raise ValueError(f"{fn}: {len(distinct)} distinct drifts; a knee between a flat and a sloped part needs 3")
+    best = None
+    for knee in (distinct[:-1] + distinct[1:]) / 2:
+        ssr, coef = _ols_ssr(y, [np.maximum(x - knee, 0.0)])
+        if best is None or ssr < best[0]:
+            best = (ssr, float(knee), coef)
+    ssr, knee, coef = best
+    n, sst = len(y), float(((y - y.mean()) ** 2).sum())
+    r2 = min(max(1 - ssr / sst, 0.0), 1.0)
+    return Hinge(knee=knee, plateau=float(coef[0]), slope=float(coef[1]), r2=r2,
+                 adjusted_r2=1 - (1 - r2) * (n - 1) / (n - 3), n=n)
 
 
 class Increment(NamedTuple):

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import tyro
 
-from asyncrl_bench.staleness_stats import bootstrap_ci, bootstrap_diff_ci, drift_fit, lag_increment, tost
+from asyncrl_bench.staleness_stats import bootstrap_ci, bootstrap_diff_ci, drift_fit, hinge_fit, lag_increment, tost
 from asyncrl_bench.plots import pyplot_or_none
 
 __all__ = ["AnalysisArgs", "Run", "read_runs", "drift_law", "equivalence", "cell_summary", "goals", "report",
@@ -154,6 +154,7 @@ def drift_law(runs: list[Run], reference: str) -> dict:
                               [math.log(statistics.fmean(r.drift_kl for r in c)) for c in cells.values()])
     acc, log_d = [r.accuracy for r in points], [math.log(r.drift_kl) for r in points]
     return {"points": len(points), "without_drift": len(lagged) - len(points), "fits": fits,
+            "hinge": _try(hinge_fit, acc, log_d),
             "lag_mean": _try(lag_increment, acc, log_d, [r.lag_mean for r in points]),
             "lag_forced": _try(lag_increment, acc, log_d, [r.lag for r in points])}
 
@@ -254,6 +255,12 @@ def _law_lines(law: dict) -> list[str]:
     for name, fit in law["fits"].items():
         lines.append(f"| {name} | – | {fit['error']} | | |" if "error" in fit else
                      f"| {name} | {fit['n']} | {fit['slope']:+.4f} | {fit['intercept']:.4f} | {fit['r2']:.3f} |")
+    hinge = law["hinge"]
+    lines += ["", "Exploratory, not pre-registered (chosen after the pilot's plot): flat up to a knee, then a line in "
+              "log D.", ""] + ([f"Hinge: {hinge['error']}"] if "error" in hinge else [
+        f"Hinge over every run (n {hinge['n']}): accuracy {hinge['plateau']:.3f} up to D = {math.exp(hinge['knee']):.3g}, "
+        f"then {hinge['slope']:+.4f} per e-fold; R² {hinge['r2']:.3f} (adjusted for its 3 parameters "
+        f"{hinge['adjusted_r2']:.3f})."])
     lines += ["", "Does the lag explain accuracy once log D is known (nested OLS, partial F on (1, n − 3) df)?", "",
               "| lag | n | R² log D | R² log D + lag | ΔR² | lag coefficient | F | p |", "|" + "---|" * 8]
     for name, key in (("mean lag trained on (primary)", "lag_mean"), ("forced lag", "lag_forced")):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from asyncrl_bench.staleness_stats import (
-    betainc, bootstrap_ci, bootstrap_diff_ci, drift_fit, f_sf, lag_increment, t_cdf, t_ppf, t_sf, tost,
+    betainc, bootstrap_ci, bootstrap_diff_ci, drift_fit, f_sf, hinge_fit, lag_increment, t_cdf, t_ppf, t_sf, tost,
 )
 from scripts import staleness_analysis
 from tests.run_helpers import ROOT
@@ -110,6 +110,29 @@ def test_a_fit_by_hand_and_against_polyfit():
     fit = drift_fit(y, x)
     assert (fit.slope, fit.intercept) == pytest.approx((slope, intercept), rel=1e-10)
     assert fit.r2 == pytest.approx(np.corrcoef(x, y)[0, 1] ** 2, rel=1e-10)
+
+
+def test_a_hinge_is_found_where_accuracy_starts_to_fall():
+    """Flat at 0.75 up to log D = −3, then −0.1 per e-fold: the knee lies between the drifts around −3, the fit is
+    exact, and the line's R² on the same points is lower (the pilot's shape)."""
+    x = np.array([-6.0, -5.0, -4.0, -3.5, -2.5, -2.0, -1.0, 0.0])
+    y = 0.75 - 0.1 * np.maximum(x + 3.0, 0.0)
+    hinge = hinge_fit(y, x)
+    assert -3.5 < hinge.knee < -2.5 and hinge.r2 == pytest.approx(1.0) and hinge.adjusted_r2 == pytest.approx(1.0)
+    assert hinge.slope == pytest.approx(-0.1) and hinge.plateau == pytest.approx(0.75)
+    assert drift_fit(y, x).r2 < 0.9
+    with pytest.raises(ValueError, match="3"):
+        hinge_fit([0.5, 0.6, 0.7, 0.8], [1.0, 1.0, 2.0, 2.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(-8, 0), st.floats(0, 1)), min_size=5, max_size=30))
+def test_a_hinge_fits_at_least_as_well_as_a_flat_line_and_its_r2_is_a_share(pairs):
+    x, y = (np.array(c) for c in zip(*pairs))
+    assume(np.ptp(y) > 1e-6 and len(np.unique(x)) >= 3)
+    hinge = hinge_fit(y, x)
+    assert 0.0 <= hinge.r2 <= 1.0 and hinge.adjusted_r2 <= hinge.r2 + 1e-12
+    assert x.min() < hinge.knee < x.max()
 
 
 def test_a_fit_refuses_what_has_no_answer():
