@@ -107,17 +107,21 @@ class KVCache:
 
         A right-padded row's extra positions lie past its sequence: what they write there is written again
         before a decode step reads it (positions past the slot are clamped to its last, never yet in use)."""
-        rows = slots[:, None].expand_as(positions)
-        at = positions.clamp(max=self.max_len - 1)
-        # indexed by [B, S] rows and positions around the head axis, the cache takes [B, S, Hkv, D]
+        self._write_rows(layer, slots, positions, k, v)
         keys, values = self._raw(self.k)[layer], self._raw(self.v)[layer]
-        keys[rows, :, at] = self._stored(rearrange(k, "b h s d -> b s h d"))
-        values[rows, :, at] = self._stored(rearrange(v, "b h s d -> b s h d"))
         if in_order:
             b = slots.shape[0]
             return self._read(keys[:b, :, :span]), self._read(values[:b, :, :span])
         return (self._read(keys[:, :, :span].index_select(0, slots)),
                 self._read(values[:, :, :span].index_select(0, slots)))
+
+    def _write_rows(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """K/V [B, Hkv, S, D] of row b into slot `slots[b]` at `positions[b]` ([B, S]; clamped to the slot's last)."""
+        rows = slots[:, None].expand_as(positions)
+        at = positions.clamp(max=self.max_len - 1)
+        # indexed by [B, S] rows and positions around the head axis, the cache takes [B, S, Hkv, D]
+        self._raw(self.k)[layer][rows, :, at] = self._stored(rearrange(k, "b h s d -> b s h d"))
+        self._raw(self.v)[layer][rows, :, at] = self._stored(rearrange(v, "b h s d -> b s h d"))
 
     def attend_decode(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
         """Write one K/V [B, Hkv, 1, D] per row (row b → slot b, at `positions[b]`), then attend: q [B, H, 1, D]
@@ -131,9 +135,7 @@ class KVCache:
     def attend_in_order(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int) -> Tensor:
         """A speculative step's rows, row b in slot b: write K/V [B, Hkv, W, D] at `positions` [B, W] (consecutive,
         below max_len), then attend q [B, H, W, D] causally over each slot (`self.verify`) -> [B, H, W, D]."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
-        self._raw(self.k)[layer][rows, :, positions] = self._stored(rearrange(k, "b h s d -> b s h d"))
-        self._raw(self.v)[layer][rows, :, positions] = self._stored(rearrange(v, "b h s d -> b s h d"))
+        self._write_rows(layer, torch.arange(k.shape[0], device=k.device), positions, k, v)
         return self.verify(q, self.k[layer], self.v[layer], positions[:, -1], span)
 
     @torch.inference_mode()
