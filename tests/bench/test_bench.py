@@ -55,12 +55,13 @@ def test_engine_bench_smoke_run(tmp_path):
     assert len(rows) == 1 and json.loads(out.stdout.strip().splitlines()[-1]) == rows[0]
     row = rows[0]
     assert row["batch"] == 2 and row["device"] == "cpu" and row["new_tokens"] == 8
-    assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["decode_step_ms"] > 0
+    # decode_step_ms is the run less its prefill timed apart: 0 when a busy machine made the prefill alone slower
+    assert row["ours_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["decode_step_ms"] >= 0
     assert row["ratio"] == row["ours_tok_s"] / row["hf_tok_s"]
     # the prompts' prefill alone is timed apart; the decode step is the rest of the run over its 7 decode steps
     # (the prefill samples the first token)
     run_s = 2 * 8 / row["ours_tok_s"]
-    assert row["prompt_tokens"] == 2 * 8 and 0 < row["ours_prefill_s"] < run_s and row["decode_steps"] == 7
+    assert row["prompt_tokens"] == 2 * 8 and row["ours_prefill_s"] > 0 and row["decode_steps"] == 7
     assert row["decode_step_ms"] == pytest.approx(max(run_s - row["ours_prefill_s"], 0) / row["decode_steps"] * 1e3,
                                                   rel=1e-6)
     assert row["ours_prefill_tok_s"] == pytest.approx(16 / row["ours_prefill_s"])
