@@ -101,6 +101,9 @@ class EngineBenchArgs:
     --rollout.vllm.enable-prefix-caching, so that both engines prefill the same prompts."""
     kv_dtype: Literal["auto", "fp8"] = "auto"
     """Our engine's and vLLM's K/V cache: the model's dtype, or float8 e4m3 (`--rollout.kv-dtype`)."""
+    kv_layout: Literal["slot", "shared-prompt", "both"] = "slot"
+    """Our engine's K/V layout (`--rollout.kv-layout`); "both" times the per-slot layout (the `ours_*` fields) and the
+    shared-prompt one (`shared_prompt_*`, with `shared_prompt_ratio` over the per-slot tok/s) on the same prompts."""
     lengths: Literal["fixed", "lognormal"] = "fixed"
     """Random prompts: every sample generates --new-tokens ("fixed"), or each request its own budget, drawn from a
     log-normal with median --new-tokens / --tail-ratio and 99th percentile --new-tokens ("lognormal": the heavy
@@ -332,12 +335,15 @@ def _load(args: EngineBenchArgs):
     return load_model(args.model, dtype=args.torch_dtype(), device=args.device, seed=args.seed)
 
 
-def _engine_config(args: EngineBenchArgs, *works: Workload) -> EngineConfig:
-    """Our engine's configuration for these workloads (slots and length of the largest)."""
-    return EngineConfig(max_slots=max(w.sequences for w in works),
-                        max_len=max(max(map(len, w.prompts)) for w in works) + args.new_tokens,
+def _engine_config(args: EngineBenchArgs, *works: Workload, layout: str = "slot") -> EngineConfig:
+    """Our engine's configuration for these workloads (slots and length of the largest), in K/V `layout` (shared
+    prompts: a prompt slot per prompt of the largest workload)."""
+    longest = max(max(map(len, w.prompts)) for w in works)
+    shared = dict(kv_layout="shared-prompt", max_prompt_len=longest,
+                  max_prompts=max(len(w.prompts) for w in works)) if layout == "shared-prompt" else {}
+    return EngineConfig(max_slots=max(w.sequences for w in works), max_len=longest + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
-                        decode_ahead=args.decode_ahead, kv_dtype=args.kv_dtype)
+                        decode_ahead=args.decode_ahead, kv_dtype=args.kv_dtype, **shared)
 
 
 @torch.inference_mode()
@@ -367,12 +373,17 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
     tok/s it bounds (`roofline_tok_s`); `decode_roofline_tok_s` is a decode step's bound alone. Null where
     unknown: on CPU or an unknown GPU, and with --data (lengths vary)."""
     bandwidth, flops = peak_bandwidth(device), peak_flops(device)
-    row = {"peak_bandwidth": bandwidth, "peak_flops": flops, "step_bytes": None, "prefill_flops": None,
+    row = {"peak_bandwidth": bandwidth, "peak_flops": flops, "step_bytes": None, "shared_step_bytes": None,
+           "prefill_flops": None,
            "roofline_s": None, "roofline_tok_s": None, "decode_roofline_tok_s": None}
     if not bandwidth or not flops or args.data is not None:
         return row
     kv_elem = 1 if args.kv_dtype == "fp8" else None
     nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2), kv_elem)
+    # shared prompts: each prompt's K/V read once a step, each sample's responses (at their mean length) once
+    weights = step_bytes(model, 0, 0, kv_elem)
+    shared = weights + (step_bytes(model, len(work.prompts), args.prompt_len, kv_elem) - weights) + (
+        step_bytes(model, work.sequences, int(args.new_tokens / 2), kv_elem) - weights)
     prefill = prefill_flops(model, [len(p) for p in work.prompts])
     seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
     tokens, decode_roofline = work.sequences * args.new_tokens, work.sequences * bandwidth / nbytes
@@ -382,7 +393,7 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
         moved = sum(step_bytes(model, rows, args.prompt_len + s, kv_elem) for s, rows in enumerate(alive, 1))
         seconds, tokens = prefill / flops + moved / bandwidth, sum(lengths)
         nbytes = moved / max(len(alive), 1)  # the mean decode step's: what its bandwidth fraction is read against
-    return {**row, "step_bytes": nbytes, "prefill_flops": prefill, "roofline_s": seconds,
+    return {**row, "step_bytes": nbytes, "shared_step_bytes": shared, "prefill_flops": prefill, "roofline_s": seconds,
             "roofline_tok_s": tokens / seconds, "decode_roofline_tok_s": decode_roofline}
 
 
@@ -438,13 +449,21 @@ def _in_process_row(args: EngineBenchArgs, model, batch: int, work: Workload) ->
            "n": args.n, "sequences": work.sequences, "workload": args.data or f"random {args.prompt_len}-token prompts",
            "prompt_len": max(map(len, work.prompts)), "prompt_tokens": work.prompt_tokens,
            "new_tokens": args.new_tokens, **_budget_fields(work), **_roofline(args, model, work, args.device)}
+    layouts = ("slot", "shared-prompt") if args.kv_layout == "both" else (args.kv_layout,)
     if "asyncrl" in args.backends:
-        row.update(_ours(args, model, work, row["step_bytes"], row["peak_bandwidth"]))
-        print(f"asyncrl, batch {batch}: {row['ours_tok_s']:.0f} tok/s, prefill {row['ours_prefill_s']:.3f} s, "
-              f"decode step {row['decode_step_ms'] or 0:.2f} ms", flush=True)
-        gc.collect()  # the engine's KV cache and graph pool, before the next row or a vLLM child allocates
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        for layout in layouts:
+            shared = layout == "shared-prompt"
+            fields = _ours(args, model, work, row["shared_step_bytes" if shared else "step_bytes"],
+                           row["peak_bandwidth"], layout)
+            if shared and len(layouts) > 1:
+                fields = {f"shared_prompt_{k.removeprefix('ours_')}": v for k, v in fields.items()}
+                fields["shared_prompt_ratio"] = fields["shared_prompt_tok_s"] / row["ours_tok_s"]
+            row.update(fields)
+            print(f"asyncrl {layout}, batch {batch}: " + ", ".join(f"{k} {v:.4g}" for k, v in fields.items()
+                                                                   if k.endswith(("tok_s", "_ms", "kv_gb"))), flush=True)
+            gc.collect()  # the engine's KV cache and graph pool, before the next run or a vLLM child allocates
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
     if "hf" in args.backends:
         row["hf_tok_s"], row["hf_mean_len"] = _time_hf_generate(model, work, args.device)
         if args.device.startswith("cuda"):
@@ -461,11 +480,13 @@ def _budget_fields(work: Workload) -> dict:
             "budget_mean": sum(ordered) / len(ordered)}
 
 
-def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, bandwidth: float | None) -> dict:
-    """Our engine on `work`: tok/s, the prompts' prefill alone, the mean decode step without it (the run's time
-    less that prefill, over its decode steps) and, where the roofline is known, the fraction of a decode step's
-    bandwidth bound it reaches; the behaviour log-probs' mismatch with a training forward."""
-    engine = Engine(model, _engine_config(args, work))
+def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, bandwidth: float | None,
+          layout: str = "slot") -> dict:
+    """Our engine on `work` in K/V `layout`: tok/s, the prompts' prefill alone, the mean decode step without it (the
+    run's time less that prefill, over its decode steps) and, where the roofline is known, the fraction of a decode
+    step's bandwidth bound it reaches; the K/V cache's size; the behaviour log-probs' mismatch with a training
+    forward."""
+    engine = Engine(model, _engine_config(args, work, layout=layout))
     outs, seconds, steps = _time_engine(engine, work, args.device)
     prefill_s = _time_prefill(engine, work, args.device)
     if engine.fused:
@@ -473,6 +494,7 @@ def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, ba
     step_s = max(seconds - prefill_s, 0.0) / steps if steps else None
     fields = {"ours_tok_s": _generated(outs)[0] / seconds, "ours_mean_len": _generated(outs)[0] / work.sequences,
               "ours_prefill_s": prefill_s, "decode_steps": steps, "decode_step_ms": step_s and step_s * 1e3,
+              "ours_kv_gb": engine.cache.nbytes / 1e9, "kv_layout": layout,
               "decode_attention": engine.decode_kernel, "sampler": engine.sampler, **logprob_mismatch(model, outs)}
     if nbytes and bandwidth and step_s:
         fields["bandwidth_fraction"] = nbytes / bandwidth / step_s

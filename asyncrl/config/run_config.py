@@ -101,6 +101,14 @@ class RolloutConfig:
     bytes, so about twice the slots in the same memory, for a train–rollout mismatch the learner corrects; needs
     --trainer.off-policy.no-use-rollout-log-probs, so that it recomputes π_old and logs the mismatch as
     rollout_corr/mismatch_kl). The embedded engine and vLLM (GPUs) store it; vLLM's scale is its default, 1."""
+    kv_layout: Literal["slot", "shared-prompt"] = "slot"
+    """Where the embedded engine keeps K/V: "slot" (each sample's whole sequence in its slot: a prompt's K/V copied
+    to its n samples) or "shared-prompt" (a prompt stored once for its n samples, which hold only their responses:
+    a 2,048-token prompt × 8 samples with 512-token responses takes a third of the memory, and a decode step reads
+    the prompt once; prompts up to --rollout.max-prompt-length; no multi-turn --env.fn, no speculation)."""
+    max_prompts: int | None = None
+    """With --rollout.kv-layout shared-prompt: prompts the engine runs at once, each holding a prompt slot of
+    --rollout.max-prompt-length positions (default: the prompts an agent keeps in flight)."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
     speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
@@ -128,6 +136,16 @@ class RolloutConfig:
             _fail(owner, "max_concurrent_prompts", self.max_concurrent_prompts, "must be >= 1 or None")
         self.vllm.validate()
         self.speculation.validate()
+        if self.max_prompts is not None and self.max_prompts < 1:
+            _fail(owner, "max_prompts", self.max_prompts, "must be >= 1 or None")
+        if self.kv_layout == "shared-prompt":
+            if self.speculation.enabled:
+                _fail("rollout.speculation", "tokens", self.speculation.tokens,
+                      f"drafts are verified over per-slot sequences; with {flag(owner, 'kv_layout')} shared-prompt "
+                      "leave it at 0")
+            if self.backend == "vllm":
+                _fail(owner, "kv_layout", self.kv_layout, f"is the embedded engine's; vLLM shares a prompt's blocks "
+                      f"itself: leave it at slot with {flag(owner, 'backend')} vllm")
         if self.speculation.enabled and self.backend == "vllm":  # auto resolving to vLLM: the checks before launch
             _fail("rollout.speculation", "tokens", self.speculation.tokens,
                   f"drafts in the embedded engine; {flag(owner, 'backend')} vllm needs 0")
@@ -421,6 +439,9 @@ class RunConfig:
                   "distribution); leave it out and the trainer takes the rollout's")
         self.reward.validate()
         self.env.validate()
+        if self.env.fn is not None and self.rollout.kv_layout == "shared-prompt":
+            _fail("rollout", "kv_layout", self.rollout.kv_layout,
+                  f"keeps no multi-turn sessions, which --env.fn {self.env.fn} continues turn after turn; use slot")
         self.eval.validate()
         if (self.eval.max_new_tokens or 0) > self.rollout.max_new_tokens:
             _fail("eval", "max_new_tokens", self.eval.max_new_tokens, f"the engines' K/V slots hold "

@@ -169,15 +169,20 @@ def _kv_dtype_problems(cfg: RunConfig, impl: str) -> list[str]:
 
 
 def _speculation_problems(cfg: RunConfig, impl: str) -> list[str]:
-    """--rollout.speculation.tokens drafts and verifies in the embedded engine; vLLM is not given it."""
+    """--rollout.speculation.tokens and --rollout.kv-layout shared-prompt are the embedded engine's; vLLM is not given
+    them."""
     spec = cfg.rollout.speculation
     try:
-        vllm = spec.enabled and resolve_backend(impl, cfg.rollout.backend) == "vllm"
+        vllm = resolve_backend(impl, cfg.rollout.backend) == "vllm"
     except ValueError:
         return []  # the backend check says why
-    return [f"--rollout.speculation.tokens {spec.tokens}: speculative decoding runs in the embedded engine, and "
-            f"{cfg.model.path} generates with vLLM; leave it at 0 (or use --rollout.backend asyncrl where the model "
-            "allows)"] if vllm else []
+    found = [f"--rollout.speculation.tokens {spec.tokens}: speculative decoding runs in the embedded engine, and "
+             f"{cfg.model.path} generates with vLLM; leave it at 0 (or use --rollout.backend asyncrl where the model "
+             "allows)"] if vllm and spec.enabled else []
+    if vllm and cfg.rollout.kv_layout != "slot":
+        found.append(f"--rollout.kv-layout {cfg.rollout.kv_layout} is the embedded engine's, and {cfg.model.path} "
+                     "generates with vLLM (which shares a prompt's blocks itself); leave it at slot")
+    return found
 
 
 def _r3_problems(cfg: RunConfig, impl: str) -> list[str]:

@@ -115,6 +115,7 @@ class DecodeSteps:
         self.temperature[:n].copy_(temperature, non_blocking=True)
         self.uniforms[:n].copy_(uniforms, non_blocking=True)
         self.cache.attend_len = attend
+        self.cache.prepare()
         if not graph:
             logits, tokens, logprobs = self._step(n)
         else:

@@ -7,7 +7,8 @@
             ...
 
 Each `step()` admits waiting requests while slots and the prefill budget allow (a prompt is prefilled
-once and its K/V copied to its n sample slots), then runs one decode step for every running sequence.
+once and its K/V copied to its n sample slots; with `kv_layout="shared-prompt"` stored once, in a prompt slot its
+samples read: `asyncrl.policies.shared_prompt_cache`), then runs one decode step for every running sequence.
 Requests join and leave between steps (continuous batching). Every token comes with its behaviour
 log-prob and the weight version that produced it. With `decode_ahead` (the default) a step launches the next
 decode before reading the tokens of the one before (`asyncrl.policies.decode_steps`), so the host's per-token
@@ -49,7 +50,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from asyncrl.policies.decode_attention import decode_attention, sdpa_decode, verify_attention
+from asyncrl.policies.decode_attention import decode_attention, sdpa_decode
 from asyncrl.policies.decode_steps import DecodeSteps, Launched
 from asyncrl.policies.drafts import DraftIndex, Drafter
 from asyncrl.policies.engine_adapters import EngineAdapters
@@ -57,7 +58,7 @@ from asyncrl.policies.engine_config import EngineConfig
 from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
 from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
-from asyncrl.policies.kv_cache import KVCache, kv_storage
+from asyncrl.policies.shared_prompt_cache import SharedPromptKVCache, build_kv_cache
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
@@ -90,6 +91,8 @@ class _Request(Request):
     """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
     draft_key: int = 0
     """The prompt's pool of drafts (a hash of its tokens; set when the engine speculates)."""
+    prompt_slot: int = -1
+    """Where its prompt's K/V lives in a `SharedPromptKVCache` (set at admission)."""
 
     @property
     def cached_prompt_tokens(self) -> int:
@@ -117,9 +120,8 @@ class Engine(EngineControl[_Request]):
         cfg = model.config
         attention = decode_attention(config.decode_attention, model.device, model.dtype, cfg.head_dim)
         self.decode_kernel = "triton" if attention is not sdpa_decode else "sdpa"
-        self.cache = KVCache(cfg.num_layers, config.max_slots, cfg.num_kv_heads, config.max_len, cfg.head_dim,
-                             model.dtype, model.device, attention=attention, verify=verify_attention(attention),
-                             storage=kv_storage(config.kv_dtype, model.dtype))
+        self.cache = build_kv_cache(model, config, attention)
+        self._shared = isinstance(self.cache, SharedPromptKVCache)  # a prompt's K/V once for its samples
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Sample] = []  # index = KV slot
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -153,6 +155,12 @@ class Engine(EngineControl[_Request]):
                      stop_ids: frozenset[int], sessions: Sequence[str] | None) -> _Request:
         """sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
         sequence this prompt extends (see the module docstring)."""
+        if self._shared:  # the prompt in a prompt slot, the responses in the rest of max_len
+            if sessions is not None or len(prompt_ids) > self.cache.max_prompt_len:
+                raise ValueError(f"add_request: --rollout.kv-layout shared-prompt takes prompts of at most "
+                                 f"--rollout.max-prompt-length {self.cache.max_prompt_len} tokens (this one: "
+                                 f"{len(prompt_ids)}) and no sessions (given: {sessions is not None}); use slot")
+            max_new = min(max_new, self.cache.response_len)
         request = _Request(request_id, prompt_ids, params, max_new, stop_ids,
                            sessions=None if sessions is None else tuple(sessions),
                            draft_key=hash(tuple(prompt_ids)) if self._drafter is not None else 0)
@@ -211,9 +219,12 @@ class Engine(EngineControl[_Request]):
                 break
             if held is not None:
                 self._held.to_bottom(held, len(self._running))
-            if not self._held.make_room(request.params.n, len(self._running), keep=held):
+            if not self._held.make_room(request.params.n, len(self._running), keep=held) or (
+                    self._shared and not self.cache.free_prompts):
                 break
             self._waiting.popleft()
+            if self._shared:
+                request.prompt_slot = self.cache.open(len(request.prompt_ids))
             if held is not None:
                 request.cached = self._held.take(request.sessions[0], len(self._running))
             for sample in request.samples:
@@ -230,17 +241,22 @@ class Engine(EngineControl[_Request]):
         rows: list[Tensor] = []
         if whole:
             prompts = [r.prompt_ids for r in whole]
-            hidden = self._forward_prefill(prompts, [r.samples[0].slot for r in whole])
+            hidden = self._forward_prefill(prompts, [r.prompt_slot if self._shared else r.samples[0].slot
+                                                     for r in whole])
             last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
             rows.append(hidden[torch.arange(len(prompts), device=hidden.device), last])
             for request in whole:
-                if request.params.n > 1:
+                if self._shared:
+                    self.cache.bind([s.slot for s in request.samples], request.prompt_slot)
+                elif request.params.n > 1:
                     self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
                                          len(request.prompt_ids))
             self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
         continued = [r for r in requests if r.cached]
         if continued:  # one forward for every continued session: its new tokens over its slot's cached ones
-            rows.append(self._forward_extend(continued))
+            rows.append(self._forward_extend([r.prompt_ids[r.cached:] for r in continued],
+                                             [r.samples[0].slot for r in continued], [r.cached for r in continued]))
+            self.stats["session_reused_tokens"] += sum(r.cached for r in continued)
         order = whole + continued
         logits = self.model.logits(torch.cat(rows))
         index = torch.tensor([i for i, r in enumerate(order) for _ in r.samples], device=logits.device)
@@ -251,20 +267,18 @@ class Engine(EngineControl[_Request]):
             self._steps.set_rows([s.slot for s in live], [s.completion.token_ids[-1] for s in live],
                                  [s.cached_len for s in live])
 
-    def _forward_extend(self, requests: list[_Request]) -> Tensor:
-        """The last hidden state of each request's prompt, prefilling only what its held session lacks."""
+    def _forward_extend(self, new: list[list[int]], slots: list[int], starts: list[int]) -> Tensor:
+        """Row i's tokens new[i] continue the sequence cached in slot slots[i] from position starts[i] (a held
+        session's new turn, a row's responses over its shared prompt): their forward, each row's last hidden state."""
         device = self.model.device
-        new = [r.prompt_ids[r.cached:] for r in requests]
         width = max(map(len, new))
         ids = torch.tensor([n + [0] * (width - len(n)) for n in new], dtype=torch.long, device=device)
-        slots = torch.tensor([r.samples[0].slot for r in requests], device=device)
-        starts = torch.tensor([r.cached for r in requests], device=device)
-        span = max(r.cached + len(n) for r, n in zip(requests, new))
-        hidden = self.model(ids, cache=self.cache, cache_slots=slots, extension=CacheExtension(starts, span))
+        span = max(s + len(n) for s, n in zip(starts, new))
+        hidden = self.model(ids, cache=self.cache, cache_slots=torch.tensor(slots, device=device),
+                            extension=CacheExtension(torch.tensor(starts, device=device), span))
         last = torch.tensor([len(n) - 1 for n in new], device=device)
         self.stats["prefill_tokens"] += sum(map(len, new))
-        self.stats["session_reused_tokens"] += sum(r.cached for r in requests)
-        return hidden[torch.arange(len(requests), device=device), last]
+        return hidden[torch.arange(len(new), device=device), last]
 
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> Held | None:
@@ -431,12 +445,15 @@ class Engine(EngineControl[_Request]):
 
     def _release(self, samples: list[_Sample]) -> None:
         """Free the slots of finished samples, moving the last running sequence into each hole."""
-        for slot in sorted((s.slot for s in samples if s.slot >= 0), reverse=True):
+        freed = sorted((s.slot for s in samples if s.slot >= 0), reverse=True)
+        for slot in freed:
+            self.cache.release_row(slot)
+        for slot in freed:
             last = self._running.pop()
             if last.slot != slot:
                 # a step in flight writes the K/V of the newest token too: move that position with the others
                 written = last.cached_len + (self._inflight is not None and id(last) in self._inflight.pending)
-                self.cache.copy_slot(last.slot, slot, written) if self.cache.allocated else None
+                self.cache.move_row(last.slot, slot, written)
                 self._steps.move_row(last.slot, slot)
                 last.slot = slot
                 self._running[slot] = last
@@ -467,19 +484,34 @@ class Engine(EngineControl[_Request]):
                 self._recompute_kv()
 
     def _recompute_kv(self) -> None:
-        """Re-prefill prompt + generated tokens (all but the newest) of every running sequence."""
-        budget = self.config.max_prefill_tokens
-        batch: list[_Sample] = []
-        for sample in self._running + [None]:
-            seqs = [s.request.prompt_ids + s.completion.token_ids[:-1] for s in batch]
-            width = max((len(s) for s in seqs), default=0)
-            if sample is None or (batch and max(width, sample.cached_len) * (len(batch) + 1) > budget):
-                if batch:
-                    self._forward_prefill(seqs, [s.slot for s in batch])
-                    self.stats["recomputed_tokens"] += sum(len(s) for s in seqs)
-                batch = []
-            if sample is not None:
-                batch.append(sample)
+        """Re-prefill prompt + generated tokens (all but the newest) of every running sequence; with shared prompts,
+        each prompt once into its prompt slot, then each row's responses as a continuation of it."""
+        if not self._shared:
+            for batch in self._budgeted(self._running, lambda s: s.cached_len):
+                self._forward_prefill([s.request.prompt_ids + s.completion.token_ids[:-1] for s in batch],
+                                      [s.slot for s in batch])
+                self.stats["recomputed_tokens"] += sum(s.cached_len for s in batch)
+            return
+        requests = list({id(s.request): s.request for s in self._running}.values())
+        for batch in self._budgeted(requests, lambda r: len(r.prompt_ids)):
+            self._forward_prefill([r.prompt_ids for r in batch], [r.prompt_slot for r in batch])
+        responding = [s for s in self._running if len(s.completion.token_ids) > 1]
+        for batch in self._budgeted(responding, lambda s: len(s.completion.token_ids) - 1):
+            self._forward_extend([s.completion.token_ids[:-1] for s in batch], [s.slot for s in batch],
+                                 [len(s.request.prompt_ids) for s in batch])
+        self.stats["recomputed_tokens"] += sum(s.cached_len for s in self._running)
+
+    def _budgeted(self, items: list, width) -> Iterable[list]:
+        """`items` in runs whose padded size (the widest item's `width` × the run's length) fits max_prefill_tokens."""
+        batch, widest = [], 0
+        for item in items:
+            if batch and max(widest, width(item)) * (len(batch) + 1) > self.config.max_prefill_tokens:
+                yield batch
+                batch, widest = [], 0
+            batch.append(item)
+            widest = max(widest, width(item))
+        if batch:
+            yield batch
 
     def _free_memory(self) -> None:
         """Free the KV cache (and captured graphs). Running sequences keep their tokens."""

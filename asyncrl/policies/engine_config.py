@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from asyncrl.config.run_config import LORA_TARGETS
 from asyncrl.config.speculation import SpeculationConfig
 from asyncrl.policies.decode_attention import DecodeKernel
 from asyncrl.policies.kv_cache import KVDtype
 
-__all__ = ["EngineConfig"]
+KVLayout = Literal["slot", "shared-prompt"]
+
+__all__ = ["EngineConfig", "KVLayout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,14 @@ class EngineConfig:
     kv_dtype: KVDtype = "auto"
     """The K/V cache's storage: the model's dtype ("auto"), or float8 e4m3 ("fp8": half a bf16 cache's bytes, so
     twice the slots in the same memory, for a train–rollout mismatch; `asyncrl.policies.kv_cache`)."""
+    kv_layout: KVLayout = "slot"
+    """Where K/V live: "slot" (each sequence whole in its slot: a prompt's K/V copied to its n samples' slots) or
+    "shared-prompt" (a prompt stored once for its samples, which hold only their responses and read it once a step:
+    `asyncrl.policies.shared_prompt_cache`; no held sessions, no speculation)."""
+    max_prompt_len: int | None = None
+    """With kv_layout="shared-prompt": the longest prompt (its slots' size; responses get max_len − max_prompt_len)."""
+    max_prompts: int | None = None
+    """With kv_layout="shared-prompt": prompts (requests) running at once (default: max_slots)."""
     fused_kernels: bool = True
     """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
     seed: int = 0
@@ -58,3 +69,14 @@ class EngineConfig:
         if self.kv_dtype not in ("auto", "fp8"):
             raise ValueError(f"EngineConfig.kv_dtype={self.kv_dtype!r}: choose auto or fp8")
         self.speculation.validate()
+        if self.kv_layout not in ("slot", "shared-prompt"):
+            raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}: choose slot or shared-prompt")
+        if self.kv_layout == "shared-prompt":
+            if self.max_prompt_len is None or not 0 < self.max_prompt_len < self.max_len:
+                raise ValueError(f"EngineConfig.max_prompt_len={self.max_prompt_len}: kv_layout shared-prompt needs "
+                                 f"the longest prompt, in [1, max_len={self.max_len})")
+            if self.max_prompts is not None and self.max_prompts < 1:
+                raise ValueError(f"EngineConfig.max_prompts={self.max_prompts} must be >= 1")
+            if self.speculation.enabled:
+                raise ValueError("EngineConfig: speculation checks drafts over per-slot sequences; with kv_layout "
+                                 "shared-prompt keep speculation.tokens 0")

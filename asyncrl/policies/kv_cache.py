@@ -138,6 +138,18 @@ class KVCache:
         self._write_rows(layer, torch.arange(k.shape[0], device=k.device), positions, k, v)
         return self.verify(q, self.k[layer], self.v[layer], positions[:, -1], span)
 
+    def prepare(self) -> None:
+        """Before a decode step: nothing to do for slots that hold whole sequences (`SharedPromptKVCache` writes
+        its tables)."""
+
+    def release_row(self, row: int) -> None:
+        """Row `row`'s sequence ended (its slot is free): nothing else refers to it here."""
+
+    def move_row(self, src: int, dst: int, written: int) -> None:
+        """Row `src`'s sequence now lives in row `dst`: copy its first `written` positions."""
+        if self.allocated:
+            self.copy_slot(src, dst, written)
+
     @torch.inference_mode()
     def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot(s) `dst` (all layers). In inference mode

@@ -22,18 +22,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["triton_decode_attention", "choose_splits"]
+__all__ = ["triton_decode_attention", "triton_shared_prompt_attention", "choose_splits"]
 
 
 @triton.jit
-def _partial(Q, K, V, Lengths, O, Lse, Out,
+def _partial(Q, K, V, Lengths, O, Lse, Out, Slots, Rows,
              stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_vs, stride_vh, stride_vl,
              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
              scale_log2, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
              DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PV_TF32: tl.constexpr,
-             PRECISION: tl.constexpr, WIDTH: tl.constexpr):
+             PRECISION: tl.constexpr, WIDTH: tl.constexpr, GATHER: tl.constexpr = False,
+             SPLIT_BASE: tl.constexpr = 0, PARTIAL: tl.constexpr = False):
     # WIDTH queries a slot (a speculative step's newest token and draft): tile row r is query r // GROUP of slot b,
-    # head kv_head·GROUP + r % GROUP; query w sees the slot's first length − (WIDTH − 1 − w) positions (causal)
+    # head kv_head·GROUP + r % GROUP; query w sees the slot's first length − (WIDTH − 1 − w) positions (causal).
+    # GATHER (a shared prompt's readers): program b reads slot Slots[b] for the rows Rows[b, w] (−1: none), each over
+    # all `length` positions; its partial results go to splits SPLIT_BASE.. of O and Lse (PARTIAL: never to Out)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(Lengths + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
@@ -43,16 +46,24 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
     d = tl.arange(0, DIM_PAD)
     w, g = r // GROUP, r % GROUP
     heads = kv_head * GROUP + g
-    rows = b * WIDTH + w  # the query's row of Q, O, Lse and Out
-    limit = length - (WIDTH - 1 - w)
     g_ok, d_ok = r < GROUP * WIDTH, d < HEAD_DIM
+    if GATHER:
+        slot = tl.load(Slots + b)
+        rows = tl.load(Rows + b * WIDTH + w, mask=g_ok, other=-1)
+        g_ok = g_ok & (rows >= 0)
+        rows = tl.where(g_ok, rows, 0)
+        limit = length + 0 * w
+    else:
+        slot = b
+        rows = b * WIDTH + w  # the query's row of Q, O, Lse and Out
+        limit = length - (WIDTH - 1 - w)
     q = tl.load(Q + rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    k_row = K + b * stride_ks + kv_head * stride_kh
-    v_row = V + b * stride_vs + kv_head * stride_vh
+    k_row = K + slot * stride_ks + kv_head * stride_kh
+    v_row = V + slot * stride_vs + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -73,14 +84,15 @@ def _partial(Q, K, V, Lengths, O, Lse, Out,
         acc = acc * alpha[:, None] + pv
         m = m_new
     out = acc / tl.maximum(total, 1e-30)[:, None]  # an empty split (start >= length) stays 0, weight 0 below
-    if SPLITS == 1:
+    if SPLITS == 1 and not PARTIAL:
         tl.store(Out + rows[:, None] * stride_outb + heads[:, None] * stride_outh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
-        tl.store(O + rows[:, None] * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+        at = SPLIT_BASE + split
+        tl.store(O + rows[:, None] * stride_ob + heads[:, None] * stride_oh + at * stride_os + d[None, :], out,
                  mask=g_ok[:, None] & d_ok[None, :])
         lse = tl.where(total > 0, m + tl.log2(tl.maximum(total, 1e-30)), float("-inf"))
-        tl.store(Lse + rows * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+        tl.store(Lse + rows * stride_lb + heads * stride_lh + at, lse, mask=g_ok)
 
 
 @triton.jit
@@ -91,9 +103,10 @@ def _merge(O, Lse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, s
     d = tl.arange(0, DIM_PAD)
     s_ok, d_ok = s < SPLITS, d < HEAD_DIM
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    weight = tl.exp2(lse - tl.max(lse, 0))  # some split is never empty (a row's own newest position): finite max
+    seen = lse > float("-inf")  # a split with no keys may hold no partial result (a row no shared prompt reader has)
     parts = tl.load(O + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=(s_ok & seen)[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(Out + b * stride_outb + h * stride_outh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
@@ -136,7 +149,7 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
     dim_pad = max(16, triton.next_power_of_2(dim))
     scale_log2 = (1.0 / math.sqrt(dim)) * 1.4426950408889634  # softmax in base 2
     _partial[(b, kv_heads, splits)](
-        q, k_cache, v_cache, lengths, parts, lse, out,
+        q, k_cache, v_cache, lengths, parts, lse, out, lengths, lengths,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         parts.stride(0), parts.stride(1), parts.stride(2) if splits > 1 else 0,
@@ -149,4 +162,63 @@ def triton_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths
         _merge[(rows, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                            lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
                            SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+    return out
+
+
+def triton_shared_prompt_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   reader_slot: Tensor, reader_len: Tensor, reader_rows: Tensor, response_len: Tensor,
+                                   *, attend_len: int, block_n: int = 128, num_warps: int = 4,
+                                   num_stages: int = 2, splits: tuple[int, int] | None = None) -> Tensor:
+    """Attention of one query per row over its prompt, read once per reader, and its own responses.
+
+    Args:
+      q: [B, H, D] queries (after RoPE).
+      prompt_k, prompt_v: [prompts, Hkv, max_prompt_len, D], the prompts' K/V.
+      k_cache, v_cache: [slots, Hkv, response_len, D], row b's responses in slot b.
+      reader_slot, reader_len: [R] the prompt slot reader r reads and its length (0: an idle reader).
+      reader_rows: [R, W] the rows (< B) that share reader r's read (−1: none); every row is in at most one reader.
+      response_len: [B] the cached responses of row b, >= 1 (its newest position included).
+      attend_len: an upper bound of both lengths, on the host (chooses the split counts).
+      splits: (prompt, response) splits instead of `choose_splits`' (a reader's prompt, a row's responses).
+      block_n, num_warps, num_stages: tuned on an H200 at Qwen3-1.7B/8B shapes, 2,048-token prompts × 8 samples
+        (docs/benchmarks/shared-prompt-kv-2026-11-28.md).
+    Returns [B, H, D] in q's dtype: the softmax over the prompt's keys and the responses' together.
+    """
+    rows, heads, dim = q.shape
+    readers, width = reader_rows.shape
+    kv_heads = k_cache.shape[1]
+    if heads % kv_heads or k_cache.stride(-1) != 1 or prompt_k.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"triton_shared_prompt_attention: {heads} query heads over {kv_heads} KV heads, "
+                         "contiguous last dims")
+    group = heads // kv_heads
+    prompt_splits, response_splits = splits or (
+        choose_splits(max(1, rows // width), kv_heads, min(attend_len, prompt_k.shape[2]), block_n=block_n),
+        choose_splits(rows, kv_heads, min(attend_len, k_cache.shape[2]), block_n=block_n))
+    splits = prompt_splits + response_splits
+    out = torch.empty_like(q)
+    parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    lse[:, :, :prompt_splits].fill_(float("-inf"))  # rows no reader serves (graph padding) keep no prompt part
+    dim_pad = max(16, triton.next_power_of_2(dim))
+    scale_log2 = (1.0 / math.sqrt(dim)) * 1.4426950408889634
+    common = dict(GROUP=group, HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, PV_TF32=False,
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+                  num_stages=num_stages, PARTIAL=True)
+    strides = (parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+               out.stride(1), scale_log2)
+    _partial[(readers, kv_heads, prompt_splits)](
+        q, prompt_k, prompt_v, reader_len, parts, lse, out, reader_slot, reader_rows,
+        q.stride(0), q.stride(1), prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
+        prompt_v.stride(0), prompt_v.stride(1), prompt_v.stride(2), *strides,
+        GROUP_PAD=max(16, triton.next_power_of_2(group * width)), SPLITS=prompt_splits, WIDTH=width, GATHER=True,
+        SPLIT_BASE=0, **common)
+    _partial[(rows, kv_heads, response_splits)](
+        q, k_cache, v_cache, response_len, parts, lse, out, response_len, response_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *strides,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLITS=response_splits, WIDTH=1, GATHER=False,
+        SPLIT_BASE=prompt_splits, **common)
+    _merge[(rows, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
+                       lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
+                       SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
     return out

@@ -156,6 +156,8 @@ class RunSpec:
         max_len = agent.max_len or (self.rollout.max_prompt_length + self.rollout.max_new_tokens)
         return EngineConfig(max_slots=self.rollout.max_slots, max_len=max_len, cuda_graphs=self.rollout.cuda_graphs,
                             decode_attention=self.rollout.decode_attention, kv_dtype=self.rollout.kv_dtype,
-                            speculation=self.rollout.speculation,
+                            speculation=self.rollout.speculation, kv_layout=self.rollout.kv_layout,
+                            max_prompt_len=self.rollout.max_prompt_length if self.rollout.kv_layout == "shared-prompt"
+                            else None, max_prompts=self.rollout.max_prompts or self.rollout.concurrent_prompts,
                             seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha,
                             lora_targets=self.lora_targets)

@@ -355,6 +355,30 @@ def test_engine_roofline_is_the_prefill_at_peak_flops_then_the_decode_steps_at_f
     assert engine_bench._roofline(args, model, work, "cpu")["roofline_tok_s"] is None
 
 
+def test_engine_bench_times_both_kv_layouts_on_the_same_prompts(monkeypatch):
+    """`--kv-layout both`: the per-slot engine (`ours_*`) and the shared-prompt one (`shared_prompt_*`) on the same
+    prompts: the same tokens' count, a smaller cache (24-token prompts stored once for 3 samples instead of 3
+    times), the ratio of their tok/s; the shared roofline reads each prompt's K/V once a step."""
+    import asyncrl_bench.engine as engine_bench
+    args = engine_bench.EngineBenchArgs(model="random:tiny-qwen2", device="cpu", dtype="float32", backends=("asyncrl",),
+                                        kv_layout="both", batch_sizes=(2,), prompt_len=24, new_tokens=6, n=3,
+                                        seeded=True)
+    [row] = engine_bench.bench_engine(args)
+    assert row["ours_mean_len"] == row["shared_prompt_mean_len"] == 6 and row["kv_layout"] == "slot"
+    assert row["shared_prompt_kv_layout"] == "shared-prompt"
+    assert row["shared_prompt_ratio"] == row["shared_prompt_tok_s"] / row["ours_tok_s"]
+    # 6 sequences of 30 positions against 2 prompts of 24 and 6 responses of 6
+    assert row["shared_prompt_kv_gb"] == pytest.approx(row["ours_kv_gb"] * (2 * 24 + 6 * 6) / (6 * 30))
+    model = random_model("tiny-qwen2")
+    [work] = engine_bench._workloads(args, model)
+    monkeypatch.setattr(engine_bench, "peak_flops", lambda device: 1e9)
+    monkeypatch.setattr(engine_bench, "peak_bandwidth", lambda device: 1e8)
+    roofline = engine_bench._roofline(args, model, work, "cuda")
+    weights = step_bytes(model, 0, 0)
+    kv = (step_bytes(model, 1, 1) - weights)  # a position's K/V
+    assert roofline["shared_step_bytes"] == pytest.approx(weights + (2 * 24 + 6 * 3) * kv)
+
+
 def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):
     """`asyncrl bench async` rows: the learner's FLOP bound (its devices at peak over `train_flops` per trained
     token at the run's mean lengths), the engine's bandwidth bound (slots sequences a step, every weight and

@@ -47,7 +47,7 @@ MIRRORS: dict[str, dict[str, str]] = {
         "dtype": "run.model.engine_dtype", "new_tokens": "run.rollout.max_new_tokens", "data": "run.data.path",
         "tokenizer": "run.model.tokenizer", "cuda_graphs": "run.rollout.cuda_graphs",
         "decode_attention": "run.rollout.decode_attention", "decode_ahead": "engine.decode_ahead", "seed": "run.seed",
-        "kv_dtype": "run.rollout.kv_dtype",
+        "kv_dtype": "run.rollout.kv_dtype", "kv_layout": "run.rollout.kv_layout",
     },
     "AttentionBenchArgs": {},
     "SpeculationBenchArgs": {

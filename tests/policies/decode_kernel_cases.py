@@ -13,6 +13,8 @@ import torch
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 from asyncrl.policies.decode_attention import sdpa_decode  # noqa: E402
+from asyncrl.policies.shared_prompt_attention import sdpa_shared_prompt, shared_prompt_attention  # noqa: E402
+from asyncrl.policies.shared_prompt_cache import SharedPromptKVCache  # noqa: E402
 from asyncrl.policies.triton_decode import triton_decode_attention  # noqa: E402
 
 
@@ -31,9 +33,58 @@ def causal_reference(q, k, v, lengths, width: int):
     return out
 
 
-def run(case: dict) -> dict:
+def shared_reference(q, cache: SharedPromptKVCache, positions):
+    """Each row over its logical sequence (its prompt, then its responses up to positions[b]), in float64."""
+    t = cache.tables
+    group = q.shape[1] // cache.k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    pools = [p[0].cpu() for p in (cache.prompt_k, cache.k, cache.prompt_v, cache.v)]
+    for b in range(q.shape[0]):
+        start, prompt, last = int(t.row_start[b]), int(t.row_prompt[b]), int(positions[b])
+        keys, values = (torch.cat([pool[prompt, :, :start], resp[b, :, :last - start + 1]], 1).double()
+                        .repeat_interleave(group, 0) for pool, resp in (pools[:2], pools[2:]))
+        scores = torch.einsum("hd,hld->hl", q[b].double(), keys) / math.sqrt(q.shape[-1])
+        out[b] = torch.einsum("hl,hld->hd", torch.softmax(scores, -1), values)
+    return out
+
+
+def run_shared(case: dict) -> dict:
+    """Groups of rows over shared prompts (in scattered slots; a group of more than 8 rows takes two readers) and
+    padding rows bound to no prompt, as a captured step's: the kernel against SDPA and against float64."""
     gen = torch.Generator().manual_seed(case["seed"])
+    kv_heads, group, dim = case["kv_heads"], case["group"], case["dim"]
+    sizes, padding = case["groups"], case["padding"]
+    rows = sum(sizes) + padding
+    cache = SharedPromptKVCache(1, rows + 1, kv_heads, case["max_len"], dim, torch.float32, DEVICE,
+                                max_prompt_len=case["max_prompt_len"], num_prompts=len(sizes) + 1)
+    order = torch.randperm(sum(sizes), generator=gen).tolist()
+    starts = [0] * rows
+    for size, length in zip(sizes, case["prompt_lens"]):
+        bound, order = order[:size], order[size:]
+        cache.bind(bound, cache.open(length))
+        for row in bound:
+            starts[row] = length
+    cache.prepare()
+    for pool in (cache.k, cache.v, cache.prompt_k, cache.prompt_v):
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    responses = [int(torch.randint(1, cache.response_len + 1, (1,), generator=gen)) for _ in range(rows)]
+    positions = torch.tensor([s + r - 1 if s else 0 for s, r in zip(starts, responses)], device=DEVICE)
+    q = torch.randn(rows, kv_heads * group, dim, generator=gen).to(DEVICE)
+    attend = cache.max_len
+    args = (q, cache.prompt_k[0], cache.prompt_v[0], cache.k[0], cache.v[0], cache.tables, positions, attend)
+    got = shared_prompt_attention(triton_decode_attention)(*args).cpu()
+    want = shared_reference(q.cpu(), cache, positions.cpu()).float()
+    sdpa = sdpa_shared_prompt(*args).cpu()
+    atol = 4 * 4 * math.sqrt(max(attend, dim)) * torch.finfo(torch.float32).eps * float(cache.v.abs().max())
+    return {"case": case, "max_abs_diff": float(max((got - want).abs().max(), (sdpa - want).abs().max())),
+            "atol": atol}
+
+
+def run(case: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides, also on a GPU
+    if "groups" in case:
+        return run_shared(case)
+    gen = torch.Generator().manual_seed(case["seed"])
     batch, kv_heads, group, dim, max_len = case["batch"], case["kv_heads"], case["group"], case["dim"], case["max_len"]
     slots = batch + 2  # slots past the batch hold other sequences: never read
     k, v = (torch.randn(slots, kv_heads, max_len, dim, generator=gen) for _ in range(2))

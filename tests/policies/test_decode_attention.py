@@ -53,6 +53,32 @@ def test_triton_kernel_with_several_queries_a_slot_matches_causal_attention():
         assert r["max_abs_diff"] <= r["atol"], r
 
 
+def _shared_cases() -> list[dict]:
+    """Shared prompts (`--rollout.kv-layout shared-prompt`): groups of 1..11 rows (11: two readers) in scattered
+    slots, prompts of 1 position to the whole prompt slot, responses of 1 position to the whole response slot, and
+    padding rows that no prompt serves, over real models' head groupings."""
+    shapes = [(2, 1, 64, [3, 1]), (8, 2, 128, [11]), (2, 7, 64, [2, 5, 1]), (2, 2, 80, [4, 4])]
+    rng = random.Random(2)
+    cases = []
+    for i, (kv_heads, group, dim, sizes) in enumerate(shapes):
+        max_prompt_len = rng.choice([20, 70, 150])
+        lengths = [rng.randint(1, max_prompt_len) for _ in sizes]
+        lengths[0] = max_prompt_len if i % 2 else 1
+        cases.append(dict(seed=200 + i, kv_heads=kv_heads, group=group, dim=dim, groups=sizes, padding=i % 3,
+                          prompt_lens=lengths, max_prompt_len=max_prompt_len, max_len=max_prompt_len + 90))
+    return cases
+
+
+@pytest.mark.e2e
+def test_shared_prompt_kernel_matches_attention_over_the_whole_sequence():
+    """The Triton kernel (a prompt read once per reader, merged with each row's responses) and SDPA over the gathered
+    prompt, both against float64 attention over each row's sequence."""
+    results = run_kernel_cases("tests.policies.decode_kernel_cases", _shared_cases())
+    assert len(results) == len(_shared_cases())
+    for r in results:
+        assert r["max_abs_diff"] <= r["atol"], r
+
+
 @pytest.mark.e2e
 def test_triton_kernel_matches_sdpa():
     """Under Triton's interpreter on CPU; compiled where a GPU is."""

@@ -1,12 +1,15 @@
 """CUDA variants of the engine checks: CUDA-graph decode vs eager decode, logprobs vs the training forward,
 in-place weight updates seen by captured graphs. Skipped without a GPU (CI has none; run on a lent GPU)."""
 
+import copy
+
 import pytest
 import torch
 
 from asyncrl.policies import (
     ARCH_PRESETS, Engine, EngineConfig, SamplingParams, named_weights, random_model, token_logprobs,
 )
+from tests.policies.helpers import logprob_tol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -168,3 +171,36 @@ def test_speculation_in_captured_graphs_keeps_plain_decodings_tokens():
             assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason
             torch.testing.assert_close(torch.tensor(cb.logprobs), torch.tensor(ca.logprobs), atol=1e-4, rtol=0)
     assert engine.stats["spec_accepted_tokens"] > 0 and engine._verify.graphs, "the verifying step was not captured"
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv):
+    """`kv_layout="shared-prompt"` on CUDA: the Triton kernel reading each prompt once per reader (groups of up to 9
+    samples: two readers), replayed from graphs with rows finishing in flight, moved and refilled, through a
+    weight update mid-generation: the tokens of the per-slot layout (fp32). A prompt slot for every request, so that
+    both layouts admit each request at the same step (before or after the update)."""
+    model, new = random_model(CONFIG, seed=4, device="cuda"), random_model(CONFIG, seed=5, device="cuda")
+    prompts = _prompts(9, seed=6)
+    params = [SamplingParams(n=1 + (4 * i) % 9, temperature=0.9, max_new_tokens=30 + 3 * i, seed=i) for i in range(9)]
+    outs = {}
+    for layout in ("slot", "shared-prompt"):
+        shared = dict(kv_layout=layout, max_prompt_len=20, max_prompts=9) if layout != "slot" else {}
+        engine = Engine(copy.deepcopy(model), EngineConfig(max_slots=24, max_len=96, attend_bucket=16, **shared))
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp)
+        done = {}
+        for step in range(10_000):
+            if not engine.has_unfinished():
+                break
+            if step == 25:
+                engine.update_weights(named_weights(new), version=1, kv=kv)
+            done.update({o.request_id: o for o in engine.step()})
+        outs[layout] = done
+        assert engine.decode_kernel == "triton" and engine._steps.graphs
+    assert outs["slot"].keys() == outs["shared-prompt"].keys()
+    for rid, a in outs["slot"].items():
+        for ca, cb in zip(a.completions, outs["shared-prompt"][rid].completions):
+            assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason and ca.versions == cb.versions
+            # fp32 rounding of two reduction orders, at the scale of either weights' logits
+            atol = max(logprob_tol(m, a.prompt_ids, ca.token_ids, 0.9) for m in (model, new))
+            torch.testing.assert_close(torch.tensor(cb.logprobs), torch.tensor(ca.logprobs), atol=atol, rtol=0)

@@ -1,0 +1,209 @@
+"""The shared-prompt K/V layout (`--rollout.kv-layout shared-prompt`, `asyncrl.policies.shared_prompt_cache`):
+a prompt stored once for its samples gives the tokens and log-probs of the per-slot layout in fp32, through every
+RL control, and admits several times the groups of long prompts in the same memory."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.config.speculation import SpeculationConfig
+from asyncrl.policies import Engine, SamplingParams, named_weights
+from asyncrl.policies.shared_prompt_cache import READER_WIDTH, SharedPromptKVCache
+from tests.policies.helpers import assert_same_output, drain, make_prompts, small_config, tiny_model
+
+SHARED = dict(kv_layout="shared-prompt", max_prompt_len=40)
+
+
+def _engines(model, *, ahead: bool = True, max_prompts: int = 3, **config):
+    """The same engine in both layouts (slot first; each over its own copy of `model`, which weight updates
+    change in place); the shared one with `max_prompts` prompt slots."""
+    base = small_config(max_slots=12, max_len=104, decode_ahead=ahead, **config)
+    return (Engine(copy.deepcopy(model), base),
+            Engine(copy.deepcopy(model), dataclasses.replace(base, **SHARED, max_prompts=max_prompts)))
+
+
+def _requests(engine, prompts, params) -> list[str]:
+    return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+
+def _assert_same(slot_done, shared_done, model, params) -> None:
+    assert slot_done.keys() == shared_done.keys()
+    for rid, sp in zip(slot_done, params):
+        assert_same_output(slot_done[rid], shared_done[rid], model, sp)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
+def test_shared_prompts_give_the_tokens_of_per_slot_prompts(temperature, ahead):
+    """Groups of 1 to 9 samples (9: more than a reader's 8), prompts of 1 to 40 tokens, samples ending at a stop
+    token or their own budget, and more requests than prompt slots (they wait for one): the same tokens,
+    finish reasons and log-probs."""
+    model = tiny_model(perturb=True)
+    prompts = make_prompts([1, 40, 17, 5, 29], seed=3)
+    params = [SamplingParams(n=n, temperature=temperature, max_new_tokens=m, seed=11 + i, stop_token_ids=[7, 9])
+              for i, (n, m) in enumerate([(3, 50), (1, 64), (9, 30), (2, 64), (4, 12)])]
+    slot, shared = _engines(model, ahead=ahead)
+    for engine in (slot, shared):
+        _requests(engine, prompts, params)
+    slot_done, shared_done = drain(slot), drain(shared)
+    _assert_same(slot_done, shared_done, model, params)
+    assert any(c.finish_reason == "stop" for o in shared_done.values() for c in o.completions)
+    assert shared.cache.free_prompts == 3 and not shared.num_running
+
+
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_partial_rollouts_over_shared_prompts_match_per_slot_ones(kv):
+    """Pause, weight updates with kv keep or recompute, sleep / wake-up and an abort, mid-generation: the same tokens,
+    log-probs and versions as the per-slot layout through the same calls."""
+    models = [tiny_model(seed=s, perturb=True) for s in (21, 22, 23)]
+    prompts = make_prompts([9, 33, 4, 20], seed=5)
+    params = [SamplingParams(n=n, max_new_tokens=40, seed=30 + i, ignore_eos=True)
+              for i, n in enumerate([4, 2, 3, 1])]
+    results = []
+    for engine in _engines(tiny_model(seed=21, perturb=True), max_prompts=4):
+        ids = _requests(engine, prompts, params)
+        for version, (steps, colocated) in enumerate(((5, False), (7, True)), start=1):
+            for _ in range(steps):
+                engine.step()
+            assert engine.pause("keep") == []
+            if colocated:
+                engine.sleep()
+            engine.update_weights(named_weights(models[version]), version=version, kv=kv)
+            if colocated:
+                engine.wake_up()
+            engine.resume()
+        aborted = engine.abort([ids[1]])
+        results.append((aborted, drain(engine)))
+    (slot_aborted, slot_done), (shared_aborted, shared_done) = results
+    _assert_same({o.request_id: o for o in slot_aborted}, {o.request_id: o for o in shared_aborted}, models[2],
+                 [params[1]])
+    _assert_same(slot_done, shared_done, models[2], [params[0], *params[2:]])
+    versions = {v for o in shared_done.values() for c in o.completions for v in c.versions}
+    assert versions == {0, 1, 2}
+
+
+def test_a_long_prompt_group_takes_a_third_of_the_memory():
+    """2,048-token prompts × n = 8 with 512-token responses: in the bytes of a per-slot cache of 2 groups the shared
+    layout holds 6 groups' prompts and responses (3×), and the engine admits all 6 at once."""
+    model = tiny_model(perturb=True)
+    prompt_len, new, n = 2048, 512, 8
+    per_slot = small_config(max_slots=2 * n, max_len=prompt_len + new, max_prefill_tokens=6 * prompt_len)
+    shared = dataclasses.replace(per_slot, max_slots=6 * n, kv_layout="shared-prompt", max_prompt_len=prompt_len,
+                                 max_prompts=6)
+    engines = [Engine(model, config) for config in (per_slot, shared)]
+    assert engines[1].cache.nbytes <= engines[0].cache.nbytes
+    params = SamplingParams(n=n, max_new_tokens=new, seed=1)
+    for engine in engines:
+        for prompt in make_prompts([prompt_len] * 6, seed=8):
+            engine.add_request(prompt, params)
+        engine.step()
+    assert [e.num_running // n for e in engines] == [2, 6]
+
+
+def test_requests_the_shared_layout_cannot_take_are_refused_with_the_flag():
+    _, shared = _engines(tiny_model())
+    with pytest.raises(ValueError, match="--rollout.max-prompt-length 40"):
+        shared.add_request(make_prompts([41])[0], SamplingParams())
+    with pytest.raises(ValueError, match="sessions"):
+        shared.add_request(make_prompts([4])[0], SamplingParams(), sessions=["a"])
+    assert not shared.has_unfinished()
+    with pytest.raises(ValueError, match="speculation"):
+        small_config(**SHARED, speculation=SpeculationConfig(tokens=2)).validate()
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        small_config(kv_layout="shared-prompt").validate()
+
+
+def test_a_response_budget_is_capped_by_the_responses_room():
+    """Responses get max_len − max_prompt_len positions whatever the prompt's length."""
+    _, shared = _engines(tiny_model())
+    out = shared.generate(make_prompts([2]), SamplingParams(max_new_tokens=500, ignore_eos=True, seed=0))[0]
+    assert len(out.completions[0].token_ids) == 104 - 40
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 16)), min_size=1, max_size=4), st.data())
+def test_the_reader_tables_cover_every_bound_row_once(groups, data):
+    """Prompt slots opened and rows bound, released and moved (as the engine's slot compaction does), in any order:
+    every bound row is in exactly one reader of its own prompt slot, with that prompt's length; idle readers read
+    nothing; a prompt slot is free again when its last row goes."""
+    slots = sum(n for n, _ in groups)
+    cache = SharedPromptKVCache(1, slots, 1, 24, 4, torch.float32, "cpu", max_prompt_len=16,
+                                num_prompts=len(groups))
+    rows, prompt_of = list(range(slots)), {}
+    for n, length in groups:
+        prompt = cache.open(length)
+        bound, rows = rows[:n], rows[n:]
+        cache.bind(bound, prompt)
+        prompt_of.update({r: (prompt, length) for r in bound})
+    running = sorted(prompt_of)
+    for _ in range(data.draw(st.integers(0, slots))):
+        gone = data.draw(st.sampled_from(running))
+        cache.release_row(gone)
+        del prompt_of[gone]
+        last = running.pop()
+        if last != gone:  # the last running row moves into the hole
+            cache.move_row(last, gone, written=prompt_of[last][1] + 1)
+            prompt_of[gone] = prompt_of.pop(last)
+    cache.prepare()
+    t = cache.tables
+    seen = {}
+    for slot, length, members in zip(t.reader_slot.tolist(), t.reader_len.tolist(), t.reader_rows.tolist()):
+        assert len(members) == READER_WIDTH
+        for row in (m for m in members if m >= 0):
+            assert row not in seen
+            seen[row] = (slot, length)
+        if all(m < 0 for m in members):
+            assert length == 0
+    assert seen == prompt_of
+    assert [t.row_start[r].item() for r in sorted(seen)] == [prompt_of[r][1] for r in sorted(seen)]
+    assert cache.free_prompts == len(groups) - len({p for p, _ in prompt_of.values()})
+
+
+def test_the_run_gives_the_engine_shared_prompts_and_refuses_what_they_cannot_serve():
+    from asyncrl.config import EnvConfig
+    from asyncrl.config.presets import CPU_DEMO
+    from asyncrl.launch.model_checks import implementation_problems
+    from asyncrl.launch.run_spec import build_spec
+    rollout = dataclasses.replace(CPU_DEMO.rollout, kv_layout="shared-prompt")
+    cfg = dataclasses.replace(CPU_DEMO, rollout=rollout)
+    built = build_spec(cfg)
+    engine = built.engine_config(built.agents[0], 0)
+    assert (engine.kv_layout, engine.max_prompt_len, engine.max_prompts) == (
+        "shared-prompt", rollout.max_prompt_length, rollout.concurrent_prompts)
+    built = build_spec(dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, max_prompts=2)))
+    assert built.engine_config(built.agents[0], 0).max_prompts == 2
+    assert not [p for p in implementation_problems(cfg) if "kv-layout" in p]
+    with pytest.raises(ValueError, match="--rollout.kv-layout shared-prompt is invalid: .*--rollout.backend vllm"):
+        dataclasses.replace(rollout, backend="vllm").validate()
+    vllm = dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, backend="vllm"))  # as auto resolving to it
+    (problem,) = [p for p in implementation_problems(vllm) if "kv-layout" in p]
+    assert problem.startswith("--rollout.kv-layout shared-prompt is the embedded engine's") and "slot" in problem
+    with pytest.raises(ValueError, match="--rollout.speculation.tokens 2 is invalid: .*--rollout.kv-layout shared"):
+        dataclasses.replace(rollout, speculation=SpeculationConfig(tokens=2)).validate()
+    with pytest.raises(ValueError, match="--rollout.max-prompts 0 is invalid"):
+        dataclasses.replace(rollout, max_prompts=0).validate()
+    with pytest.raises(ValueError, match="--rollout.kv-layout shared-prompt is invalid: .*--env.fn retry"):
+        dataclasses.replace(cfg, env=EnvConfig(fn="retry")).validate()
+
+
+@pytest.mark.slow
+def test_a_short_run_trains_on_shared_prompts(tmp_path):
+    """`asyncrl train --rollout.kv-layout shared-prompt` (in this process, the local launcher) on the toy task: every
+    version trains on finite metrics."""
+    import json
+    import math
+
+    from tests.run_helpers import NO_EVAL, train_here
+    run_dir = tmp_path / "shared"
+    train_here("cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--wandb", "off", *NO_EVAL,
+               "--rollout.kv-layout", "shared-prompt", "--async-training.total-versions", "2",
+               "--run-dir", str(run_dir))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
