@@ -124,8 +124,13 @@ def _trainer_bytes(cfg: RunConfig, shape: ModelShape) -> tuple[float, float]:
 
 
 def _engine(cfg: RunConfig, shape: ModelShape, slots: int) -> EngineBytes:
-    e = engine_bytes(shape, slots=slots, tokens=cfg.rollout.max_prompt_length + cfg.rollout.max_new_tokens,
-                     lora=cfg.lora.enabled)
+    r = cfg.rollout
+    if r.kv_layout == "shared-prompt":  # slots hold responses; a prompt slot per prompt in flight holds its prompt
+        prompts = r.max_prompts or r.max_concurrent_prompts or max(slots // r.n, 1)
+        e = engine_bytes(shape, slots=slots, tokens=r.max_new_tokens, lora=cfg.lora.enabled)
+        e = dataclasses.replace(e, kv_cache=e.kv_cache + prompts * shape.kv_bytes(r.max_prompt_length))
+    else:
+        e = engine_bytes(shape, slots=slots, tokens=r.max_prompt_length + r.max_new_tokens, lora=cfg.lora.enabled)
     if cfg.model.engine_dtype == "float32":
         e = dataclasses.replace(e, weights=2 * e.weights, kv_cache=2 * e.kv_cache)
     if cfg.rollout.kv_dtype == "fp8":  # one byte a K/V element instead of the engine dtype's 2 or 4

@@ -207,3 +207,24 @@ def test_a_short_run_trains_on_shared_prompts(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+
+
+def test_the_memory_check_counts_each_prompt_once():
+    """The check before launch sizes a shared-prompt cache as its two pools: responses for every slot, a prompt for
+    every prompt in flight (`--rollout.max-prompts`, else the slots' prompts), so it fits ~3× the groups of long
+    prompts where the per-slot cache would not."""
+    from asyncrl.config.presets import CPU_DEMO
+    from asyncrl.launch.memory_checks import _engine
+    from asyncrl.planning.predict import ModelShape
+    from asyncrl.policies.model_configs import hf_config
+    shape = ModelShape.from_hf(hf_config("qwen3-1.7b"))
+    rollout = dataclasses.replace(CPU_DEMO.rollout, n=8, max_prompt_length=2048, max_new_tokens=512)
+    slot = dataclasses.replace(CPU_DEMO, rollout=rollout, model=dataclasses.replace(CPU_DEMO.model,
+                                                                                   engine_dtype="bfloat16"))
+    shared = dataclasses.replace(slot, rollout=dataclasses.replace(rollout, kv_layout="shared-prompt"))
+    a, b = _engine(slot, shape, 256), _engine(shared, shape, 256)
+    per_position = shape.kv_bytes(1)
+    assert a.kv_cache == 256 * 2560 * per_position
+    assert b.kv_cache == (256 * 512 + 32 * 2048) * per_position and b.weights == a.weights
+    capped = dataclasses.replace(shared, rollout=dataclasses.replace(shared.rollout, max_prompts=4))
+    assert _engine(capped, shape, 256).kv_cache == (256 * 512 + 4 * 2048) * per_position
