@@ -105,7 +105,8 @@ class RolloutConfig:
     """Where the embedded engine keeps K/V: "slot" (each sample's whole sequence in its slot: a prompt's K/V copied
     to its n samples) or "shared-prompt" (a prompt stored once for its n samples, which hold only their responses:
     a 2,048-token prompt × 8 samples with 512-token responses takes a third of the memory, and a decode step reads
-    the prompt once; prompts up to --rollout.max-prompt-length; no multi-turn --env.fn, no speculation)."""
+    the prompt once; a prompt's tokens past --rollout.max-prompt-length go to each sample's slot; no speculation, and
+    an --env.fn episode's later turns are prefilled whole rather than continued from held K/V)."""
     max_prompts: int | None = None
     """With --rollout.kv-layout shared-prompt: prompts the engine runs at once, each holding a prompt slot of
     --rollout.max-prompt-length positions (default: the prompts an agent keeps in flight)."""
@@ -439,9 +440,6 @@ class RunConfig:
                   "distribution); leave it out and the trainer takes the rollout's")
         self.reward.validate()
         self.env.validate()
-        if self.env.fn is not None and self.rollout.kv_layout == "shared-prompt":
-            _fail("rollout", "kv_layout", self.rollout.kv_layout,
-                  f"keeps no multi-turn sessions, which --env.fn {self.env.fn} continues turn after turn; use slot")
         self.eval.validate()
         if (self.eval.max_new_tokens or 0) > self.rollout.max_new_tokens:
             _fail("eval", "max_new_tokens", self.eval.max_new_tokens, f"the engines' K/V slots hold "

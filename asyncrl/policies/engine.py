@@ -155,12 +155,8 @@ class Engine(EngineControl[_Request]):
                      stop_ids: frozenset[int], sessions: Sequence[str] | None) -> _Request:
         """sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
         sequence this prompt extends (see the module docstring)."""
-        if self._shared:  # the prompt in a prompt slot, the responses in the rest of max_len
-            if sessions is not None or len(prompt_ids) > self.cache.max_prompt_len:
-                raise ValueError(f"add_request: --rollout.kv-layout shared-prompt takes prompts of at most "
-                                 f"--rollout.max-prompt-length {self.cache.max_prompt_len} tokens (this one: "
-                                 f"{len(prompt_ids)}) and no sessions (given: {sessions is not None}); use slot")
-            max_new = min(max_new, self.cache.response_len)
+        if self._shared:  # the prompt's first max_prompt_len tokens in a prompt slot, the rest in each sample's slot
+            max_new = min(max_new, self.config.max_len - max(len(prompt_ids), self.cache.max_prompt_len))
         request = _Request(request_id, prompt_ids, params, max_new, stop_ids,
                            sessions=None if sessions is None else tuple(sessions),
                            draft_key=hash(tuple(prompt_ids)) if self._drafter is not None else 0)
@@ -240,18 +236,19 @@ class Engine(EngineControl[_Request]):
         whole = [r for r in requests if not r.cached]
         rows: list[Tensor] = []
         if whole:
-            prompts = [r.prompt_ids for r in whole]
+            cap = self.cache.max_prompt_len if self._shared else None  # a shared prompt slot's positions
+            prompts = [r.prompt_ids[:cap] for r in whole]
             hidden = self._forward_prefill(prompts, [r.prompt_slot if self._shared else r.samples[0].slot
                                                      for r in whole])
             last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
             rows.append(hidden[torch.arange(len(prompts), device=hidden.device), last])
+            self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+            if self._shared:
+                self._spill(whole, rows[-1])
             for request in whole:
-                if self._shared:
-                    self.cache.bind([s.slot for s in request.samples], request.prompt_slot)
-                elif request.params.n > 1:
+                if request.params.n > 1 and not self._shared:
                     self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
                                          len(request.prompt_ids))
-            self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
         continued = [r for r in requests if r.cached]
         if continued:  # one forward for every continued session: its new tokens over its slot's cached ones
             rows.append(self._forward_extend([r.prompt_ids[r.cached:] for r in continued],
@@ -280,10 +277,27 @@ class Engine(EngineControl[_Request]):
         self.stats["prefill_tokens"] += sum(map(len, new))
         return hidden[torch.arange(len(new), device=device), last]
 
+    def _spill(self, requests: list[_Request], last: Tensor) -> None:
+        """Shared prompts: bind each request's samples to its prompt slot; a prompt longer than the slot continues in
+        its first sample's own slot (copied to the others'), whose last hidden state replaces the slot's in `last`."""
+        cap = self.cache.max_prompt_len
+        for request in requests:
+            self.cache.bind([s.slot for s in request.samples], request.prompt_slot)
+        over = [i for i, r in enumerate(requests) if len(r.prompt_ids) > cap]
+        if not over:
+            return
+        last[over] = self._forward_extend([requests[i].prompt_ids[cap:] for i in over],
+                                          [requests[i].samples[0].slot for i in over], [cap] * len(over))
+        for request in (requests[i] for i in over):
+            if request.params.n > 1:
+                self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
+                                     len(request.prompt_ids) - cap)
+
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> Held | None:
-        """The held session this request continues: one sample, and its prompt extends the held sequence."""
-        if request.sessions is None or request.params.n != 1 or not self.cache.allocated:
+        """The held session this request continues: one sample, and its prompt extends the held sequence (none over
+        shared prompts, which hold no sessions: each turn is prefilled whole)."""
+        if request.sessions is None or request.params.n != 1 or not self.cache.allocated or self._shared:
             return None
         return self._held.continued(request.sessions[0], request.prompt_ids)
 
@@ -436,7 +450,7 @@ class Engine(EngineControl[_Request]):
         # a finished session's K/V goes to a free slot at the top; with none free (a full engine, where every
         # sample finishes at once) it waits in a copy until the finished samples' own slots are released
         waiting = [(s, self.cache.read_slot(s.slot, s.cached_len)) for s in done
-                   if s.request.sessions is not None and not self._hold(s)]
+                   if s.request.sessions is not None and not self._shared and not self._hold(s)]
         self._release(done)
         for sample, kv in waiting:
             self._hold(sample, kv)
@@ -492,13 +506,15 @@ class Engine(EngineControl[_Request]):
                                       [s.slot for s in batch])
                 self.stats["recomputed_tokens"] += sum(s.cached_len for s in batch)
             return
+        cap = self.cache.max_prompt_len
         requests = list({id(s.request): s.request for s in self._running}.values())
-        for batch in self._budgeted(requests, lambda r: len(r.prompt_ids)):
-            self._forward_prefill([r.prompt_ids for r in batch], [r.prompt_slot for r in batch])
-        responding = [s for s in self._running if len(s.completion.token_ids) > 1]
-        for batch in self._budgeted(responding, lambda s: len(s.completion.token_ids) - 1):
-            self._forward_extend([s.completion.token_ids[:-1] for s in batch], [s.slot for s in batch],
-                                 [len(s.request.prompt_ids) for s in batch])
+        for batch in self._budgeted(requests, lambda r: min(len(r.prompt_ids), cap)):
+            self._forward_prefill([r.prompt_ids[:cap] for r in batch], [r.prompt_slot for r in batch])
+        own = {id(s): s.request.prompt_ids[cap:] + s.completion.token_ids[:-1] for s in self._running}
+        responding = [s for s in self._running if own[id(s)]]  # the prompt's spill, then the responses
+        for batch in self._budgeted(responding, lambda s: len(own[id(s)])):
+            self._forward_extend([own[id(s)] for s in batch], [s.slot for s in batch],
+                                 [min(len(s.request.prompt_ids), cap) for s in batch])
         self.stats["recomputed_tokens"] += sum(s.cached_len for s in self._running)
 
     def _budgeted(self, items: list, width) -> Iterable[list]:

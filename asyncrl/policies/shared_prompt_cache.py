@@ -3,9 +3,10 @@
 The per-slot `KVCache` copies a prompt's K/V into each of its n sample slots and a decode step reads it n times.
 Here a request's prompt lives in a *prompt slot* of a pool `[layers, prompts, Hkv, max_prompt_len, D]`, and each
 sample's slot of a second pool `[layers, slots, Hkv, max_len − max_prompt_len, D]` holds only its response
-positions. Positions stay the sequence's own everywhere (a row at position p reads position p′ < P of its
-prompt slot and p′ ≥ P of its response slot at p′ − P, P its prompt's length), so the model, the samplers and
-the engine's bookkeeping do not change: writes are routed by position, and reads see one logical sequence.
+positions (and a prompt's tokens past max_prompt_len, which the engine writes into each sample's slot). Positions
+stay the sequence's own everywhere (a row at position p reads position p′ < P of its prompt slot and p′ ≥ P of its
+own slot at p′ − P, P the positions its prompt slot holds), so the model, the samplers and the engine's bookkeeping
+do not change: writes are routed by position, and reads see one logical sequence.
 
 A GRPO group of n = 8 samples of a 2,048-token prompt with 512-token responses takes 2,048 + 8·512 positions
 instead of 8·2,560: 3.3× fewer, so 3.3× the groups in the same memory. The decode attention
@@ -110,9 +111,11 @@ class SharedPromptKVCache(KVCache):
         return len(self._free)
 
     def open(self, length: int) -> int:
-        """A prompt slot for a prompt of `length` tokens (ValueError when none is free or it is too long)."""
-        if not 0 < length <= self.max_prompt_len:
-            raise ValueError(f"a {length}-token prompt does not fit --rollout.max-prompt-length {self.max_prompt_len}")
+        """A prompt slot for a prompt of `length` tokens, which holds its first `max_prompt_len` (the rest goes to
+        each sample's slot); ValueError when none is free."""
+        length = min(length, self.max_prompt_len)
+        if length < 1:
+            raise ValueError("an empty prompt has nothing to share")
         if not self._free:
             raise ValueError(f"all {self.num_prompts} prompt slots are in use (--rollout.max-prompts)")
         slot = self._free.pop()

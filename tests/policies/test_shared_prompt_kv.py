@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from asyncrl.config.speculation import SpeculationConfig
 from asyncrl.policies import Engine, SamplingParams, named_weights
 from asyncrl.policies.shared_prompt_cache import READER_WIDTH, SharedPromptKVCache
-from tests.policies.helpers import assert_same_output, drain, make_prompts, small_config, tiny_model
+from tests.policies.helpers import assert_same_output, drain, logprob_tol, make_prompts, small_config, tiny_model
 
 SHARED = dict(kv_layout="shared-prompt", max_prompt_len=40)
 
@@ -41,13 +41,13 @@ def _assert_same(slot_done, shared_done, model, params) -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 @pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "ahead"])
 def test_shared_prompts_give_the_tokens_of_per_slot_prompts(temperature, ahead):
-    """Groups of 1 to 9 samples (9: more than a reader's 8), prompts of 1 to 40 tokens, samples ending at a stop
-    token or their own budget, and more requests than prompt slots (they wait for one): the same tokens,
-    finish reasons and log-probs."""
+    """Groups of 1 to 9 samples (9: more than a reader's 8), prompts of 1 to 40 tokens (the prompt slot's size) and
+    of 55 (its last 15 in each sample's own slot), samples ending at a stop token or their own budget, and more
+    requests than prompt slots (they wait for one): the same tokens, finish reasons and log-probs."""
     model = tiny_model(perturb=True)
-    prompts = make_prompts([1, 40, 17, 5, 29], seed=3)
+    prompts = make_prompts([1, 40, 17, 5, 29, 55], seed=3)
     params = [SamplingParams(n=n, temperature=temperature, max_new_tokens=m, seed=11 + i, stop_token_ids=[7, 9])
-              for i, (n, m) in enumerate([(3, 50), (1, 64), (9, 30), (2, 64), (4, 12)])]
+              for i, (n, m) in enumerate([(3, 50), (1, 64), (9, 30), (2, 64), (4, 12), (3, 49)])]
     slot, shared = _engines(model, ahead=ahead)
     for engine in (slot, shared):
         _requests(engine, prompts, params)
@@ -60,9 +60,10 @@ def test_shared_prompts_give_the_tokens_of_per_slot_prompts(temperature, ahead):
 @pytest.mark.parametrize("kv", ["keep", "recompute"])
 def test_partial_rollouts_over_shared_prompts_match_per_slot_ones(kv):
     """Pause, weight updates with kv keep or recompute, sleep / wake-up and an abort, mid-generation: the same tokens,
-    log-probs and versions as the per-slot layout through the same calls."""
+    log-probs and versions as the per-slot layout through the same calls (a 50-token prompt spilling past its
+    40-position prompt slot included: recomputed as the slot's part, then each row's spill and responses)."""
     models = [tiny_model(seed=s, perturb=True) for s in (21, 22, 23)]
-    prompts = make_prompts([9, 33, 4, 20], seed=5)
+    prompts = make_prompts([9, 50, 4, 20], seed=5)
     params = [SamplingParams(n=n, max_new_tokens=40, seed=30 + i, ignore_eos=True)
               for i, n in enumerate([4, 2, 3, 1])]
     results = []
@@ -106,13 +107,31 @@ def test_a_long_prompt_group_takes_a_third_of_the_memory():
     assert [e.num_running // n for e in engines] == [2, 6]
 
 
-def test_requests_the_shared_layout_cannot_take_are_refused_with_the_flag():
-    _, shared = _engines(tiny_model())
-    with pytest.raises(ValueError, match="--rollout.max-prompt-length 40"):
-        shared.add_request(make_prompts([41])[0], SamplingParams())
-    with pytest.raises(ValueError, match="sessions"):
-        shared.add_request(make_prompts([4])[0], SamplingParams(), sessions=["a"])
-    assert not shared.has_unfinished()
+def test_multi_turn_sessions_are_prefilled_whole_with_the_tokens_of_held_ones():
+    """Sessions over shared prompts: the first turn's samples share the prompt, no K/V is held when they finish, and
+    the next turn (its prompt: the whole conversation, past the prompt slot) is prefilled whole; the tokens equal
+    the per-slot layout's, which continues each turn from the held K/V."""
+    done = []
+    for engine in _engines(tiny_model(perturb=True)):
+        first = engine.generate(make_prompts([30], seed=4), SamplingParams(n=2, max_new_tokens=12, seed=5,
+                                                                           ignore_eos=True))[0]
+        names = ["a", "b"]
+        # the first turn again, held under names, then each conversation's next turn
+        rid = engine.add_request(first.prompt_ids, SamplingParams(n=2, max_new_tokens=12, seed=5, ignore_eos=True),
+                                 sessions=names)
+        turn1 = drain(engine)[rid]
+        nexts = [first.prompt_ids + c.token_ids + [11, 12, 13] for c in turn1.completions]
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=20, seed=6 + i, ignore_eos=True), sessions=[n])
+               for i, (p, n) in enumerate(zip(nexts, names))]
+        turn2 = drain(engine)
+        done.append(([turn1] + [turn2[i] for i in ids], engine.stats["session_reused_tokens"]))
+    (slot_outs, slot_reused), (shared_outs, shared_reused) = done
+    for a, b in zip(slot_outs, shared_outs):
+        assert_same_output(a, b, tiny_model(perturb=True), SamplingParams(temperature=1.0))
+    assert slot_reused > 0 and shared_reused == 0
+
+
+def test_what_the_shared_layout_cannot_take_is_refused_with_the_flag():
     with pytest.raises(ValueError, match="speculation"):
         small_config(**SHARED, speculation=SpeculationConfig(tokens=2)).validate()
     with pytest.raises(ValueError, match="max_prompt_len"):
@@ -120,10 +139,10 @@ def test_requests_the_shared_layout_cannot_take_are_refused_with_the_flag():
 
 
 def test_a_response_budget_is_capped_by_the_responses_room():
-    """Responses get max_len − max_prompt_len positions whatever the prompt's length."""
+    """Responses get max_len − max(prompt, max_prompt_len) positions: the own slot's room."""
     _, shared = _engines(tiny_model())
-    out = shared.generate(make_prompts([2]), SamplingParams(max_new_tokens=500, ignore_eos=True, seed=0))[0]
-    assert len(out.completions[0].token_ids) == 104 - 40
+    short, long = shared.generate(make_prompts([2, 50]), SamplingParams(max_new_tokens=500, ignore_eos=True, seed=0))
+    assert len(short.completions[0].token_ids) == 104 - 40 and len(long.completions[0].token_ids) == 104 - 50
 
 
 @settings(max_examples=60, deadline=None)
@@ -188,8 +207,33 @@ def test_the_run_gives_the_engine_shared_prompts_and_refuses_what_they_cannot_se
         dataclasses.replace(rollout, speculation=SpeculationConfig(tokens=2)).validate()
     with pytest.raises(ValueError, match="--rollout.max-prompts 0 is invalid"):
         dataclasses.replace(rollout, max_prompts=0).validate()
-    with pytest.raises(ValueError, match="--rollout.kv-layout shared-prompt is invalid: .*--env.fn retry"):
-        dataclasses.replace(cfg, env=EnvConfig(fn="retry")).validate()
+    dataclasses.replace(cfg, env=EnvConfig(fn="retry")).validate()  # episodes' later turns: prefilled whole
+
+
+def test_episodes_over_shared_prompts_are_the_per_slot_engines_episodes():
+    """Multi-turn episodes (`EpisodeRunner`, an environment answering each turn) on both layouts: the same tokens,
+    masks and log-probs; the shared engine prefills each later turn whole (its prompts outgrow the 8-position prompt
+    slot), where the per-slot one continues the held K/V."""
+    from asyncrl.envs import EpisodeRunner
+    from asyncrl.types import Prompt
+    from tests.envs.helpers import Echo, Recording, run_episodes, runtime
+    model = tiny_model(perturb=True)
+    base = small_config(max_slots=8, max_len=64)
+    groups, engines = [], []
+    for config in (base, dataclasses.replace(base, kv_layout="shared-prompt", max_prompt_len=8, max_prompts=2)):
+        engine = Recording(Engine(copy.deepcopy(model), config))
+        runner = EpisodeRunner(engine, runtime(Echo, max_turn_tokens=4))
+        prompts = [Prompt([5, 9, 11, 13], data_source="toy", index=0), Prompt([7, 3, 8], data_source="toy", index=1)]
+        groups.append(run_episodes(runner, engine, prompts, SamplingParams(n=3, max_new_tokens=40, seed=7)))
+        runner.close()
+        engines.append(engine)
+    assert groups[0].keys() == groups[1].keys()
+    for key in groups[0]:
+        for a, b in zip(groups[0][key].completions, groups[1][key].completions):
+            assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0,
+                                       atol=logprob_tol(model, [5, 9, 11, 13], a.token_ids))
+    assert engines[0].stats["session_reused_tokens"] > 0 == engines[1].stats["session_reused_tokens"]
 
 
 @pytest.mark.slow
