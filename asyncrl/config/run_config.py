@@ -110,6 +110,10 @@ class RolloutConfig:
     max_prompts: int | None = None
     """With --rollout.kv-layout shared-prompt: prompts the engine runs at once, each holding a prompt slot of
     --rollout.max-prompt-length positions (default: the prompts an agent keeps in flight)."""
+    share_prefix: int = 0
+    """With --rollout.kv-layout shared-prompt: a prompt that begins with at least this many tokens of a running
+    prompt's (a long system prompt, tool descriptions) reads them from that prompt's slot, keeping only the rest in a
+    slot of its own; 0 (default): each prompt is stored whole once."""
     kv_on_update: Literal["keep", "recompute"] = "keep"
     """After a weight update mid-generation: keep the K/V computed with older weights or recompute it."""
     speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
@@ -139,6 +143,11 @@ class RolloutConfig:
         self.speculation.validate()
         if self.max_prompts is not None and self.max_prompts < 1:
             _fail(owner, "max_prompts", self.max_prompts, "must be >= 1 or None")
+        if self.share_prefix < 0:
+            _fail(owner, "share_prefix", self.share_prefix, "must be >= 0 (0: off)")
+        if self.share_prefix and self.kv_layout != "shared-prompt":
+            _fail(owner, "share_prefix", self.share_prefix,
+                  f"shares prompt slots, which {flag(owner, 'kv_layout')} shared-prompt keeps; add it, or leave 0")
         if self.kv_layout == "shared-prompt":
             if self.speculation.enabled:
                 _fail("rollout.speculation", "tokens", self.speculation.tokens,

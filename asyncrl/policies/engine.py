@@ -219,8 +219,9 @@ class Engine(EngineControl[_Request]):
                     self._shared and not self.cache.free_prompts):
                 break
             self._waiting.popleft()
-            if self._shared:
-                request.prompt_slot = self.cache.open(len(request.prompt_ids))
+            if self._shared:  # its own prompt slot, after another's share of it where one begins the same way
+                share = self.cache.match(request.prompt_ids)
+                request.prompt_slot = self.cache.open(request.prompt_ids[share[1] if share else 0:], parent=share)
             if held is not None:
                 request.cached = self._held.take(request.sessions[0], len(self._running))
             for sample in request.samples:
@@ -235,18 +236,16 @@ class Engine(EngineControl[_Request]):
         continued session prefills only its new tokens, in a forward of its own over its slot."""
         whole = [r for r in requests if not r.cached]
         rows: list[Tensor] = []
-        if whole:
-            cap = self.cache.max_prompt_len if self._shared else None  # a shared prompt slot's positions
-            prompts = [r.prompt_ids[:cap] for r in whole]
-            hidden = self._forward_prefill(prompts, [r.prompt_slot if self._shared else r.samples[0].slot
-                                                     for r in whole])
+        if whole and self._shared:
+            rows.append(self._shared_prefill(whole))
+        elif whole:
+            prompts = [r.prompt_ids for r in whole]
+            hidden = self._forward_prefill(prompts, [r.samples[0].slot for r in whole])
             last = torch.tensor([len(p) - 1 for p in prompts], device=hidden.device)
             rows.append(hidden[torch.arange(len(prompts), device=hidden.device), last])
             self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
-            if self._shared:
-                self._spill(whole, rows[-1])
             for request in whole:
-                if request.params.n > 1 and not self._shared:
+                if request.params.n > 1:
                     self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
                                          len(request.prompt_ids))
         continued = [r for r in requests if r.cached]
@@ -277,21 +276,33 @@ class Engine(EngineControl[_Request]):
         self.stats["prefill_tokens"] += sum(map(len, new))
         return hidden[torch.arange(len(new), device=device), last]
 
-    def _spill(self, requests: list[_Request], last: Tensor) -> None:
-        """Shared prompts: bind each request's samples to its prompt slot; a prompt longer than the slot continues in
-        its first sample's own slot (copied to the others'), whose last hidden state replaces the slot's in `last`."""
-        cap = self.cache.max_prompt_len
+    def _shared_prefill(self, requests: list[_Request]) -> Tensor:
+        """Shared prompts (`SharedPromptKVCache`): prefill the prompt slots of the requests that share no other's
+        prefix, bind every request's samples, then run each request's other prompt tokens (a sharer's past its
+        parent's share, a long prompt's past its slot) over its first sample's row, copying what lands in that row's
+        own slot to its siblings'. Each request's last hidden state."""
+        cache, last = self.cache, [None] * len(requests)
+        roots = [i for i, r in enumerate(requests) if cache.parent(r.prompt_slot) is None]
+        if roots:
+            prompts = [requests[i].prompt_ids[:cache.max_prompt_len] for i in roots]
+            hidden = self._forward_prefill(prompts, [requests[i].prompt_slot for i in roots])
+            for j, i in enumerate(roots):
+                last[i] = hidden[j, len(prompts[j]) - 1]
+            self.stats["prefill_tokens"] += sum(map(len, prompts))
         for request in requests:
-            self.cache.bind([s.slot for s in request.samples], request.prompt_slot)
-        over = [i for i, r in enumerate(requests) if len(r.prompt_ids) > cap]
-        if not over:
-            return
-        last[over] = self._forward_extend([requests[i].prompt_ids[cap:] for i in over],
-                                          [requests[i].samples[0].slot for i in over], [cap] * len(over))
-        for request in (requests[i] for i in over):
-            if request.params.n > 1:
-                self.cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
-                                     len(request.prompt_ids) - cap)
+            cache.bind([s.slot for s in request.samples], request.prompt_slot)
+        rest = [r for r in requests if len(r.prompt_ids) > cache.prefilled(r.prompt_slot)]
+        if rest:
+            done = [cache.prefilled(r.prompt_slot) for r in rest]
+            hidden = self._forward_extend([r.prompt_ids[d:] for r, d in zip(rest, done)],
+                                          [r.samples[0].slot for r in rest], done)
+            for j, request in enumerate(rest):
+                last[requests.index(request)] = hidden[j]
+                spill = len(request.prompt_ids) - cache.prompt_end(request.prompt_slot)
+                if spill > 0 and request.params.n > 1:
+                    cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]], spill)
+        self.stats["shared_prefix_tokens"] += sum((cache.parent(r.prompt_slot) or (0, 0))[1] for r in requests)
+        return torch.stack(last)
 
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> Held | None:
@@ -506,15 +517,17 @@ class Engine(EngineControl[_Request]):
                                       [s.slot for s in batch])
                 self.stats["recomputed_tokens"] += sum(s.cached_len for s in batch)
             return
-        cap = self.cache.max_prompt_len
-        requests = list({id(s.request): s.request for s in self._running}.values())
-        for batch in self._budgeted(requests, lambda r: min(len(r.prompt_ids), cap)):
-            self._forward_prefill([r.prompt_ids[:cap] for r in batch], [r.prompt_slot for r in batch])
-        own = {id(s): s.request.prompt_ids[cap:] + s.completion.token_ids[:-1] for s in self._running}
+        cache = self.cache
+        for batch in self._budgeted(list(cache.roots().items()), lambda item: len(item[1])):
+            self._forward_prefill([list(tokens) for _, tokens in batch], [slot for slot, _ in batch])
+        for batch in self._budgeted(list(cache.sharing().items()), lambda item: len(item[1][1])):  # past a share
+            self._forward_extend([list(tokens) for _, (_, tokens) in batch], [row for _, (row, _) in batch],
+                                 [cache.parent(slot)[1] for slot, _ in batch])
+        end = {id(s): cache.prompt_end(s.request.prompt_slot) for s in self._running}
+        own = {id(s): s.request.prompt_ids[end[id(s)]:] + s.completion.token_ids[:-1] for s in self._running}
         responding = [s for s in self._running if own[id(s)]]  # the prompt's spill, then the responses
         for batch in self._budgeted(responding, lambda s: len(own[id(s)])):
-            self._forward_extend([own[id(s)] for s in batch], [s.slot for s in batch],
-                                 [min(len(s.request.prompt_ids), cap) for s in batch])
+            self._forward_extend([own[id(s)] for s in batch], [s.slot for s in batch], [end[id(s)] for s in batch])
         self.stats["recomputed_tokens"] += sum(s.cached_len for s in self._running)
 
     def _budgeted(self, items: list, width) -> Iterable[list]:

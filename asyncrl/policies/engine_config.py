@@ -47,6 +47,9 @@ class EngineConfig:
     slot, which holds max_len − max_prompt_len positions."""
     max_prompts: int | None = None
     """With kv_layout="shared-prompt": prompts (requests) running at once (default: max_slots)."""
+    share_prefix: int = 0
+    """With kv_layout="shared-prompt": a request whose prompt begins with at least this many tokens of a running
+    request's prompt reads those from that request's prompt slot (a common system prompt); 0: off."""
     fused_kernels: bool = True
     """torch.compile the elementwise pieces of the model (CUDA only; process-wide)."""
     seed: int = 0
@@ -76,6 +79,8 @@ class EngineConfig:
             if self.max_prompt_len is None or not 0 < self.max_prompt_len < self.max_len:
                 raise ValueError(f"EngineConfig.max_prompt_len={self.max_prompt_len}: kv_layout shared-prompt needs "
                                  f"the longest prompt, in [1, max_len={self.max_len})")
+            if self.share_prefix < 0:
+                raise ValueError(f"EngineConfig.share_prefix={self.share_prefix} must be >= 0 (0: off)")
             if self.max_prompts is not None and self.max_prompts < 1:
                 raise ValueError(f"EngineConfig.max_prompts={self.max_prompts} must be >= 1")
             if self.speculation.enabled:

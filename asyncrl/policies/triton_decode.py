@@ -175,8 +175,10 @@ def triton_shared_prompt_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor
       q: [B, H, D] queries (after RoPE).
       prompt_k, prompt_v: [prompts, Hkv, max_prompt_len, D], the prompts' K/V.
       k_cache, v_cache: [slots, Hkv, response_len, D], row b's responses in slot b.
-      reader_slot, reader_len: [R] the prompt slot reader r reads and its length (0: an idle reader).
-      reader_rows: [R, W] the rows (< B) that share reader r's read (−1: none); every row is in at most one reader.
+      reader_slot, reader_len: [levels, R] the prompt slot reader r of a level reads and how many positions (0: an
+        idle reader); a row's prompt is one segment a level (a shared prefix, then its own prompt).
+      reader_rows: [levels, R, W] the rows (< B) that share reader r's read (−1: none); a row is in at most one reader
+        a level.
       response_len: [B] the cached responses of row b, >= 1 (its newest position included).
       attend_len: an upper bound of both lengths, on the host (chooses the split counts).
       splits: (prompt, response) splits instead of `choose_splits`' (a reader's prompt, a row's responses).
@@ -185,7 +187,7 @@ def triton_shared_prompt_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor
     Returns [B, H, D] in q's dtype: the softmax over the prompt's keys and the responses' together.
     """
     rows, heads, dim = q.shape
-    readers, width = reader_rows.shape
+    levels, readers, width = reader_rows.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads or k_cache.stride(-1) != 1 or prompt_k.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"triton_shared_prompt_attention: {heads} query heads over {kv_heads} KV heads, "
@@ -194,11 +196,11 @@ def triton_shared_prompt_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor
     prompt_splits, response_splits = splits or (
         choose_splits(max(1, rows // width), kv_heads, min(attend_len, prompt_k.shape[2]), block_n=block_n),
         choose_splits(rows, kv_heads, min(attend_len, k_cache.shape[2]), block_n=block_n))
-    splits = prompt_splits + response_splits
+    splits = levels * prompt_splits + response_splits
     out = torch.empty_like(q)
     parts = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    lse[:, :, :prompt_splits].fill_(float("-inf"))  # rows no reader serves (graph padding) keep no prompt part
+    lse[:, :, :levels * prompt_splits].fill_(float("-inf"))  # rows no reader serves (padding) keep no prompt part
     dim_pad = max(16, triton.next_power_of_2(dim))
     scale_log2 = (1.0 / math.sqrt(dim)) * 1.4426950408889634
     common = dict(GROUP=group, HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_N=block_n, PV_TF32=False,
@@ -206,18 +208,19 @@ def triton_shared_prompt_attention(q: Tensor, prompt_k: Tensor, prompt_v: Tensor
                   num_stages=num_stages, PARTIAL=True)
     strides = (parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
                out.stride(1), scale_log2)
-    _partial[(readers, kv_heads, prompt_splits)](
-        q, prompt_k, prompt_v, reader_len, parts, lse, out, reader_slot, reader_rows,
-        q.stride(0), q.stride(1), prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
-        prompt_v.stride(0), prompt_v.stride(1), prompt_v.stride(2), *strides,
-        GROUP_PAD=max(16, triton.next_power_of_2(group * width)), SPLITS=prompt_splits, WIDTH=width, GATHER=True,
-        SPLIT_BASE=0, **common)
+    for level in range(levels):  # each level's partial results in splits of their own
+        _partial[(readers, kv_heads, prompt_splits)](
+            q, prompt_k, prompt_v, reader_len[level], parts, lse, out, reader_slot[level], reader_rows[level],
+            q.stride(0), q.stride(1), prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
+            prompt_v.stride(0), prompt_v.stride(1), prompt_v.stride(2), *strides,
+            GROUP_PAD=max(16, triton.next_power_of_2(group * width)), SPLITS=prompt_splits, WIDTH=width, GATHER=True,
+            SPLIT_BASE=level * prompt_splits, **common)
     _partial[(rows, kv_heads, response_splits)](
         q, k_cache, v_cache, response_len, parts, lse, out, response_len, response_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *strides,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLITS=response_splits, WIDTH=1, GATHER=False,
-        SPLIT_BASE=prompt_splits, **common)
+        SPLIT_BASE=levels * prompt_splits, **common)
     _merge[(rows, heads)](parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0),
                        lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=dim, DIM_PAD=dim_pad,
                        SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)))

@@ -159,5 +159,6 @@ class RunSpec:
                             speculation=self.rollout.speculation, kv_layout=self.rollout.kv_layout,
                             max_prompt_len=self.rollout.max_prompt_length if self.rollout.kv_layout == "shared-prompt"
                             else None, max_prompts=self.rollout.max_prompts or self.rollout.concurrent_prompts,
+                            share_prefix=self.rollout.share_prefix,
                             seed=self.seed + slot, lora_rank=self.lora.rank, lora_alpha=self.lora.alpha,
                             lora_targets=self.lora_targets)

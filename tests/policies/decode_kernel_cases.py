@@ -34,50 +34,58 @@ def causal_reference(q, k, v, lengths, width: int):
 
 
 def shared_reference(q, cache: SharedPromptKVCache, positions):
-    """Each row over its logical sequence (its prompt, then its responses up to positions[b]), in float64."""
+    """Each row over its logical sequence (its prompt segments, then its own slot up to positions[b]), in float64."""
     t = cache.tables
     group = q.shape[1] // cache.k.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
-    pools = [p[0].cpu() for p in (cache.prompt_k, cache.k, cache.prompt_v, cache.v)]
+    prompt_k, prompt_v, own_k, own_v = (p[0].cpu() for p in (cache.prompt_k, cache.prompt_v, cache.k, cache.v))
     for b in range(q.shape[0]):
-        start, prompt, last = int(t.row_start[b]), int(t.row_prompt[b]), int(positions[b])
-        keys, values = (torch.cat([pool[prompt, :, :start], resp[b, :, :last - start + 1]], 1).double()
-                        .repeat_interleave(group, 0) for pool, resp in (pools[:2], pools[2:]))
+        start, last = int(t.row_start[b]), int(positions[b])
+        segments = [(int(s), int(n)) for s, n in zip(t.row_slots[b], t.row_lens[b])]
+        keys, values = (torch.cat([pool[s, :, :n] for s, n in segments] + [own[b, :, :last - start + 1]], 1).double()
+                        .repeat_interleave(group, 0) for pool, own in ((prompt_k, own_k), (prompt_v, own_v)))
         scores = torch.einsum("hd,hld->hl", q[b].double(), keys) / math.sqrt(q.shape[-1])
         out[b] = torch.einsum("hl,hld->hd", torch.softmax(scores, -1), values)
     return out
 
 
 def run_shared(case: dict) -> dict:
-    """Groups of rows over shared prompts (in scattered slots; a group of more than 8 rows takes two readers) and
-    padding rows bound to no prompt, as a captured step's: the kernel against SDPA and against float64."""
+    """Groups of rows over shared prompts (in scattered slots; a group of more than 8 rows takes two readers; with
+    `share`, groups after the first read the first's prompt prefix, then their own) and padding rows bound to no
+    prompt, as a captured step's: the kernel against SDPA and against float64."""
     gen = torch.Generator().manual_seed(case["seed"])
     kv_heads, group, dim = case["kv_heads"], case["group"], case["dim"]
     sizes, padding = case["groups"], case["padding"]
     rows = sum(sizes) + padding
+    share = case.get("share", 0)
     cache = SharedPromptKVCache(1, rows + 1, kv_heads, case["max_len"], dim, torch.float32, DEVICE,
-                                max_prompt_len=case["max_prompt_len"], num_prompts=len(sizes) + 1)
+                                max_prompt_len=case["max_prompt_len"], num_prompts=len(sizes) + 1, share_prefix=share)
     order = torch.randperm(sum(sizes), generator=gen).tolist()
-    starts = [0] * rows
-    for size, length in zip(sizes, case["prompt_lens"]):
+    first = None
+    for i, (size, length) in enumerate(zip(sizes, case["prompt_lens"])):
+        prompt = [1000 + i] * length
+        if share and first is not None:
+            prompt = first[:share + i] + prompt
+        first = first or prompt
         bound, order = order[:size], order[size:]
-        cache.bind(bound, cache.open(length))
-        for row in bound:
-            starts[row] = length
+        match = cache.match(prompt)
+        cache.bind(bound, cache.open(prompt[match[1] if match else 0:], parent=match))
     cache.prepare()
     for pool in (cache.k, cache.v, cache.prompt_k, cache.prompt_v):
         pool.copy_(torch.randn(pool.shape, generator=gen))
+    starts = cache.tables.row_start.tolist()
     responses = [int(torch.randint(1, cache.response_len + 1, (1,), generator=gen)) for _ in range(rows)]
     positions = torch.tensor([s + r - 1 if s else 0 for s, r in zip(starts, responses)], device=DEVICE)
     q = torch.randn(rows, kv_heads * group, dim, generator=gen).to(DEVICE)
     attend = cache.max_len
     args = (q, cache.prompt_k[0], cache.prompt_v[0], cache.k[0], cache.v[0], cache.tables, positions, attend)
-    got = shared_prompt_attention(triton_decode_attention)(*args).cpu()
+    got = shared_prompt_attention(triton_decode_attention)(*args).cpu()  # the Triton form (any non-SDPA decode)
     want = shared_reference(q.cpu(), cache, positions.cpu()).float()
     sdpa = sdpa_shared_prompt(*args).cpu()
     atol = 4 * 4 * math.sqrt(max(attend, dim)) * torch.finfo(torch.float32).eps * float(cache.v.abs().max())
+    shared_rows = int((cache.tables.row_lens[:, -1] > 0).sum()) if share else 0
     return {"case": case, "max_abs_diff": float(max((got - want).abs().max(), (sdpa - want).abs().max())),
-            "atol": atol}
+            "atol": atol, "rows_sharing": shared_rows}
 
 
 def run(case: dict) -> dict:

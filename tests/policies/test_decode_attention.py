@@ -56,7 +56,8 @@ def test_triton_kernel_with_several_queries_a_slot_matches_causal_attention():
 def _shared_cases() -> list[dict]:
     """Shared prompts (`--rollout.kv-layout shared-prompt`): groups of 1..11 rows (11: two readers) in scattered
     slots, prompts of 1 position to the whole prompt slot, responses of 1 position to the whole response slot, and
-    padding rows that no prompt serves, over real models' head groupings."""
+    padding rows that no prompt serves, over real models' head groupings; and groups that read another's prompt
+    prefix before their own prompt (`--rollout.share-prefix`)."""
     shapes = [(2, 1, 64, [3, 1]), (8, 2, 128, [11]), (2, 7, 64, [2, 5, 1]), (2, 2, 80, [4, 4])]
     rng = random.Random(2)
     cases = []
@@ -66,6 +67,9 @@ def _shared_cases() -> list[dict]:
         lengths[0] = max_prompt_len if i % 2 else 1
         cases.append(dict(seed=200 + i, kv_heads=kv_heads, group=group, dim=dim, groups=sizes, padding=i % 3,
                           prompt_lens=lengths, max_prompt_len=max_prompt_len, max_len=max_prompt_len + 90))
+    # requests sharing the first one's prompt prefix (two prompt levels): 9 and 2 rows over 6- and 7-token shares
+    cases.append(dict(seed=210, kv_heads=4, group=2, dim=64, groups=[3, 9, 2], padding=1, prompt_lens=[30, 5, 12],
+                      max_prompt_len=40, max_len=130, share=6))
     return cases
 
 
@@ -77,6 +81,7 @@ def test_shared_prompt_kernel_matches_attention_over_the_whole_sequence():
     assert len(results) == len(_shared_cases())
     for r in results:
         assert r["max_abs_diff"] <= r["atol"], r
+    assert results[-1]["rows_sharing"] == 11  # the second and third groups read the first one's prompt prefix
 
 
 @pytest.mark.e2e

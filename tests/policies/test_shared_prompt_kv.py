@@ -20,12 +20,12 @@ from tests.policies.helpers import assert_same_output, drain, logprob_tol, make_
 SHARED = dict(kv_layout="shared-prompt", max_prompt_len=40)
 
 
-def _engines(model, *, ahead: bool = True, max_prompts: int = 3, **config):
+def _engines(model, *, ahead: bool = True, max_prompts: int = 3, share_prefix: int = 0, **config):
     """The same engine in both layouts (slot first; each over its own copy of `model`, which weight updates
     change in place); the shared one with `max_prompts` prompt slots."""
     base = small_config(max_slots=12, max_len=104, decode_ahead=ahead, **config)
-    return (Engine(copy.deepcopy(model), base),
-            Engine(copy.deepcopy(model), dataclasses.replace(base, **SHARED, max_prompts=max_prompts)))
+    shared = dataclasses.replace(base, **SHARED, max_prompts=max_prompts, share_prefix=share_prefix)
+    return Engine(copy.deepcopy(model), base), Engine(copy.deepcopy(model), shared)
 
 
 def _requests(engine, prompts, params) -> list[str]:
@@ -89,6 +89,34 @@ def test_partial_rollouts_over_shared_prompts_match_per_slot_ones(kv):
     assert versions == {0, 1, 2}
 
 
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_requests_sharing_a_system_prompt_read_it_from_one_prompt_slot(kv):
+    """`share_prefix`: requests whose prompts begin with the same 24-token system prompt read it from the first one's
+    prompt slot, which stays open after that request ended (its samples stop early) while others read it, and is
+    recomputed from its tokens on wake-up; one sharer's own part spills past its prompt slot. The tokens, log-probs
+    and versions of the per-slot layout through a sleep and a weight update."""
+    system = make_prompts([24], seed=9)[0]
+    prompts = [system + q for q in make_prompts([5, 12, 3, 30], seed=10)]
+    params = [SamplingParams(n=n, max_new_tokens=m, seed=40 + i, ignore_eos=True)
+              for i, (n, m) in enumerate([(2, 6), (3, 40), (2, 40), (1, 40)])]
+    new = tiny_model(seed=12, perturb=True)
+    results = []
+    for engine in _engines(tiny_model(seed=11, perturb=True), max_prompts=4, share_prefix=16):
+        _requests(engine, prompts, params)
+        for _ in range(9):
+            engine.step()
+        engine.pause("keep")
+        engine.sleep()
+        engine.update_weights(named_weights(new), version=1, kv=kv)
+        engine.wake_up()
+        engine.resume()
+        results.append((drain(engine), engine))
+    (slot_done, _), (shared_done, shared) = results
+    _assert_same(slot_done, shared_done, new, params)
+    assert shared.stats["shared_prefix_tokens"] >= 3 * 24 and shared.cache.free_prompts == 4
+    assert any(v == 1 for o in shared_done.values() for c in o.completions for v in c.versions)
+
+
 def test_a_long_prompt_group_takes_a_third_of_the_memory():
     """2,048-token prompts × n = 8 with 512-token responses: in the bytes of a per-slot cache of 2 groups the shared
     layout holds 6 groups' prompts and responses (3×), and the engine admits all 6 at once."""
@@ -146,42 +174,54 @@ def test_a_response_budget_is_capped_by_the_responses_room():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 16)), min_size=1, max_size=4), st.data())
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 16), st.integers(0, 16)), min_size=1, max_size=5),
+       st.data())
 def test_the_reader_tables_cover_every_bound_row_once(groups, data):
-    """Prompt slots opened and rows bound, released and moved (as the engine's slot compaction does), in any order:
-    every bound row is in exactly one reader of its own prompt slot, with that prompt's length; idle readers read
-    nothing; a prompt slot is free again when its last row goes."""
-    slots = sum(n for n, _ in groups)
-    cache = SharedPromptKVCache(1, slots, 1, 24, 4, torch.float32, "cpu", max_prompt_len=16,
-                                num_prompts=len(groups))
-    rows, prompt_of = list(range(slots)), {}
-    for n, length in groups:
-        prompt = cache.open(length)
+    """Prompt slots opened (some sharing the beginning of an earlier one) and rows bound, released and moved (as the
+    engine's slot compaction does), in any order: at each level every bound row is in exactly one reader of its own
+    segment, with that segment's length; idle readers read nothing; a prompt slot is free again when its last
+    reader goes, a shared one only after its sharers."""
+    slots = sum(n for n, _, _ in groups)
+    cache = SharedPromptKVCache(1, slots, 1, 40, 4, torch.float32, "cpu", max_prompt_len=16,
+                                num_prompts=len(groups), share_prefix=3)
+    rows, segments_of, opened = list(range(slots)), {}, []
+    for i, (n, length, shared) in enumerate(groups):
+        prompt = [100 + i] * length  # distinct from every other prompt ...
+        if opened and shared:  # ... unless it begins with an earlier one's first tokens
+            earlier = opened[shared % len(opened)]
+            prompt = list(earlier[:max(shared, 4)]) + prompt
+        share = cache.match(prompt)
+        slot = cache.open(prompt[share[1] if share else 0:], parent=share)
+        opened.append(tuple(prompt))
         bound, rows = rows[:n], rows[n:]
-        cache.bind(bound, prompt)
-        prompt_of.update({r: (prompt, length) for r in bound})
-    running = sorted(prompt_of)
+        cache.bind(bound, slot)
+        own = min(len(prompt) - (share[1] if share else 0), 16)
+        segments_of.update({r: ((share,) if share else ()) + ((slot, own),) for r in bound})
+    running = sorted(segments_of)
     for _ in range(data.draw(st.integers(0, slots))):
         gone = data.draw(st.sampled_from(running))
         cache.release_row(gone)
-        del prompt_of[gone]
+        del segments_of[gone]
         last = running.pop()
         if last != gone:  # the last running row moves into the hole
-            cache.move_row(last, gone, written=prompt_of[last][1] + 1)
-            prompt_of[gone] = prompt_of.pop(last)
+            cache.move_row(last, gone, written=sum(n for _, n in segments_of[last]) + 1)
+            segments_of[gone] = segments_of.pop(last)
     cache.prepare()
     t = cache.tables
-    seen = {}
-    for slot, length, members in zip(t.reader_slot.tolist(), t.reader_len.tolist(), t.reader_rows.tolist()):
-        assert len(members) == READER_WIDTH
-        for row in (m for m in members if m >= 0):
-            assert row not in seen
-            seen[row] = (slot, length)
-        if all(m < 0 for m in members):
-            assert length == 0
-    assert seen == prompt_of
-    assert [t.row_start[r].item() for r in sorted(seen)] == [prompt_of[r][1] for r in sorted(seen)]
-    assert cache.free_prompts == len(groups) - len({p for p, _ in prompt_of.values()})
+    for level in range(t.levels):
+        seen = {}
+        for slot, length, members in zip(t.reader_slot[level].tolist(), t.reader_len[level].tolist(),
+                                         t.reader_rows[level].tolist()):
+            for row in (m for m in members if m >= 0):
+                assert row not in seen
+                seen[row] = (slot, length)
+            if all(m < 0 for m in members):
+                assert length == 0
+        assert seen == {r: segs[level] for r, segs in segments_of.items() if len(segs) > level}
+    assert {r: t.row_start[r].item() for r in segments_of} == {
+        r: sum(n for _, n in segs) for r, segs in segments_of.items()}
+    used = {slot for segs in segments_of.values() for slot, _ in segs}
+    assert cache.free_prompts == len(groups) - len(used)
 
 
 def test_the_run_gives_the_engine_shared_prompts_and_refuses_what_they_cannot_serve():
@@ -195,8 +235,13 @@ def test_the_run_gives_the_engine_shared_prompts_and_refuses_what_they_cannot_se
     engine = built.engine_config(built.agents[0], 0)
     assert (engine.kv_layout, engine.max_prompt_len, engine.max_prompts) == (
         "shared-prompt", rollout.max_prompt_length, rollout.concurrent_prompts)
-    built = build_spec(dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, max_prompts=2)))
-    assert built.engine_config(built.agents[0], 0).max_prompts == 2
+    built = build_spec(dataclasses.replace(cfg, rollout=dataclasses.replace(rollout, max_prompts=2, share_prefix=64)))
+    assert (built.engine_config(built.agents[0], 0).max_prompts, built.engine_config(built.agents[0], 0).share_prefix
+            ) == (2, 64)
+    with pytest.raises(ValueError, match="--rollout.share-prefix 64 is invalid: .*--rollout.kv-layout shared-prompt"):
+        dataclasses.replace(CPU_DEMO.rollout, share_prefix=64).validate()
+    with pytest.raises(ValueError, match="--rollout.share-prefix -1 is invalid"):
+        dataclasses.replace(rollout, share_prefix=-1).validate()
     assert not [p for p in implementation_problems(cfg) if "kv-layout" in p]
     with pytest.raises(ValueError, match="--rollout.kv-layout shared-prompt is invalid: .*--rollout.backend vllm"):
         dataclasses.replace(rollout, backend="vllm").validate()
