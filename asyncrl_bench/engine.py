@@ -104,6 +104,9 @@ class EngineBenchArgs:
     kv_layout: Literal["slot", "shared-prompt", "both"] = "slot"
     """Our engine's K/V layout (`--rollout.kv-layout`); "both" times the per-slot layout (the `ours_*` fields) and the
     shared-prompt one (`shared_prompt_*`, with `shared_prompt_ratio` over the per-slot tok/s) on the same prompts."""
+    system_prompt_len: int = 0
+    """Random prompts: the first this many tokens the same in every prompt (a system prompt, tool descriptions); the
+    shared-prompt layout then reads them from one prompt slot (`--rollout.share-prefix` this long)."""
     lengths: Literal["fixed", "lognormal"] = "fixed"
     """Random prompts: every sample generates --new-tokens ("fixed"), or each request its own budget, drawn from a
     log-normal with median --new-tokens / --tail-ratio and 99th percentile --new-tokens ("lognormal": the heavy
@@ -122,6 +125,9 @@ class EngineBenchArgs:
                              "most once")
         if self.n < 1 or min(self.batch_sizes, default=0) < 1:
             raise ValueError("--n and every --batch-sizes value must be >= 1")
+        if self.system_prompt_len and not (0 < self.system_prompt_len < self.prompt_len and self.data is None):
+            raise ValueError(f"--system-prompt-len {self.system_prompt_len}: the shared beginning of random prompts "
+                             f"must lie in [1, --prompt-len {self.prompt_len}), without --data")
         if self.lengths == "lognormal":
             if self.data is not None:
                 raise ValueError("--lengths lognormal draws budgets for random prompts; --data samples stop at their "
@@ -194,8 +200,10 @@ def _workloads(args: EngineBenchArgs, model) -> list[Workload]:
                             seed=args.seed if args.seeded else None)
     if args.data is None:
         gen = torch.Generator().manual_seed(args.seed)
-        return [Workload(torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=gen).tolist(),
-                         params, (), _budgets(args, b)) for b in args.batch_sizes]
+        system = torch.randint(0, model.config.vocab_size, (args.system_prompt_len,), generator=gen).tolist()
+        return [Workload([system + p[args.system_prompt_len:] for p in torch.randint(
+            0, model.config.vocab_size, (b, args.prompt_len), generator=gen).tolist()], params, (), _budgets(args, b))
+            for b in args.batch_sizes]
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     prompts, _ = load_prompt_file(args.data, tokenizer, max_prompt_length=1024)
     if len(prompts) < max(args.batch_sizes):
@@ -339,8 +347,8 @@ def _engine_config(args: EngineBenchArgs, *works: Workload, layout: str = "slot"
     """Our engine's configuration for these workloads (slots and length of the largest), in K/V `layout` (shared
     prompts: a prompt slot per prompt of the largest workload)."""
     longest = max(max(map(len, w.prompts)) for w in works)
-    shared = dict(kv_layout="shared-prompt", max_prompt_len=longest,
-                  max_prompts=max(len(w.prompts) for w in works)) if layout == "shared-prompt" else {}
+    shared = dict(kv_layout="shared-prompt", max_prompt_len=longest, max_prompts=max(len(w.prompts) for w in works),
+                  share_prefix=args.system_prompt_len) if layout == "shared-prompt" else {}
     return EngineConfig(max_slots=max(w.sequences for w in works), max_len=longest + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
                         decode_ahead=args.decode_ahead, kv_dtype=args.kv_dtype, **shared)
@@ -382,7 +390,9 @@ def _roofline(args: EngineBenchArgs, model, work: Workload, device: str) -> dict
     nbytes = step_bytes(model, work.sequences, int(args.prompt_len + args.new_tokens / 2), kv_elem)
     # shared prompts: each prompt's K/V read once a step, each sample's responses (at their mean length) once
     weights = step_bytes(model, 0, 0, kv_elem)
-    shared = weights + (step_bytes(model, len(work.prompts), args.prompt_len, kv_elem) - weights) + (
+    # (a system prompt: once, and each prompt's rest once)
+    own_prompt = len(work.prompts) * (args.prompt_len - args.system_prompt_len) + args.system_prompt_len
+    shared = weights + (step_bytes(model, own_prompt, 1, kv_elem) - weights) + (
         step_bytes(model, work.sequences, int(args.new_tokens / 2), kv_elem) - weights)
     prefill = prefill_flops(model, [len(p) for p in work.prompts])
     seconds = prefill / flops + (args.new_tokens - 1) * nbytes / bandwidth  # the first token: the prefill's
@@ -495,6 +505,7 @@ def _ours(args: EngineBenchArgs, model, work: Workload, nbytes: float | None, ba
     fields = {"ours_tok_s": _generated(outs)[0] / seconds, "ours_mean_len": _generated(outs)[0] / work.sequences,
               "ours_prefill_s": prefill_s, "decode_steps": steps, "decode_step_ms": step_s and step_s * 1e3,
               "ours_kv_gb": engine.cache.nbytes / 1e9, "kv_layout": layout,
+              "shared_prefix_tokens": engine.stats["shared_prefix_tokens"],
               "decode_attention": engine.decode_kernel, "sampler": engine.sampler, **logprob_mismatch(model, outs)}
     if nbytes and bandwidth and step_s:
         fields["bandwidth_fraction"] = nbytes / bandwidth / step_s

@@ -377,6 +377,17 @@ def test_engine_bench_times_both_kv_layouts_on_the_same_prompts(monkeypatch):
     weights = step_bytes(model, 0, 0)
     kv = (step_bytes(model, 1, 1) - weights)  # a position's K/V
     assert roofline["shared_step_bytes"] == pytest.approx(weights + (2 * 24 + 6 * 3) * kv)
+    # --system-prompt-len: every prompt begins with the same 16 tokens, read from the first prompt's slot
+    system = dataclasses.replace(args, system_prompt_len=16, kv_layout="shared-prompt")
+    [work] = engine_bench._workloads(system, model)
+    assert work.prompts[0][:16] == work.prompts[1][:16] and work.prompts[0][16:] != work.prompts[1][16:]
+    assert engine_bench._roofline(system, model, work, "cuda")["shared_step_bytes"] == pytest.approx(
+        weights + (16 + 2 * 8 + 6 * 3) * kv)
+    monkeypatch.undo()
+    [row] = engine_bench.bench_engine(system)
+    assert row["kv_layout"] == "shared-prompt" and row["shared_prefix_tokens"] >= 16 and row["ours_mean_len"] == 6
+    with pytest.raises(ValueError, match="--system-prompt-len 24"):
+        dataclasses.replace(args, system_prompt_len=24).validate()
 
 
 def test_async_rows_print_the_learner_and_engine_rooflines(monkeypatch):

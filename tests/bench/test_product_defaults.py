@@ -48,6 +48,7 @@ MIRRORS: dict[str, dict[str, str]] = {
         "tokenizer": "run.model.tokenizer", "cuda_graphs": "run.rollout.cuda_graphs",
         "decode_attention": "run.rollout.decode_attention", "decode_ahead": "engine.decode_ahead", "seed": "run.seed",
         "kv_dtype": "run.rollout.kv_dtype", "kv_layout": "run.rollout.kv_layout",
+        "system_prompt_len": "run.rollout.share_prefix",
     },
     "AttentionBenchArgs": {},
     "SpeculationBenchArgs": {
