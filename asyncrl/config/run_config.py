@@ -105,8 +105,7 @@ class RolloutConfig:
     """Where the embedded engine keeps K/V: "slot" (each sample's whole sequence in its slot: a prompt's K/V copied
     to its n samples) or "shared-prompt" (a prompt stored once for its n samples, which hold only their responses:
     a 2,048-token prompt × 8 samples with 512-token responses takes a third of the memory, and a decode step reads
-    the prompt once; a prompt's tokens past --rollout.max-prompt-length go to each sample's slot; no speculation, and
-    an --env.fn episode's later turns are prefilled whole rather than continued from held K/V)."""
+    the prompt once; a prompt's tokens past --rollout.max-prompt-length go to each sample's slot; no speculation)."""
     max_prompts: int | None = None
     """With --rollout.kv-layout shared-prompt: prompts the engine runs at once, each holding a prompt slot of
     --rollout.max-prompt-length positions (default: the prompts an agent keeps in flight)."""

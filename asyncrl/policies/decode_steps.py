@@ -115,7 +115,7 @@ class DecodeSteps:
         self.temperature[:n].copy_(temperature, non_blocking=True)
         self.uniforms[:n].copy_(uniforms, non_blocking=True)
         self.cache.attend_len = attend
-        self.cache.prepare()
+        self.cache.prepare(self.bucket(n) if graph else n)
         if not graph:
             logits, tokens, logprobs = self._step(n)
         else:

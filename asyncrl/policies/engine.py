@@ -215,11 +215,13 @@ class Engine(EngineControl[_Request]):
                 break
             if held is not None:
                 self._held.to_bottom(held, len(self._running))
+            while self._shared and held is None and not self.cache.free_prompts and self._held.evict(held):
+                pass  # a held session's prompt slot goes to a running prompt
             if not self._held.make_room(request.params.n, len(self._running), keep=held) or (
-                    self._shared and not self.cache.free_prompts):
+                    self._shared and held is None and not self.cache.free_prompts):
                 break
             self._waiting.popleft()
-            if self._shared:  # its own prompt slot, after another's share of it where one begins the same way
+            if self._shared and held is None:  # its own prompt slot, after another's share where one begins the same
                 share = self.cache.match(request.prompt_ids)
                 request.prompt_slot = self.cache.open(request.prompt_ids[share[1] if share else 0:], parent=share)
             if held is not None:
@@ -298,17 +300,16 @@ class Engine(EngineControl[_Request]):
                                           [r.samples[0].slot for r in rest], done)
             for j, request in enumerate(rest):
                 last[requests.index(request)] = hidden[j]
-                spill = len(request.prompt_ids) - cache.prompt_end(request.prompt_slot)
-                if spill > 0 and request.params.n > 1:
-                    cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]], spill)
+                if len(request.prompt_ids) > cache.prompt_end(request.prompt_slot) and request.params.n > 1:
+                    cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
+                                    len(request.prompt_ids))
         self.stats["shared_prefix_tokens"] += sum((cache.parent(r.prompt_slot) or (0, 0))[1] for r in requests)
         return torch.stack(last)
 
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> Held | None:
-        """The held session this request continues: one sample, and its prompt extends the held sequence (none over
-        shared prompts, which hold no sessions: each turn is prefilled whole)."""
-        if request.sessions is None or request.params.n != 1 or not self.cache.allocated or self._shared:
+        """The held session this request continues: one sample, and its prompt extends the held sequence."""
+        if request.sessions is None or request.params.n != 1 or not self.cache.allocated:
             return None
         return self._held.continued(request.sessions[0], request.prompt_ids)
 
@@ -461,7 +462,7 @@ class Engine(EngineControl[_Request]):
         # a finished session's K/V goes to a free slot at the top; with none free (a full engine, where every
         # sample finishes at once) it waits in a copy until the finished samples' own slots are released
         waiting = [(s, self.cache.read_slot(s.slot, s.cached_len)) for s in done
-                   if s.request.sessions is not None and not self._shared and not self._hold(s)]
+                   if s.request.sessions is not None and not self._hold(s)]
         self._release(done)
         for sample, kv in waiting:
             self._hold(sample, kv)
@@ -523,7 +524,7 @@ class Engine(EngineControl[_Request]):
         for batch in self._budgeted(list(cache.sharing().items()), lambda item: len(item[1][1])):  # past a share
             self._forward_extend([list(tokens) for _, (_, tokens) in batch], [row for _, (row, _) in batch],
                                  [cache.parent(slot)[1] for slot, _ in batch])
-        end = {id(s): cache.prompt_end(s.request.prompt_slot) for s in self._running}
+        end = {id(s): cache.start_of(s.slot) for s in self._running}
         own = {id(s): s.request.prompt_ids[end[id(s)]:] + s.completion.token_ids[:-1] for s in self._running}
         responding = [s for s in self._running if own[id(s)]]  # the prompt's spill, then the responses
         for batch in self._budgeted(responding, lambda s: len(own[id(s)])):

@@ -41,7 +41,7 @@ class EngineConfig:
     kv_layout: KVLayout = "slot"
     """Where K/V live: "slot" (each sequence whole in its slot: a prompt's K/V copied to its n samples' slots) or
     "shared-prompt" (a prompt stored once for its samples, which hold only their responses and read it once a step:
-    `asyncrl.policies.shared_prompt_cache`; sessions are not held, so each turn is prefilled whole; no speculation)."""
+    `asyncrl.policies.shared_prompt_cache`; no speculation)."""
     max_prompt_len: int | None = None
     """With kv_layout="shared-prompt": a prompt slot's positions; a longer prompt's other tokens go to each sample's
     slot, which holds max_len − max_prompt_len positions."""

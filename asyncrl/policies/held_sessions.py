@@ -61,11 +61,8 @@ class HeldSessions:
             own = 1 if keep is not None and keep.slot == self.bottom else 0
             if self.free(running) + own >= n:
                 return True
-            victim = next((name for name, h in self._held.items() if h is not keep), None)
-            if victim is None:
+            if not self.evict(keep):
                 return False
-            self.drop(victim)
-            self.stats["sessions_evicted"] += 1
 
     def drop(self, name: str) -> None:
         """Forget a session; keep the block contiguous (its bottom session moves into the freed slot)."""
@@ -73,9 +70,18 @@ class HeldSessions:
         lowest = self.bottom - 1  # the block's bottom slot before the drop
         if held.slot != lowest:
             mover = next(h for h in self._held.values() if h.slot == lowest)
-            if self.cache.allocated:
-                self.cache.copy_slot(lowest, held.slot, mover.cached)
+            self.cache.copy_slot(lowest, held.slot, mover.cached)  # also what a shared cache's rows read
             mover.slot = held.slot
+        self.cache.release_row(lowest)
+
+    def evict(self, keep: Held | None = None) -> bool:
+        """Drop the least recently used session other than `keep` (False: none): what running sequences do when
+        they need what it holds (a slot, or a shared cache's prompt slot)."""
+        victim = next((name for name, h in self._held.items() if h is not keep), None)
+        if victim is not None:
+            self.drop(victim)
+            self.stats["sessions_evicted"] += 1
+        return victim is not None
 
     def end(self, names) -> None:
         """Free these sessions (unknown names are ignored)."""
@@ -84,6 +90,8 @@ class HeldSessions:
                 self.drop(name)
 
     def clear(self) -> None:
+        for held in self._held.values():
+            self.cache.release_row(held.slot)
         self._held.clear()
 
     def to_bottom(self, held: Held, running: int) -> None:

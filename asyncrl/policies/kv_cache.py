@@ -138,9 +138,9 @@ class KVCache:
         self._write_rows(layer, torch.arange(k.shape[0], device=k.device), positions, k, v)
         return self.verify(q, self.k[layer], self.v[layer], positions[:, -1], span)
 
-    def prepare(self) -> None:
-        """Before a decode step: nothing to do for slots that hold whole sequences (`SharedPromptKVCache` writes
-        its tables)."""
+    def prepare(self, rows: int | None = None) -> None:
+        """Before a decode step of rows [0, rows): nothing to do for slots that hold whole sequences
+        (`SharedPromptKVCache` writes its tables)."""
 
     def release_row(self, row: int) -> None:
         """Row `row`'s sequence ended (its slot is free): nothing else refers to it here."""
@@ -155,7 +155,7 @@ class KVCache:
         """Copy the first `length` positions of slot `src` into slot(s) `dst` (all layers). In inference mode
         whoever calls: a cache allocated in inference mode (an engine woken up mid-step) refuses in-place
         writes outside it, and a session's end is called from outside the decode step."""
-        if length == 0:
+        if length == 0 or not self.allocated:
             return
         dst_t = torch.as_tensor(dst, device=self.device).reshape(-1)
         for cache in (self._raw(self.k), self._raw(self.v)):

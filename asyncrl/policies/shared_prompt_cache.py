@@ -104,6 +104,7 @@ class SharedPromptKVCache(KVCache):
         self._users: dict[int, list[int]] = {}  # the rows that read an open prompt slot
         self._segments: list[tuple[tuple[int, int], ...]] = [()] * num_slots  # each row's (slot, positions)
         self._dirty = False  # the host's tables changed since they were last written to the device
+        self._readers_over: int | None = None  # the rows the device's readers cover
         self.prompt_k: Tensor | None = None
         self.prompt_v: Tensor | None = None
         super().__init__(num_layers, num_slots, num_kv_heads, max_len - max_prompt_len, head_dim, dtype, device,
@@ -189,24 +190,24 @@ class SharedPromptKVCache(KVCache):
 
     def bind(self, rows: list[int], prompt: int) -> None:
         """Rows (sample slots) now read prompt slot `prompt` (and its parent's share)."""
-        segments = self._segments_of(prompt)
+        self._bind(rows, self._segments_of(prompt))
+
+    def _bind(self, rows, segments: tuple[tuple[int, int], ...]) -> None:
         for row in rows:
+            self.release_row(row)
             self._segments[row] = segments
             for slot, _ in segments:
                 self._users[slot].append(row)
         self._dirty = True
 
+    def start_of(self, row: int) -> int:
+        """Positions row `row` reads from prompt slots: its own slot holds positions from here on."""
+        return sum(length for _, length in self._segments[row])
+
     def move_row(self, src: int, dst: int, written: int) -> None:
         """Row `src`'s sequence now lives in row `dst`: its first `written` positions' own part is copied."""
-        segments = self._segments[src]
-        if self.allocated:
-            self.copy_slot(src, dst, written - sum(length for _, length in segments))
-        self.release_row(dst)
-        for slot, _ in segments:
-            users = self._users[slot]
-            users[users.index(src)] = dst
-        self._segments[src], self._segments[dst] = (), segments
-        self._dirty = True
+        self.copy_slot(src, dst, written)
+        self.release_row(src)
 
     def release_row(self, row: int) -> None:
         """Row `row` reads no prompt any more (its sample ended); a prompt slot closes with its last reader."""
@@ -219,12 +220,13 @@ class SharedPromptKVCache(KVCache):
                 self._free.append(slot)
         self._dirty = self._dirty or bool(segments)
 
-    def prepare(self) -> None:
-        """Write the host's row and reader tables to the device if they changed (before a step: not while a graph
-        is captured; stream-ordered, so after the step in flight)."""
-        if not self._dirty:
+    def prepare(self, rows: int | None = None) -> None:
+        """Write the host's row and reader tables to the device if they changed, the readers over rows [0, rows) (a
+        step's: held sessions' rows lie above and are read by no step); before a step, not while a graph is
+        captured; stream-ordered, so after the step in flight."""
+        if not self._dirty and rows == self._readers_over:
             return
-        self._dirty = False
+        self._dirty, self._readers_over = False, rows
         t = self.tables
         levels, count = t.levels, t.reader_slot.shape[1]
         slots = [[0] * levels for _ in self._segments]
@@ -233,7 +235,8 @@ class SharedPromptKVCache(KVCache):
         for row, segments in enumerate(self._segments):
             for level, (slot, length) in enumerate(segments):
                 slots[row][level], lens[row][level] = slot, length
-                groups[level].setdefault((slot, length), []).append(row)
+                if rows is None or row < rows:
+                    groups[level].setdefault((slot, length), []).append(row)
         t.row_slots.copy_(torch.tensor(slots))
         t.row_lens.copy_(torch.tensor(lens))
         t.row_start.copy_(torch.tensor([sum(x) for x in lens]))
@@ -317,15 +320,49 @@ class SharedPromptKVCache(KVCache):
         raise NotImplementedError("speculative steps over shared prompts: --rollout.kv-layout shared-prompt refuses "
                                   "--rollout.speculation.tokens > 0")
 
-    @torch.inference_mode()
-    def copy_slot(self, src: int, dst: Tensor | int, length: int) -> None:
-        """Copy the first `length` response positions of slot `src` into slot(s) `dst` (all layers)."""
-        super().copy_slot(src, dst, max(0, min(length, self.response_len)))
+    def _own(self, row: int, length: int) -> int:
+        """Of a sequence's first `length` positions, those in row `row`'s own slot."""
+        return max(0, min(length - self.start_of(row), self.response_len))
+
+    def copy_slot(self, src: int, dst: Tensor | int | list[int], length: int) -> None:
+        """Row(s) `dst` now hold row `src`'s first `length` positions: its own slot's part copied (all layers), the
+        same prompt segments bound (a held session's move, a prompt's spill to its siblings)."""
+        rows = torch.as_tensor(dst).reshape(-1).tolist()
+        if self.allocated:
+            super().copy_slot(src, rows, self._own(src, length))
+        self._bind([r for r in rows if r != src], self._segments[src])
+
+    def swap_slots(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        """Exchange rows `a` and `b`: their own slots' first positions and their prompt segments."""
+        if self.allocated:
+            super().swap_slots(a, b, self._own(a, len_a), self._own(b, len_b))
+        segments_a, segments_b = self._segments[a], self._segments[b]
+        for row, other, segments in ((a, b, segments_a), (b, a, segments_b)):
+            for slot, _ in segments:
+                users = self._users[slot]
+                users[users.index(row)] = other
+        self._segments[a], self._segments[b] = segments_b, segments_a
+        self._dirty = True
 
     def read_slot(self, slot: int, length: int):
-        raise NotImplementedError("held sessions over shared prompts: use --rollout.kv-layout slot")
+        """A copy of row `slot`'s first `length` positions: its own slot's part (`KVCache.read_slot`) and what its
+        prompt segments are, to bind again in `write_slot` even once this row's release closed them."""
+        k, v = super().read_slot(slot, self._own(slot, length))
+        kept = tuple((s, n, self._tokens[s], self._parent.get(s)) for s, n in self._segments[slot])
+        return k, v, kept
 
-    write_slot = swap_slots = read_slot
+    def write_slot(self, slot: int, kv) -> None:
+        """Write what `read_slot` returned into row `slot`; a prompt slot closed since is taken back (nothing can
+        have opened it in between: the engine holds a finished session right after releasing its row)."""
+        k, v, kept = kv
+        for s, _, tokens, parent in kept:
+            if s not in self._tokens:
+                self._free.remove(s)
+                self._tokens[s], self._users[s] = tokens, []
+                if parent is not None:
+                    self._parent[s] = parent
+        super().write_slot(slot, (k, v))
+        self._bind([slot], tuple((s, n) for s, n, _, _ in kept))
 
 
 def build_kv_cache(model: CausalLM, config: EngineConfig, attention: DecodeAttention) -> KVCache:

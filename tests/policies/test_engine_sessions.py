@@ -12,6 +12,15 @@ import torch
 from asyncrl.policies import Engine, SamplingParams
 from tests.policies.helpers import EOS, drain, forward_logprobs, logprob_tol, make_prompts, small_config, tiny_model
 
+LAYOUTS = {"slot": {}, "shared-prompt": dict(kv_layout="shared-prompt", max_prompt_len=8, max_prompts=3)}
+"""Every test on both K/V layouts; the shared one with prompt slots of 8 positions (conversations outgrow them and
+continue in their own slots) and 3 of them (fewer than the slots: held sessions give theirs up to running prompts)."""
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def config(request):
+    return lambda **kw: small_config(**{**LAYOUTS[request.param], **kw})
+
 
 def _turn(engine: Engine, prompt: list[int], params: SamplingParams, rid: str, session: str | None):
     engine.add_request(prompt, params, request_id=rid, sessions=None if session is None else [session])
@@ -30,10 +39,10 @@ def _conversation(engine: Engine, sessions: bool, turns: int = 3):
     return out
 
 
-def test_a_continued_session_prefills_only_its_new_tokens_and_matches_a_whole_prefill():
+def test_a_continued_session_prefills_only_its_new_tokens_and_matches_a_whole_prefill(config):
     model = tiny_model(0)
-    fresh = _conversation(Engine(model, small_config()), sessions=False)
-    engine = Engine(model, small_config())
+    fresh = _conversation(Engine(model, config()), sessions=False)
+    engine = Engine(model, config())
     continued = _conversation(engine, sessions=True)
     for (prompt, a), (prompt_b, b) in zip(fresh, continued):
         assert prompt == prompt_b and a.token_ids == b.token_ids
@@ -50,9 +59,9 @@ def test_a_continued_session_prefills_only_its_new_tokens_and_matches_a_whole_pr
     assert engine.num_held == 0
 
 
-def test_a_prompt_that_does_not_extend_the_held_sequence_is_prefilled_whole():
+def test_a_prompt_that_does_not_extend_the_held_sequence_is_prefilled_whole(config):
     model = tiny_model(1)
-    engine = Engine(model, small_config())
+    engine = Engine(model, config())
     prompt = make_prompts([5], seed=4)[0]
     params = SamplingParams(n=1, max_new_tokens=4, seed=1)
     first = _turn(engine, prompt, params, "a", "s")
@@ -66,11 +75,11 @@ def test_a_prompt_that_does_not_extend_the_held_sequence_is_prefilled_whole():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs decode there)"))])
-def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact(device):
+def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact(device, config):
     """12 episodes of 3 turns on 6 slots, started at random times: held slots are evicted for running ones,
     continued or prefilled whole; every sampled token's log-prob equals a teacher-forced forward."""
     model = tiny_model(2).to(device)
-    engine = Engine(model, small_config(max_slots=6))
+    engine = Engine(model, config(max_slots=6))
     rng = random.Random(0)
     prompts = make_prompts([rng.randint(3, 9) for _ in range(12)], seed=5)
     state = {i: {"seq": p, "turn": 0} for i, p in enumerate(prompts)}
@@ -102,9 +111,9 @@ def test_many_interleaved_episodes_with_evictions_keep_every_log_prob_exact(devi
 
 
 @pytest.mark.parametrize("how", ["recompute", "sleep"])
-def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how):
+def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how, config):
     model = tiny_model(3)
-    engine = Engine(model, small_config())
+    engine = Engine(model, config())
     prompt = make_prompts([5], seed=6)[0]
     params = SamplingParams(n=1, max_new_tokens=3, seed=2)
     first = _turn(engine, prompt, params, "a", "s")
@@ -123,12 +132,12 @@ def test_held_sessions_are_dropped_when_their_kv_goes_stale_or_is_freed(how):
                                atol=atol, rtol=0)
 
 
-def test_a_full_engine_holds_every_session_and_continues_each_without_evicting():
+def test_a_full_engine_holds_every_session_and_continues_each_without_evicting(config):
     """Every slot runs a session and all finish in the same step (turns of equal length): each is held
     (in a copy until the slots are released), and each next turn continues where it is held, even with no
     free slot, swapping with the held block's bottom instead of evicting another session."""
     model = tiny_model(5)
-    engine = Engine(model, small_config(max_slots=4))
+    engine = Engine(model, config(max_slots=4))
     prompt = make_prompts([6], seed=9)[0]
     first = SamplingParams(n=4, max_new_tokens=3, seed=4, ignore_eos=True)
     engine.add_request(prompt, first, request_id="t0", sessions=[f"e{i}" for i in range(4)])
@@ -146,11 +155,12 @@ def test_a_full_engine_holds_every_session_and_continues_each_without_evicting()
     assert "sessions_evicted" not in engine.stats and engine.num_held == 4
 
 
-def test_sessions_continued_together_share_one_forward_of_uneven_rows():
+def test_sessions_continued_together_share_one_forward_of_uneven_rows(config):
     """Four sessions of different lengths continue in the same step with 1 to 5 new tokens each: one padded
-    forward over their slots gives each exactly what a whole prefill gives."""
+    forward over their slots gives each exactly what a whole prefill gives (a prompt slot for each: none of the
+    four held sessions gives its up)."""
     model = tiny_model(6)
-    engine = Engine(model, small_config(max_slots=8))
+    engine = Engine(model, config(max_slots=8, max_prompts=4))
     prompts = make_prompts([4, 9, 6, 12], seed=10)
     firsts = [_turn(engine, p, SamplingParams(n=1, max_new_tokens=2 + i, seed=i, ignore_eos=True), f"a{i}", f"s{i}")
               for i, p in enumerate(prompts)]
@@ -171,11 +181,11 @@ def test_sessions_continued_together_share_one_forward_of_uneven_rows():
     assert engine.stats["steps"] > steps
 
 
-def test_sessions_end_outside_the_decode_step_after_a_wake_up():
+def test_sessions_end_outside_the_decode_step_after_a_wake_up(config):
     """After sleep / wake_up the cache is allocated again inside a decode step (in inference mode); ending a
     session from outside it (the episode runner does) moves a held slot and must not raise."""
     model = tiny_model(4)
-    engine = Engine(model, small_config())
+    engine = Engine(model, config())
     engine.sleep()
     engine.wake_up()
     prompts = make_prompts([5, 6], seed=8)
@@ -192,8 +202,8 @@ def test_sessions_end_outside_the_decode_step_after_a_wake_up():
                                atol=atol, rtol=0)
 
 
-def test_session_names_must_match_the_samples():
-    engine = Engine(tiny_model(0), small_config())
+def test_session_names_must_match_the_samples(config):
+    engine = Engine(tiny_model(0), config())
     with pytest.raises(ValueError, match="2 session names for n=3 samples"):
         engine.add_request([5, 6], SamplingParams(n=3), sessions=["a", "b"])
     assert not engine.has_unfinished()

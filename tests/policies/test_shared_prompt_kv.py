@@ -135,10 +135,10 @@ def test_a_long_prompt_group_takes_a_third_of_the_memory():
     assert [e.num_running // n for e in engines] == [2, 6]
 
 
-def test_multi_turn_sessions_are_prefilled_whole_with_the_tokens_of_held_ones():
-    """Sessions over shared prompts: the first turn's samples share the prompt, no K/V is held when they finish, and
-    the next turn (its prompt: the whole conversation, past the prompt slot) is prefilled whole; the tokens equal
-    the per-slot layout's, which continues each turn from the held K/V."""
+def test_multi_turn_sessions_over_a_shared_prompt_continue_from_held_kv():
+    """Sessions over shared prompts: the first turn's samples share the prompt; each finished sample is held (its own
+    slot, and the prompt slot it reads, kept open), and the next turn (the whole conversation, past the prompt slot)
+    prefills only its new tokens. The tokens equal the per-slot layout's."""
     done = []
     for engine in _engines(tiny_model(perturb=True)):
         first = engine.generate(make_prompts([30], seed=4), SamplingParams(n=2, max_new_tokens=12, seed=5,
@@ -156,7 +156,7 @@ def test_multi_turn_sessions_are_prefilled_whole_with_the_tokens_of_held_ones():
     (slot_outs, slot_reused), (shared_outs, shared_reused) = done
     for a, b in zip(slot_outs, shared_outs):
         assert_same_output(a, b, tiny_model(perturb=True), SamplingParams(temperature=1.0))
-    assert slot_reused > 0 and shared_reused == 0
+    assert slot_reused == shared_reused > 0
 
 
 def test_what_the_shared_layout_cannot_take_is_refused_with_the_flag():
@@ -257,8 +257,8 @@ def test_the_run_gives_the_engine_shared_prompts_and_refuses_what_they_cannot_se
 
 def test_episodes_over_shared_prompts_are_the_per_slot_engines_episodes():
     """Multi-turn episodes (`EpisodeRunner`, an environment answering each turn) on both layouts: the same tokens,
-    masks and log-probs; the shared engine prefills each later turn whole (its prompts outgrow the 8-position prompt
-    slot), where the per-slot one continues the held K/V."""
+    masks and log-probs, and both continue each later turn from the held K/V (the shared engine's conversations
+    outgrow their 8-position prompt slot)."""
     from asyncrl.envs import EpisodeRunner
     from asyncrl.types import Prompt
     from tests.envs.helpers import Echo, Recording, run_episodes, runtime
@@ -278,7 +278,7 @@ def test_episodes_over_shared_prompts_are_the_per_slot_engines_episodes():
             assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0,
                                        atol=logprob_tol(model, [5, 9, 11, 13], a.token_ids))
-    assert engines[0].stats["session_reused_tokens"] > 0 == engines[1].stats["session_reused_tokens"]
+    assert engines[0].stats["session_reused_tokens"] == engines[1].stats["session_reused_tokens"] > 0
 
 
 @pytest.mark.slow
