@@ -28,6 +28,7 @@ from asyncrl.launch.device_checks import known_model_config
 from asyncrl.policies.decode_attention import sdpa_decode
 from asyncrl_bench.roofline import peak_bandwidth
 from asyncrl_bench.shared import device_name, write_json
+from asyncrl_bench.timing import cuda_time_us
 
 __all__ = ["AttentionBenchArgs", "bench_attention"]
 
@@ -86,18 +87,6 @@ def _callable(kernel: Kernel, q, k, v, lengths, context: int):
     return _flex(q, k, v, lengths)
 
 
-def _time_us(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: float | None) -> dict | None:
     heads, kv_heads, dim = shape
     dtype = getattr(torch, args.dtype)
@@ -121,7 +110,7 @@ def _case(args: AttentionBenchArgs, shape, batch: int, context: int, bandwidth: 
         try:
             fn = _callable(kernel, q, k, v, lengths, context)
             out = fn().reshape(batch, heads, dim)[:few].float()
-            us = _time_us(fn, args.iters)
+            us = cuda_time_us(fn, args.iters)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot run this case is reported, not fatal
             row[f"{kernel}_error"] = f"{type(err).__name__}: {str(err)[:160]}"
             continue

@@ -15,7 +15,21 @@ from typing import Callable
 
 from asyncrl_bench.shared import synchronize
 
-__all__ = ["StepTimes", "compile_counts", "time_steps"]
+__all__ = ["StepTimes", "compile_counts", "cuda_time_us", "time_steps"]
+
+
+def cuda_time_us(fn: Callable[[], object], iters: int) -> float:
+    """Microseconds a call of `fn` takes on the current CUDA stream: CUDA events over `iters` calls after one."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
 
 
 def compile_counts() -> dict[str, int]:

@@ -18,18 +18,12 @@ import torch
 
 from asyncrl.policies.shared_prompt_cache import SharedPromptKVCache
 from asyncrl.policies.triton_decode import triton_decode_attention, triton_shared_prompt_attention
+from asyncrl_bench.timing import cuda_time_us
 
 
 def timeit(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """Milliseconds a call (CUDA events over `reps` calls after one)."""
+    return cuda_time_us(fn, reps) / 1e3
 
 
 def main(path: str) -> None:
