@@ -59,6 +59,7 @@ from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Samp
 from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.shared_prompt_cache import SharedPromptKVCache, build_kv_cache
+from asyncrl.policies.shared_prompt_forwards import SharedPromptForwards, budgeted
 from asyncrl.policies.attention_layouts import CacheExtension
 from asyncrl.policies.model import CausalLM, use_fused_kernels
 from asyncrl.policies.sampling import SamplingParams, plain_sampler, sample_plain, sample_tokens
@@ -143,6 +144,8 @@ class Engine(EngineControl[_Request]):
         self._adapters = None if config.lora_rank == 0 else EngineAdapters(
             rank=config.lora_rank, alpha=config.lora_alpha, take_base=self._params.__getitem__)
         self.stats = collections.Counter()
+        self._shared_forwards = None if not self._shared else SharedPromptForwards(
+            self.cache, self._forward_prefill, self._forward_extend, self.stats, config.max_prefill_tokens)
         self._held = HeldSessions(self.cache, config.max_slots, self.stats)
         spec = config.speculation
         self._drafter = None if not spec.enabled else drafter or DraftIndex(min_match=spec.min_match,
@@ -239,7 +242,7 @@ class Engine(EngineControl[_Request]):
         whole = [r for r in requests if not r.cached]
         rows: list[Tensor] = []
         if whole and self._shared:
-            rows.append(self._shared_prefill(whole))
+            rows.append(self._shared_forwards.prefill(whole))
         elif whole:
             prompts = [r.prompt_ids for r in whole]
             hidden = self._forward_prefill(prompts, [r.samples[0].slot for r in whole])
@@ -277,34 +280,6 @@ class Engine(EngineControl[_Request]):
         last = torch.tensor([len(n) - 1 for n in new], device=device)
         self.stats["prefill_tokens"] += sum(map(len, new))
         return hidden[torch.arange(len(new), device=device), last]
-
-    def _shared_prefill(self, requests: list[_Request]) -> Tensor:
-        """Shared prompts (`SharedPromptKVCache`): prefill the prompt slots of the requests that share no other's
-        prefix, bind every request's samples, then run each request's other prompt tokens (a sharer's past its
-        parent's share, a long prompt's past its slot) over its first sample's row, copying what lands in that row's
-        own slot to its siblings'. Each request's last hidden state."""
-        cache, last = self.cache, [None] * len(requests)
-        roots = [i for i, r in enumerate(requests) if cache.parent(r.prompt_slot) is None]
-        if roots:
-            prompts = [requests[i].prompt_ids[:cache.max_prompt_len] for i in roots]
-            hidden = self._forward_prefill(prompts, [requests[i].prompt_slot for i in roots])
-            for j, i in enumerate(roots):
-                last[i] = hidden[j, len(prompts[j]) - 1]
-            self.stats["prefill_tokens"] += sum(map(len, prompts))
-        for request in requests:
-            cache.bind([s.slot for s in request.samples], request.prompt_slot)
-        rest = [r for r in requests if len(r.prompt_ids) > cache.prefilled(r.prompt_slot)]
-        if rest:
-            done = [cache.prefilled(r.prompt_slot) for r in rest]
-            hidden = self._forward_extend([r.prompt_ids[d:] for r, d in zip(rest, done)],
-                                          [r.samples[0].slot for r in rest], done)
-            for j, request in enumerate(rest):
-                last[requests.index(request)] = hidden[j]
-                if len(request.prompt_ids) > cache.prompt_end(request.prompt_slot) and request.params.n > 1:
-                    cache.copy_slot(request.samples[0].slot, [s.slot for s in request.samples[1:]],
-                                    len(request.prompt_ids))
-        self.stats["shared_prefix_tokens"] += sum((cache.parent(r.prompt_slot) or (0, 0))[1] for r in requests)
-        return torch.stack(last)
 
     # ---------------------------------------------------------------- held sessions
     def _continued(self, request: _Request) -> Held | None:
@@ -510,38 +485,15 @@ class Engine(EngineControl[_Request]):
                 self._recompute_kv()
 
     def _recompute_kv(self) -> None:
-        """Re-prefill prompt + generated tokens (all but the newest) of every running sequence; with shared prompts,
-        each prompt once into its prompt slot, then each row's responses as a continuation of it."""
-        if not self._shared:
-            for batch in self._budgeted(self._running, lambda s: s.cached_len):
+        """Re-prefill prompt + generated tokens (all but the newest) of every running sequence (shared prompts: each
+        prompt slot once, then each row's own part: `SharedPromptForwards.recompute`)."""
+        if self._shared_forwards is not None:
+            self._shared_forwards.recompute(self._running)
+        else:
+            for batch in budgeted(self._running, lambda s: s.cached_len, self.config.max_prefill_tokens):
                 self._forward_prefill([s.request.prompt_ids + s.completion.token_ids[:-1] for s in batch],
                                       [s.slot for s in batch])
-                self.stats["recomputed_tokens"] += sum(s.cached_len for s in batch)
-            return
-        cache = self.cache
-        for batch in self._budgeted(list(cache.roots().items()), lambda item: len(item[1])):
-            self._forward_prefill([list(tokens) for _, tokens in batch], [slot for slot, _ in batch])
-        for batch in self._budgeted(list(cache.sharing().items()), lambda item: len(item[1][1])):  # past a share
-            self._forward_extend([list(tokens) for _, (_, tokens) in batch], [row for _, (row, _) in batch],
-                                 [cache.parent(slot)[1] for slot, _ in batch])
-        end = {id(s): cache.start_of(s.slot) for s in self._running}
-        own = {id(s): s.request.prompt_ids[end[id(s)]:] + s.completion.token_ids[:-1] for s in self._running}
-        responding = [s for s in self._running if own[id(s)]]  # the prompt's spill, then the responses
-        for batch in self._budgeted(responding, lambda s: len(own[id(s)])):
-            self._forward_extend([own[id(s)] for s in batch], [s.slot for s in batch], [end[id(s)] for s in batch])
         self.stats["recomputed_tokens"] += sum(s.cached_len for s in self._running)
-
-    def _budgeted(self, items: list, width) -> Iterable[list]:
-        """`items` in runs whose padded size (the widest item's `width` × the run's length) fits max_prefill_tokens."""
-        batch, widest = [], 0
-        for item in items:
-            if batch and max(widest, width(item)) * (len(batch) + 1) > self.config.max_prefill_tokens:
-                yield batch
-                batch, widest = [], 0
-            batch.append(item)
-            widest = max(widest, width(item))
-        if batch:
-            yield batch
 
     def _free_memory(self) -> None:
         """Free the KV cache (and captured graphs). Running sequences keep their tokens."""
