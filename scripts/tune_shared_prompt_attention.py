@@ -35,7 +35,7 @@ def main(path: str) -> None:
             cache = SharedPromptKVCache(1, rows, kv_heads, prompt_len + room, dim, torch.bfloat16, "cuda",
                                         max_prompt_len=prompt_len, num_prompts=prompts)
             for i in range(prompts):
-                cache.bind(list(range(i * n, i * n + n)), cache.open(prompt_len))
+                cache.bind(list(range(i * n, i * n + n)), cache.open(list(range(prompt_len))))
             cache.prepare()
             for pool in (cache.k, cache.v, cache.prompt_k, cache.prompt_v):
                 pool.normal_()

@@ -225,8 +225,9 @@ class Engine(EngineControl[_Request]):
                 break
             self._waiting.popleft()
             if self._shared and held is None:  # its own prompt slot, after another's share where one begins the same
-                share = self.cache.match(request.prompt_ids)
-                request.prompt_slot = self.cache.open(request.prompt_ids[share[1] if share else 0:], parent=share)
+                share = self.cache.match(request.prompt_ids, self.version)
+                request.prompt_slot = self.cache.open(request.prompt_ids[share[1] if share else 0:], parent=share,
+                                                      version=self.version)
             if held is not None:
                 request.cached = self._held.take(request.sessions[0], len(self._running))
             for sample in request.samples:
@@ -489,6 +490,7 @@ class Engine(EngineControl[_Request]):
         prompt slot once, then each row's own part: `SharedPromptForwards.recompute`)."""
         if self._shared_forwards is not None:
             self._shared_forwards.recompute(self._running)
+            self.cache.stamp(self.version)
         else:
             for batch in budgeted(self._running, lambda s: s.cached_len, self.config.max_prefill_tokens):
                 self._forward_prefill([s.request.prompt_ids + s.completion.token_ids[:-1] for s in batch],

@@ -101,6 +101,7 @@ class SharedPromptKVCache(KVCache):
         self._free = list(range(num_prompts - 1, -1, -1))  # prompt slots, the lowest popped first
         self._tokens: dict[int, tuple[int, ...]] = {}  # an open prompt slot's tokens
         self._parent: dict[int, tuple[int, int]] = {}  # a sharing prompt slot's (root slot, positions read there)
+        self._version: dict[int, int] = {}  # the weight version an open prompt slot's K/V was computed with
         self._users: dict[int, list[int]] = {}  # the rows that read an open prompt slot
         self._segments: list[tuple[tuple[int, int], ...]] = [()] * num_slots  # each row's (slot, positions)
         self._dirty = False  # the host's tables changed since they were last written to the device
@@ -133,38 +134,44 @@ class SharedPromptKVCache(KVCache):
     def free_prompts(self) -> int:
         return len(self._free)
 
-    def match(self, prompt: list[int]) -> tuple[int, int] | None:
-        """(root slot, positions) of the open prompt slot (itself sharing none) whose tokens begin `prompt` longest,
-        when that is at least `share_prefix` positions (at most all but the prompt's last token, whose logits its
-        own forward gives); None otherwise or with sharing off."""
+    def match(self, prompt: list[int], version: int) -> tuple[int, int] | None:
+        """(root slot, positions) of the open prompt slot (itself sharing none, its K/V computed with weight
+        `version`: a new request never reads K/V of older weights) whose tokens begin `prompt` longest, when that is
+        at least `share_prefix` positions (at most all but the prompt's last token, whose logits its own forward
+        gives); None otherwise or with sharing off."""
         if self.share_prefix < 1 or len(prompt) <= self.share_prefix:
             return None
         head = tuple(prompt[:self.share_prefix])
         best = None
         for slot, tokens in self._tokens.items():
-            if slot in self._parent or tokens[:self.share_prefix] != head:
+            if slot in self._parent or self._version[slot] != version or tokens[:self.share_prefix] != head:
                 continue
             common = len(os.path.commonprefix([tokens, tuple(prompt[:len(prompt) - 1])]))
             if best is None or common > best[1]:
                 best = (slot, common)
         return best
 
-    def open(self, tokens: list[int], parent: tuple[int, int] | None = None) -> int:
+    def open(self, tokens: list[int], parent: tuple[int, int] | None = None, version: int = 0) -> int:
         """A prompt slot for `tokens` (a prompt, or with `parent` = (root, positions) the rest of one after the
-        root's first positions), which holds their first `max_prompt_len` (the rest goes to each sample's slot);
-        ValueError when none is free."""
+        root's first positions), which holds their first `max_prompt_len` (the rest goes to each sample's slot), to
+        be computed with weight `version`; ValueError when none is free."""
         if not tokens:
             raise ValueError("an empty prompt has nothing to share")
         if not self._free:
             raise ValueError(f"all {self.num_prompts} prompt slots are in use (--rollout.max-prompts)")
         slot = self._free.pop()
         self._tokens[slot], self._users[slot] = tuple(tokens[:self.max_prompt_len]), []
+        self._version[slot] = version
         if parent is not None:
             self._parent[slot] = parent
         return slot
 
     def parent(self, slot: int) -> tuple[int, int] | None:
         return self._parent.get(slot)
+
+    def stamp(self, version: int) -> None:
+        """Every open prompt slot's K/V is now of weight `version` (recomputed with it)."""
+        self._version = dict.fromkeys(self._tokens, version)
 
     def prompt_end(self, slot: int) -> int:
         """Positions a row bound to prompt slot `slot` reads from prompt slots (its own slot's first position)."""
@@ -215,7 +222,7 @@ class SharedPromptKVCache(KVCache):
         for slot, _ in segments:
             self._users[slot].remove(row)
             if not self._users[slot]:
-                del self._users[slot], self._tokens[slot]
+                del self._users[slot], self._tokens[slot], self._version[slot]
                 self._parent.pop(slot, None)
                 self._free.append(slot)
         self._dirty = self._dirty or bool(segments)
@@ -348,21 +355,21 @@ class SharedPromptKVCache(KVCache):
         """A copy of row `slot`'s first `length` positions: its own slot's part (`KVCache.read_slot`) and what its
         prompt segments are, to bind again in `write_slot` even once this row's release closed them."""
         k, v = super().read_slot(slot, self._own(slot, length))
-        kept = tuple((s, n, self._tokens[s], self._parent.get(s)) for s, n in self._segments[slot])
+        kept = tuple((s, n, self._tokens[s], self._parent.get(s), self._version[s]) for s, n in self._segments[slot])
         return k, v, kept
 
     def write_slot(self, slot: int, kv) -> None:
         """Write what `read_slot` returned into row `slot`; a prompt slot closed since is taken back (nothing can
         have opened it in between: the engine holds a finished session right after releasing its row)."""
         k, v, kept = kv
-        for s, _, tokens, parent in kept:
+        for s, _, tokens, parent, version in kept:
             if s not in self._tokens:
                 self._free.remove(s)
-                self._tokens[s], self._users[s] = tokens, []
+                self._tokens[s], self._users[s], self._version[s] = tokens, [], version
                 if parent is not None:
                     self._parent[s] = parent
         super().write_slot(slot, (k, v))
-        self._bind([slot], tuple((s, n) for s, n, _, _ in kept))
+        self._bind([slot], tuple((s, n) for s, n, *_ in kept))
 
 
 def build_kv_cache(model: CausalLM, config: EngineConfig, attention: DecodeAttention) -> KVCache:

@@ -68,7 +68,7 @@ def run_shared(case: dict) -> dict:
             prompt = first[:share + i] + prompt
         first = first or prompt
         bound, order = order[:size], order[size:]
-        match = cache.match(prompt)
+        match = cache.match(prompt, 0)
         cache.bind(bound, cache.open(prompt[match[1] if match else 0:], parent=match))
     cache.prepare()
     for pool in (cache.k, cache.v, cache.prompt_k, cache.prompt_v):

@@ -173,18 +173,22 @@ def test_speculation_in_captured_graphs_keeps_plain_decodings_tokens():
     assert engine.stats["spec_accepted_tokens"] > 0 and engine._verify.graphs, "the verifying step was not captured"
 
 
+@pytest.mark.parametrize("share", [0, 8], ids=["own-prompts", "common-prefix"])
 @pytest.mark.parametrize("kv", ["keep", "recompute"])
-def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv):
+def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv, share):
     """`kv_layout="shared-prompt"` on CUDA: the Triton kernel reading each prompt once per reader (groups of up to 9
     samples: two readers), replayed from graphs with rows finishing in flight, moved and refilled, through a
     weight update mid-generation: the tokens of the per-slot layout (fp32). A prompt slot for every request, so that
-    both layouts admit each request at the same step (before or after the update)."""
+    both layouts admit each request at the same step (before or after the update). `common-prefix`: every prompt
+    begins with the same 12 tokens, which later requests read from the first's slot (`share_prefix` 8: two prompt
+    levels), and the longer prompts spill past their 20-position slots."""
     model, new = random_model(CONFIG, seed=4, device="cuda"), random_model(CONFIG, seed=5, device="cuda")
-    prompts = _prompts(9, seed=6)
+    common = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(7)).tolist() if share else []
+    prompts = [common + p for p in _prompts(9, seed=6)]
     params = [SamplingParams(n=1 + (4 * i) % 9, temperature=0.9, max_new_tokens=30 + 3 * i, seed=i) for i in range(9)]
     outs = {}
     for layout in ("slot", "shared-prompt"):
-        shared = dict(kv_layout=layout, max_prompt_len=20, max_prompts=9) if layout != "slot" else {}
+        shared = dict(kv_layout=layout, max_prompt_len=20, max_prompts=9, share_prefix=share) if layout != "slot" else {}
         engine = Engine(copy.deepcopy(model), EngineConfig(max_slots=24, max_len=96, attend_bucket=16, **shared))
         for p, sp in zip(prompts, params):
             engine.add_request(p, sp)
@@ -197,6 +201,7 @@ def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv):
             done.update({o.request_id: o for o in engine.step()})
         outs[layout] = done
         assert engine.decode_kernel == "triton" and engine._steps.graphs
+        assert layout == "slot" or bool(engine.stats["shared_prefix_tokens"]) == bool(share)
     assert outs["slot"].keys() == outs["shared-prompt"].keys()
     for rid, a in outs["slot"].items():
         for ca, cb in zip(a.completions, outs["shared-prompt"][rid].completions):

@@ -23,7 +23,7 @@ SHARED = dict(kv_layout="shared-prompt", max_prompt_len=40)
 def _engines(model, *, ahead: bool = True, max_prompts: int = 3, share_prefix: int = 0, **config):
     """The same engine in both layouts (slot first; each over its own copy of `model`, which weight updates
     change in place); the shared one with `max_prompts` prompt slots."""
-    base = small_config(max_slots=12, max_len=104, decode_ahead=ahead, **config)
+    base = small_config(**{"max_slots": 12, "max_len": 104, "decode_ahead": ahead, **config})
     shared = dataclasses.replace(base, **SHARED, max_prompts=max_prompts, share_prefix=share_prefix)
     return Engine(copy.deepcopy(model), base), Engine(copy.deepcopy(model), shared)
 
@@ -117,6 +117,34 @@ def test_requests_sharing_a_system_prompt_read_it_from_one_prompt_slot(kv):
     assert any(v == 1 for o in shared_done.values() for c in o.completions for v in c.versions)
 
 
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_requests_admitted_after_an_update_share_only_prefixes_of_the_new_weights(kv):
+    """Requests keep arriving across a weight update (9 prompts with a common 12-token beginning, more samples than
+    slots): with kv keep the prompt slots of older weights stay as they were for the rows reading them, and a request
+    admitted after the update never reads them (it starts a prompt slot of the new weights, which later ones share);
+    with recompute every open slot is of the new weights. The per-slot layout's tokens and versions either way."""
+    common = make_prompts([12], seed=7)[0]
+    prompts = [common + p for p in make_prompts([2, 19, 7, 11, 3, 15, 5, 9, 17], seed=6)]
+    params = [SamplingParams(n=1 + (4 * i) % 9, temperature=0.9, max_new_tokens=30 + 3 * i, seed=i) for i in range(9)]
+    new = tiny_model(seed=5, perturb=True)
+    outs = []
+    for engine in _engines(tiny_model(seed=4, perturb=True), max_prompts=9, share_prefix=8, max_slots=24):
+        _requests(engine, prompts, params)
+        done = {}
+        for step in range(10_000):
+            if not engine.has_unfinished():
+                break
+            if step == 25:
+                engine.update_weights(named_weights(new), version=1, kv=kv)
+            done.update({o.request_id: o for o in engine.step()})
+        outs.append(done)
+    for rid, a in outs[0].items():
+        for ca, cb in zip(a.completions, outs[1][rid].completions):
+            assert ca.token_ids == cb.token_ids and ca.versions == cb.versions
+    late = [o for o in outs[1].values() if o.completions[0].versions[0] == 1]
+    assert late, "no request was admitted after the update"
+
+
 def test_a_long_prompt_group_takes_a_third_of_the_memory():
     """2,048-token prompts × n = 8 with 512-token responses: in the bytes of a per-slot cache of 2 groups the shared
     layout holds 6 groups' prompts and responses (3×), and the engine admits all 6 at once."""
@@ -190,7 +218,7 @@ def test_the_reader_tables_cover_every_bound_row_once(groups, data):
         if opened and shared:  # ... unless it begins with an earlier one's first tokens
             earlier = opened[shared % len(opened)]
             prompt = list(earlier[:max(shared, 4)]) + prompt
-        share = cache.match(prompt)
+        share = cache.match(prompt, 0)
         slot = cache.open(prompt[share[1] if share else 0:], parent=share)
         opened.append(tuple(prompt))
         bound, rows = rows[:n], rows[n:]
