@@ -110,7 +110,20 @@ def _sample_full(z: Tensor, greedy: Tensor, uniforms: Tensor) -> tuple[Tensor, T
     cdf = torch.cumsum(probs, dim=-1)
     sampled = torch.searchsorted(cdf, _targets(uniforms, cdf), right=True).squeeze(-1)
     tokens = torch.where(greedy, z.argmax(dim=-1), sampled)
-    return tokens, torch.log(probs.gather(-1, tokens[:, None]).squeeze(-1))
+    return tokens, _log_prob(probs.gather(-1, tokens[:, None]).squeeze(-1), z, tokens[:, None], None)
+
+
+def _log_prob(p: Tensor, z: Tensor, index: Tensor, keep: Tensor | None) -> Tensor:
+    """log p of the picked tokens ([B]): of the fp32 probability where it is a normal number (exact to its rounding
+    there), else z_t − logsumexp(z over the kept tokens): a token of probability below 1e-38 (drawn where the
+    uniform is 0) would lose its log-prob to a denormal's few bits, and z_t − logsumexp loses digits where logits
+    are large, so each form serves where it is exact."""
+    tiny = torch.finfo(p.dtype).tiny
+    if bool((p >= tiny).all()):
+        return torch.log(p)
+    masked = z if keep is None else torch.where(keep, z, torch.full_like(z, float("-inf")))
+    return torch.where(p >= tiny, torch.log(p.clamp(min=tiny)),
+                       z.gather(-1, index).squeeze(-1) - torch.logsumexp(masked, dim=-1))
 
 
 def _sample_plain(logits: Tensor, temperature: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
@@ -213,6 +226,6 @@ def _sample_filtered(z: Tensor, greedy: Tensor, uniforms: Tensor, top_k: Tensor 
     pick = torch.searchsorted(cdf, _targets(uniforms, cdf), right=True)
     pick = torch.where(greedy[:, None], torch.zeros_like(pick), pick)
     tokens = order.gather(-1, pick).squeeze(-1)
-    logp = torch.log(kept.gather(-1, pick).squeeze(-1))
+    logp = _log_prob(kept.gather(-1, pick).squeeze(-1), sorted_z, pick, keep)
     greedy_logp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, torch.where(greedy, greedy_logp, logp)
