@@ -32,12 +32,14 @@ class BenchRates:
             param_dtype=a.trainer_dtype, offload=a.offload, lora=LoraConfig(rank=a.lora_rank)))
 
     def engine(self, a: PlanArgs, work: Workload) -> list[dict]:
-        """A brief `asyncrl bench engine` on --device (our engine only) at 64 sequences and at --slots."""
+        """A brief `asyncrl bench engine` on --device (our engine only) at 64 sequences and at --slots (with
+        --kv-layout shared-prompt: in groups of --n)."""
         print(f"[asyncrl] measuring the engine on {a.device}", flush=True)
+        n = a.n if a.kv_layout == "shared-prompt" else 1  # shared prompts: groups of n that share one
         return bench_engine(EngineBenchArgs(
             model=a.model, device=a.device, backends=("asyncrl",),
-            batch_sizes=tuple(sorted({min(64, a.slots), a.slots})), prompt_len=round(work.prompt_len),
-            new_tokens=round(work.response_len)))
+            batch_sizes=tuple(sorted({max(min(64, a.slots) // n, 1), max(a.slots // n, 1)})),
+            prompt_len=round(work.prompt_len), new_tokens=round(work.response_len), n=n, kv_layout=a.kv_layout))
 
 
 def bench_plan(a: PlanArgs) -> None:

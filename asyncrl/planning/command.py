@@ -70,6 +70,9 @@ class PlanArgs:
     """--lora.rank (memory and publication size; measure the learner with the same rank)."""
     offload: Literal["none", "optimizer", "params"] = "none"
     """--trainer.offload (memory per trainer GPU; measure the learner with the same offload: its row records it)."""
+    kv_layout: Literal["slot", "shared-prompt"] = "slot"
+    """--rollout.kv-layout: the engine's K/V layout (its memory; measure the engine with the same layout: its rows
+    record it)."""
     gpu_memory_gib: float = 79.0
     """Memory of one GPU (an H100 80GB holds 79.6 GiB)."""
     out: str | None = None
@@ -178,7 +181,8 @@ def rates_from_rows(learner: dict, engine: list[dict]) -> Rates:
                  int(learner["max_tokens_per_micro_batch"]), points, learner.get("ours_peak_gib"), compiled)
 
 
-def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none") -> list[str]:
+def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none",
+                kv_layout: str = "slot") -> list[str]:
     """The `asyncrl train` flags that run prediction `p` on GPUs cuda:0, cuda:1, ..."""
     lay, k = p.layout, p.knobs
     gpus = [f"cuda:{i}" for i in range(lay.trainer_gpus + (lay.agent_gpus if lay.kind == "split" else 0))]
@@ -194,6 +198,8 @@ def train_flags(p: Prediction, *, trainer_dtype: str = "float32", lora_rank: int
         flags += ["--trainer.param-dtype", trainer_dtype]
     if offload != "none":
         flags += ["--trainer.offload", offload]
+    if kv_layout != "slot":
+        flags += ["--rollout.kv-layout", kv_layout]
     return flags + (["--lora.rank", str(lora_rank)] if lora_rank else [])
 
 
@@ -260,6 +266,11 @@ def run_plan(a: PlanArgs, measure: RateSource | None = None) -> dict:
         raise ValueError(f"--learner-json {a.learner_json} was measured with --offload {learner.get('offload', 'none')} "
                          f"and this plan is for --offload {a.offload}: pass --offload {learner.get('offload', 'none')}, or "
                          f"measure with `asyncrl bench learner --offload {a.offload} --no-baseline --out FILE`")
+    layouts = {row.get("kv_layout", "slot") for row in engine or []}
+    if layouts - {a.kv_layout}:
+        raise ValueError(f"--engine-json {a.engine_json} was measured with --kv-layout {' '.join(sorted(layouts))} and "
+                         f"this plan is for --kv-layout {a.kv_layout}: pass that, or measure with `asyncrl bench engine "
+                         f"--kv-layout {a.kv_layout} --out FILE`")
     if measure is None and _missing(a):
         raise ValueError(f"{' and '.join(_missing(a))} missing: `asyncrl plan` plans from measured rates. Write them "
                          "with `asyncrl bench learner --out learner.json` and `asyncrl bench engine --out engine.json`, "
@@ -271,9 +282,9 @@ def run_plan(a: PlanArgs, measure: RateSource | None = None) -> dict:
     rates = rates_from_rows(learner, engine)
     result = plan(shape, work, rates, a.gpus, n=a.n, slots=a.slots, trigger=a.trigger,
                   mini_batch_size=a.mini_batch_size, staleness=a.staleness_threshold, trainer_dtype=a.trainer_dtype,
-                  lora_rank=a.lora_rank, offload=a.offload, gpu_gib=a.gpu_memory_gib)
-    flags = (train_flags(result.best, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank, offload=a.offload)
-             if result.best else None)
+                  lora_rank=a.lora_rank, offload=a.offload, gpu_gib=a.gpu_memory_gib, kv_layout=a.kv_layout)
+    flags = (train_flags(result.best, trainer_dtype=a.trainer_dtype, lora_rank=a.lora_rank, offload=a.offload,
+                         kv_layout=a.kv_layout) if result.best else None)
     print(format_plan(result, _describe(a, shape, work, rates, (learner, engine)), flags), flush=True)
     return _as_json(a, shape, work, rates, result)
 

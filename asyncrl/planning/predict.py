@@ -265,19 +265,25 @@ def _trainer_tok_s(rates: Rates, k: int) -> float:
 
 
 def memory_gib(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, slots: int, *,
-               trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none") -> tuple[float, float]:
+               trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", kv_layout: str = "slot",
+               n: int = 8) -> tuple[float, float]:
     """(per trainer GPU, per agent GPU) peak GiB. Trainer: weights, grads and AdamW states (16 bytes a parameter in
     fp32, 8 in bf16; LoRA: a bf16 base and 16 bytes an adapter parameter; `--trainer.offload optimizer`: the
     weights and grads alone, 8 or 4 bytes; `params`: none of them stay) sharded over its ranks, plus activations
     that do not shard (a measured peak above the states, else ACTIVATION_BYTES). Engine: bf16 weights (twice with
     LoRA: it merges from a kept base), the KV cache of `slots` full-length sequences, fp32 logits and
-    ENGINE_OVERHEAD_GIB. Shared: both on one GPU. Colocated: the KV cache is freed while training
-    (`colocated_sleep`), so it shares its memory with the activations."""
+    ENGINE_OVERHEAD_GIB (`kv_layout="shared-prompt"`: responses for every slot and a prompt for every n of them).
+    Shared: both on one GPU. Colocated: the KV cache is freed while training (`colocated_sleep`), so it shares its
+    memory with the activations."""
     states = trainer_state_bytes(shape, param_dtype=trainer_dtype, lora_rank=lora_rank, offload=offload)
     activations = (max(rates.learner_peak_gib * GIB - states, 0.0) if rates.learner_peak_gib is not None
                    else ACTIVATION_BYTES * rates.learner_budget * shape.layers * shape.hidden)
-    parts = engine_bytes(shape, slots=slots, tokens=work.max_prompt_len + work.max_response_len,
+    shared = kv_layout == "shared-prompt"
+    parts = engine_bytes(shape, slots=slots, tokens=work.max_response_len + (0 if shared else work.max_prompt_len),
                          lora=bool(lora_rank), full_base_copy=True)
+    if shared:
+        parts = dataclasses.replace(parts, kv_cache=parts.kv_cache + max(slots // n, 1) * shape.kv_bytes(
+            work.max_prompt_len))
     cache, weights, overhead = parts.kv_cache + parts.logits, parts.weights, parts.overhead
     trainer = states / layout.trainer_gpus + activations
     if layout.kind == "colocated":
@@ -355,8 +361,8 @@ def _ahead_steps(knobs: Knobs) -> int:
 
 
 def predict(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, knobs: Knobs, *,
-            trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0
-            ) -> Prediction:
+            trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0,
+            kv_layout: str = "slot") -> Prediction:
     """Trained tok/s, idle fractions, publication time and memory per GPU of `layout` run with `knobs`. Colocated
     sync generates a step's samples in waves of `slots`, each lasting until its longest response."""
     t = _step_times(work, rates, layout, knobs)
@@ -369,7 +375,7 @@ def predict(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, kno
         version, trainer_idle, rollout_idle = timeline(layout.kind, t.steps * t.train, t.steps * t.gen, sync,
                                                         _boundary_wait(t.train, t.gen, t.wave, ahead))
     trainer_gib, agent_gib = memory_gib(shape, work, rates, layout, knobs.slots, trainer_dtype=trainer_dtype,
-                                        lora_rank=lora_rank, offload=offload)
+                                        lora_rank=lora_rank, offload=offload, kv_layout=kv_layout, n=knobs.n)
     return Prediction(layout, knobs, t.steps * knobs.mini_batch_size * knobs.n * work.row_tokens / version,
                       _trainer_tok_s(rates, layout.trainer_gpus),
                       layout.agent_gpus * t.gen_tok_s * work.row_tokens / work.response_len, trainer_idle, rollout_idle,
@@ -402,10 +408,11 @@ def recommend(shape: ModelShape, work: Workload, rates: Rates, layout: Layout, *
 
 def plan(shape: ModelShape, work: Workload, rates: Rates, gpus: int, *, n: int = 8, slots: int = 256,
          trigger: int = 4, mini_batch_size: int | None = None, staleness: float | None = None,
-         trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0) -> Plan:
+         trainer_dtype: str = "float32", lora_rank: int = 0, offload: str = "none", gpu_gib: float = 79.0,
+         kv_layout: str = "slot") -> Plan:
     """Every layout of `gpus` GPUs predicted with its recommended knobs (`recommend`); the best one that fits.
     With `offload="optimizer"` only layouts of one trainer GPU (a trainer group shards the state instead)."""
-    kw = dict(trainer_dtype=trainer_dtype, lora_rank=lora_rank, offload=offload, gpu_gib=gpu_gib)
+    kw = dict(trainer_dtype=trainer_dtype, lora_rank=lora_rank, offload=offload, gpu_gib=gpu_gib, kv_layout=kv_layout)
     predictions = tuple(predict(shape, work, rates, layout, recommend(
         shape, work, rates, layout, n=n, slots=slots, trigger=trigger, mini_batch_size=mini_batch_size,
         staleness=staleness, **kw), **kw) for layout in layouts(gpus)

@@ -58,3 +58,13 @@ def test_the_planner_counts_with_the_same_engine_and_states():
     trainer, agent = memory_gib(shape, work, rates, Layout("split", 1, 1), 256)
     engine = engine_bytes(shape, slots=256, tokens=1536)
     assert agent == engine.total / GIB and trainer == 20.0
+
+
+def test_the_planner_sizes_a_shared_prompt_cache_as_its_two_pools():
+    """`kv_layout="shared-prompt"`: the responses of every slot and one prompt for every n slots, as the check before
+    launch counts them."""
+    shape = model_shape("random:qwen2.5-0.5b")
+    work, rates = Workload(100, 100, 512, 1024), Rates(1.0, 1.0, 16_384, ((1, 1.0),), learner_peak_gib=20.0)
+    _, per_slot = memory_gib(shape, work, rates, Layout("split", 1, 1), 256)
+    _, shared = memory_gib(shape, work, rates, Layout("split", 1, 1), 256, kv_layout="shared-prompt", n=8)
+    assert (per_slot - shared) * GIB == 256 * shape.kv_bytes(1536) - 256 * shape.kv_bytes(1024) - 32 * shape.kv_bytes(512)

@@ -144,6 +144,26 @@ def test_bench_plan_without_files_measures_briefly(tmp_path, capsys):
     assert written["recommended"] in {p["placement"] for p in written["placements"]}
 
 
+def test_a_shared_prompt_plan_measures_groups_and_prints_the_layout_flag(tmp_path, capsys):
+    """--kv-layout shared-prompt: the engine is measured in that layout with groups of --n (the rows say so), the
+    printed flags carry it, and engine rows of another layout are refused naming the flag."""
+    out = tmp_path / "plan.json"
+    bench_main(["plan", "--model", "random:tiny-qwen2", "--device", "cpu", "--gpus", "2", "--prompt-len", "8",
+               "--response-len", "8", "--n", "2", "--slots", "8", "--measure-steps", "1", "--kv-layout",
+               "shared-prompt", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "--rollout.kv-layout shared-prompt" in text
+    assert [b for b, _ in json.loads(out.read_text())["rates"]["engine"]] == [8.0]  # 4 prompts x 2 samples
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps(ENGINE_ROWS))  # per-slot rows (no kv_layout field: the default)
+    learner = tmp_path / "learner.json"
+    learner.write_text(json.dumps(LEARNER_ROW))
+    with pytest.raises(ValueError, match="--engine-json .* measured with --kv-layout slot .* --kv-layout shared-prompt"):
+        from asyncrl.planning.command import PlanArgs, run_plan
+        run_plan(PlanArgs(model="random:qwen2.5-0.5b", gpus=2, learner_json=str(learner), engine_json=str(engine),
+                          kv_layout="shared-prompt"))
+
+
 @pytest.mark.e2e
 def test_the_command_is_registered():
     out, usage = cli_forks([["plan", "--gpus", "0"], ["--help"]], cwd=ROOT)
