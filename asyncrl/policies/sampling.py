@@ -117,10 +117,8 @@ def _log_prob(p: Tensor, z: Tensor, index: Tensor, keep: Tensor | None) -> Tenso
     """log p of the picked tokens ([B]): of the fp32 probability where it is a normal number (exact to its rounding
     there), else z_t − logsumexp(z over the kept tokens): a token of probability below 1e-38 (drawn where the
     uniform is 0) would lose its log-prob to a denormal's few bits, and z_t − logsumexp loses digits where logits
-    are large, so each form serves where it is exact."""
+    are large, so each form serves where it is exact. No host synchronisation: it runs inside captured graphs."""
     tiny = torch.finfo(p.dtype).tiny
-    if bool((p >= tiny).all()):
-        return torch.log(p)
     masked = z if keep is None else torch.where(keep, z, torch.full_like(z, float("-inf")))
     return torch.where(p >= tiny, torch.log(p.clamp(min=tiny)),
                        z.gather(-1, index).squeeze(-1) - torch.logsumexp(masked, dim=-1))
