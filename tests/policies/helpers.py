@@ -106,6 +106,20 @@ def drain(engine: Engine, max_steps: int = 10_000) -> dict[str, GenerationOutput
     raise AssertionError(f"engine did not finish in {max_steps} steps")
 
 
+def drain_across_an_update(engine: Engine, weights, *, at_step: int, kv: str,
+                           max_steps: int = 10_000) -> dict[str, GenerationOutput]:
+    """`drain`, with `update_weights(weights, version=1, kv=kv)` before step `at_step` (requests keep being admitted
+    across it)."""
+    done: dict[str, GenerationOutput] = {}
+    for step in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        if step == at_step:
+            engine.update_weights(weights, version=1, kv=kv)
+        done.update({o.request_id: o for o in engine.step()})
+    raise AssertionError(f"engine did not finish in {max_steps} steps")
+
+
 def token_lists(out: GenerationOutput) -> list[list[int]]:
     return [c.token_ids for c in out.completions]
 

@@ -9,7 +9,7 @@ import torch
 from asyncrl.policies import (
     ARCH_PRESETS, Engine, EngineConfig, SamplingParams, named_weights, random_model, token_logprobs,
 )
-from tests.policies.helpers import logprob_tol
+from tests.policies.helpers import drain_across_an_update, logprob_tol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -192,14 +192,7 @@ def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv, share):
         engine = Engine(copy.deepcopy(model), EngineConfig(max_slots=24, max_len=96, attend_bucket=16, **shared))
         for p, sp in zip(prompts, params):
             engine.add_request(p, sp)
-        done = {}
-        for step in range(10_000):
-            if not engine.has_unfinished():
-                break
-            if step == 25:
-                engine.update_weights(named_weights(new), version=1, kv=kv)
-            done.update({o.request_id: o for o in engine.step()})
-        outs[layout] = done
+        outs[layout] = drain_across_an_update(engine, named_weights(new), at_step=25, kv=kv)
         assert engine.decode_kernel == "triton" and engine._steps.graphs
         assert layout == "slot" or bool(engine.stats["shared_prefix_tokens"]) == bool(share)
     assert outs["slot"].keys() == outs["shared-prompt"].keys()

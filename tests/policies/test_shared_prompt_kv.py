@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from asyncrl.config.speculation import SpeculationConfig
 from asyncrl.policies import Engine, SamplingParams, named_weights
 from asyncrl.policies.shared_prompt_cache import READER_WIDTH, SharedPromptKVCache
-from tests.policies.helpers import assert_same_output, drain, logprob_tol, make_prompts, small_config, tiny_model
+from tests.policies.helpers import (assert_same_output, drain, drain_across_an_update, logprob_tol, make_prompts,
+                                    small_config, tiny_model)
 
 SHARED = dict(kv_layout="shared-prompt", max_prompt_len=40)
 
@@ -130,14 +131,7 @@ def test_requests_admitted_after_an_update_share_only_prefixes_of_the_new_weight
     outs = []
     for engine in _engines(tiny_model(seed=4, perturb=True), max_prompts=9, share_prefix=8, max_slots=24):
         _requests(engine, prompts, params)
-        done = {}
-        for step in range(10_000):
-            if not engine.has_unfinished():
-                break
-            if step == 25:
-                engine.update_weights(named_weights(new), version=1, kv=kv)
-            done.update({o.request_id: o for o in engine.step()})
-        outs.append(done)
+        outs.append(drain_across_an_update(engine, named_weights(new), at_step=25, kv=kv))
     for rid, a in outs[0].items():
         for ca, cb in zip(a.completions, outs[1][rid].completions):
             assert ca.token_ids == cb.token_ids and ca.versions == cb.versions
