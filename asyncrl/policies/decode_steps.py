@@ -23,9 +23,18 @@ from asyncrl.policies.kv_cache import KVCache
 from asyncrl.policies.model import CausalLM
 from asyncrl.policies.sampling import PlainSampler
 
-__all__ = ["DecodeSteps", "Launched"]
+__all__ = ["DecodeSteps", "Launched", "attend_length"]
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def attend_length(needed: int, bucket: int, max_len: int) -> int:
+    """`bucket` × the smallest power of two covering `needed`, capped at `max_len`: the positions a step attends
+    over (few graph shapes)."""
+    length = bucket
+    while length < needed:
+        length *= 2
+    return min(length, max_len)
 
 
 @dataclasses.dataclass(eq=False)

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from asyncrl.policies.decode_attention import decode_attention, sdpa_decode
-from asyncrl.policies.decode_steps import DecodeSteps, Launched
+from asyncrl.policies.decode_steps import DecodeSteps, Launched, attend_length
 from asyncrl.policies.drafts import DraftIndex, Drafter
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_config import EngineConfig
@@ -136,6 +137,7 @@ class Engine(EngineControl[_Request]):
         self._steps = DecodeSteps(model, self.cache, config.max_slots, self._sample_plain,
                                   graphs=on_cuda and config.cuda_graphs)
         self._inflight: Launched | None = None  # a decode step launched, its tokens not yet read
+        self._attend = functools.partial(attend_length, bucket=config.attend_bucket, max_len=config.max_len)
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head included
         super().__init__(version=version, vocab_size=cfg.vocab_size, max_len=config.max_len,
                          max_slots=config.max_slots,
@@ -357,7 +359,7 @@ class Engine(EngineControl[_Request]):
         if any(s.request.params.filtered or s.cached_len + width > self.config.max_len for s in samples):
             verified = verify_samples(self.model, self.cache, samples, drafts, plain=self._sample_plain)
         else:  # fixed shapes: a captured graph on CUDA (`asyncrl.policies.verify_steps`)
-            span = self._attend_len(max(s.cached_len for s in samples) + width)
+            span = self._attend(max(s.cached_len for s in samples) + width)
             verified = self._verify.verify(samples, drafts, span, held_from=self._held.bottom)
         self.stats.update(spec_steps=1, spec_rows=len(samples), spec_drafted_tokens=sum(map(len, drafts)),
                           spec_accepted_tokens=sum(k - 1 for k in verified.kept))
@@ -379,7 +381,7 @@ class Engine(EngineControl[_Request]):
         # a row finishing in the step in flight decodes one token more, discarded: clamp its uniform's index
         uniforms = torch.tensor([s.uniforms[min(len(s.completion.token_ids) + a, len(s.uniforms) - 1)]
                                  for s, a in zip(samples, ahead)], dtype=torch.float32)
-        attend = self._attend_len(max(s.cached_len + a for s, a in zip(samples, ahead)) + 1)
+        attend = self._attend(max(s.cached_len + a for s, a in zip(samples, ahead)) + 1)
         self.stats["decode_steps"] += 1
         # a graph's padding rows must not write into held sessions' slots: run those batches eagerly
         graph = self._steps.buckets is not None and self._steps.bucket(len(samples)) <= self._held.bottom
@@ -396,13 +398,6 @@ class Engine(EngineControl[_Request]):
         """Forget the step in flight (before the rows or the weights change outside a step): its tokens are
         never appended, so each of its rows decodes the same token again, from the host's inputs."""
         self._inflight = None
-
-    def _attend_len(self, needed: int) -> int:
-        """attend_bucket × the smallest power of two covering `needed`, capped at max_len (few graph shapes)."""
-        length = self.config.attend_bucket
-        while length < needed:
-            length *= 2
-        return min(length, self.config.max_len)
 
     def _sample_and_append(self, logits: Tensor, samples: list[_Sample], finished: list[_Request]) -> None:
         """Sample row i of `logits` for samples[i] (top-k / top-p included) and append it."""

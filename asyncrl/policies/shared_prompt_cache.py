@@ -323,10 +323,6 @@ class SharedPromptKVCache(KVCache):
                              self.tables, positions, self.attend_len)
         return out[:, :, None]
 
-    def attend_in_order(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, span: int) -> Tensor:
-        raise NotImplementedError("speculative steps over shared prompts: --rollout.kv-layout shared-prompt refuses "
-                                  "--rollout.speculation.tokens > 0")
-
     def _own(self, row: int, length: int) -> int:
         """Of a sequence's first `length` positions, those in row `row`'s own slot."""
         return max(0, min(length - self.start_of(row), self.response_len))
