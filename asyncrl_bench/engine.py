@@ -42,10 +42,10 @@ import torch
 
 from asyncrl.config import ModelConfig, RolloutConfig, RunConfig, VLLMConfig
 from asyncrl.data.files import load_prompt_file
-from asyncrl.policies import (Engine, EngineConfig, SamplingParams, load_model, load_tokenizer, save_pretrained,
-                              token_logprobs)
+from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model, load_tokenizer, save_pretrained
 from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm_offline_generate
 from asyncrl_bench.flops import body_params
+from asyncrl_bench.mismatch import logprob_mismatch
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
 from asyncrl_bench.shared import bench_dtype, device_name, hf_copy, synchronize, write_json
 from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats, time_finishes
@@ -352,25 +352,6 @@ def _engine_config(args: EngineBenchArgs, *works: Workload, layout: str = "slot"
     return EngineConfig(max_slots=max(w.sequences for w in works), max_len=longest + args.new_tokens,
                         cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
                         decode_ahead=args.decode_ahead, kv_dtype=args.kv_dtype, **shared)
-
-
-@torch.inference_mode()
-def logprob_mismatch(model, outs, max_rows: int = 32) -> dict[str, float]:
-    """Engine behaviour log-probs vs a training forward of the same tokens (the first `max_rows` samples): the
-    mean and the largest |difference| per token, the largest |logit| they come from (the scale a tolerance
-    for rounding differences is relative to; tests/tolerances.py) and a k1 estimate of the KL."""
-    diffs, kls, worst, scale = [], [], 0.0, 0.0
-    samples = [(out.prompt_ids, c) for out in outs for c in out.completions if c.token_ids][:max_rows]
-    for prompt_ids, c in samples:
-        seq = torch.tensor([prompt_ids + c.token_ids], device=model.device)
-        logits = model.logits(model(seq))[0, len(prompt_ids) - 1:-1]
-        train = token_logprobs(logits, seq[0, len(prompt_ids):])
-        engine = torch.tensor(c.logprobs, device=model.device)
-        diffs.append((engine - train).abs().mean().item())
-        kls.append((engine - train).mean().item())  # k1 estimate of KL(engine ‖ train) on engine samples
-        worst, scale = max(worst, (engine - train).abs().max().item()), max(scale, logits.abs().max().item())
-    return {"mean_abs_dlogp": sum(diffs) / len(diffs), "max_abs_dlogp": worst, "max_abs_logit": scale,
-            "kl_engine_train": sum(kls) / len(kls)}
 
 
 _RATIOS = {"ratio": "hf_tok_s", "ratio_vs_vllm": "vllm_tok_s", "ratio_vs_vllm_llm": "vllm_llm_tok_s"}

@@ -44,7 +44,6 @@ length bucket); on CPU it runs eagerly.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Iterable, Sequence
 
@@ -56,7 +55,8 @@ from asyncrl.policies.decode_steps import DecodeSteps, Launched, attend_length
 from asyncrl.policies.drafts import DraftIndex, Drafter
 from asyncrl.policies.engine_adapters import EngineAdapters
 from asyncrl.policies.engine_config import EngineConfig
-from asyncrl.policies.engine_control import EngineControl, KVMode, Request, Sample
+from asyncrl.policies.engine_control import EngineControl, KVMode
+from asyncrl.policies.engine_requests import EngineRequest, EngineSample
 from asyncrl.policies.fused_projections import fuse_projections
 from asyncrl.policies.held_sessions import Held, HeldSessions
 from asyncrl.policies.shared_prompt_cache import SharedPromptKVCache, build_kv_cache
@@ -71,37 +71,7 @@ from asyncrl.tools.seeding import derive_seed
 __all__ = ["EngineConfig", "Engine"]
 
 
-@dataclasses.dataclass(eq=False)
-class _Sample(Sample):
-    _: dataclasses.KW_ONLY
-    request: "_Request"
-    uniforms: list[float]
-    slot: int = -1
-
-    @property
-    def cached_len(self) -> int:
-        """Positions of this sequence already in the KV cache (all but the newest token)."""
-        return len(self.request.prompt_ids) + len(self.completion.token_ids) - 1
-
-
-@dataclasses.dataclass(eq=False)
-class _Request(Request):
-    samples: list[_Sample] = dataclasses.field(default_factory=list)
-    sessions: tuple[str, ...] | None = None
-    """Sample i's K/V is held under sessions[i] when it finishes (and a held one is continued at admission)."""
-    cached: int = 0
-    """Prompt positions whose K/V a held session already has (set at admission; 0: prefill it whole)."""
-    draft_key: int = 0
-    """The prompt's pool of drafts (a hash of its tokens; set when the engine speculates)."""
-    prompt_slot: int = -1
-    """Where its prompt's K/V lives in a `SharedPromptKVCache` (set at admission)."""
-
-    @property
-    def cached_prompt_tokens(self) -> int:
-        return self.cached
-
-
-class Engine(EngineControl[_Request]):
+class Engine(EngineControl[EngineRequest]):
     """Continuous-batching generation with behaviour log-probs, versions and pause / update / resume (the
     controls and the request table: `EngineControl`)."""
 
@@ -124,8 +94,8 @@ class Engine(EngineControl[_Request]):
         self.decode_kernel = "triton" if attention is not sdpa_decode else "sdpa"
         self.cache = build_kv_cache(model, config, attention)
         self._shared = isinstance(self.cache, SharedPromptKVCache)  # a prompt's K/V once for its samples
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Sample] = []  # index = KV slot
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._running: list[EngineSample] = []  # index = KV slot
         self._rng = torch.Generator().manual_seed(config.seed)
         on_cuda = model.device.type == "cuda"
         self.fused: dict[str, bool] = {}
@@ -157,19 +127,19 @@ class Engine(EngineControl[_Request]):
 
     # ---------------------------------------------------------------- requests
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_new: int,
-                     stop_ids: frozenset[int], sessions: Sequence[str] | None) -> _Request:
+                     stop_ids: frozenset[int], sessions: Sequence[str] | None) -> EngineRequest:
         """sessions: one name per sample: keep each sample's K/V when it finishes, and continue a held one whose
         sequence this prompt extends (see the module docstring)."""
         if self._shared:  # the prompt's first max_prompt_len tokens in a prompt slot, the rest in each sample's slot
             max_new = min(max_new, self.config.max_len - max(len(prompt_ids), self.cache.max_prompt_len))
-        request = _Request(request_id, prompt_ids, params, max_new, stop_ids,
+        request = EngineRequest(request_id, prompt_ids, params, max_new, stop_ids,
                            sessions=None if sessions is None else tuple(sessions),
                            draft_key=hash(tuple(prompt_ids)) if self._drafter is not None else 0)
-        request.samples = [_Sample(i, request=request, uniforms=self._uniforms(params, i, max_new))
+        request.samples = [EngineSample(i, request=request, uniforms=self._uniforms(params, i, max_new))
                            for i in range(params.n)]
         return request
 
-    def _enqueue(self, request: _Request) -> None:
+    def _enqueue(self, request: EngineRequest) -> None:
         self._waiting.append(request)
 
     def _uniforms(self, params: SamplingParams, index: int, count: int) -> list[float]:
@@ -186,7 +156,7 @@ class Engine(EngineControl[_Request]):
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def _advance(self) -> list[_Request]:
+    def _advance(self) -> list[EngineRequest]:
         """Admit and prefill waiting requests (none while draining), decode one token for every running
         sequence; return the requests that finished. On a GPU the step runs with the engine's GPU current, whichever
         thread calls it: Triton kernels launch on the current device, so an engine on cuda:2 stepped from a thread
@@ -196,8 +166,8 @@ class Engine(EngineControl[_Request]):
         with torch.cuda.device(self.model.device):
             return self._step_rows()
 
-    def _step_rows(self) -> list[_Request]:
-        finished: list[_Request] = []
+    def _step_rows(self) -> list[EngineRequest]:
+        finished: list[EngineRequest] = []
         if not self._draining:
             admitted = self._admit()
             if admitted:
@@ -209,7 +179,7 @@ class Engine(EngineControl[_Request]):
         self.stats["steps"] += 1
         return finished
 
-    def _admit(self) -> list[_Request]:
+    def _admit(self) -> list[EngineRequest]:
         admitted, longest = [], 0
         while self._waiting:
             request = self._waiting[0]
@@ -239,7 +209,7 @@ class Engine(EngineControl[_Request]):
             longest = longest_next
         return admitted
 
-    def _prefill(self, requests: list[_Request], finished: list[_Request]) -> None:
+    def _prefill(self, requests: list[EngineRequest], finished: list[EngineRequest]) -> None:
         """One forward over the padded prompts; sample each request's n first tokens; fan out the K/V. A
         continued session prefills only its new tokens, in a forward of its own over its slot."""
         whole = [r for r in requests if not r.cached]
@@ -285,13 +255,13 @@ class Engine(EngineControl[_Request]):
         return hidden[torch.arange(len(new), device=device), last]
 
     # ---------------------------------------------------------------- held sessions
-    def _continued(self, request: _Request) -> Held | None:
+    def _continued(self, request: EngineRequest) -> Held | None:
         """The held session this request continues: one sample, and its prompt extends the held sequence."""
         if request.sessions is None or request.params.n != 1 or not self.cache.allocated:
             return None
         return self._held.continued(request.sessions[0], request.prompt_ids)
 
-    def _hold(self, sample: _Sample, kv: tuple[Tensor, Tensor] | None = None) -> bool:
+    def _hold(self, sample: EngineSample, kv: tuple[Tensor, Tensor] | None = None) -> bool:
         """Keep a finished session sample's K/V (see `HeldSessions.hold`)."""
         return self._held.hold(sample.request.sessions[sample.index],
                                sample.request.prompt_ids + sample.completion.token_ids, len(self._running),
@@ -313,7 +283,7 @@ class Engine(EngineControl[_Request]):
         slot_t = torch.tensor(slots, device=device)
         return self.model(ids.to(device), cache=self.cache, cache_slots=slot_t)
 
-    def _decode(self, finished: list[_Request]) -> None:
+    def _decode(self, finished: list[EngineRequest]) -> None:
         """A decode step of every running row. Ahead (`decode_ahead`): launch it from the device-resident inputs
         before reading the step in flight, then read that one while this one runs. Otherwise (nothing in flight,
         or rows that filter and are sampled again on the host) upload every row's newest token and run it."""
@@ -342,7 +312,7 @@ class Engine(EngineControl[_Request]):
         else:
             self._consume(launched, finished)
 
-    def _speculate(self, finished: list[_Request]) -> bool:
+    def _speculate(self, finished: list[EngineRequest]) -> bool:
         """A speculative step (`asyncrl.policies.speculation`) of every running row: read the step in flight, draft,
         verify, append each row's kept tokens. False: no row has a draft (a plain decode step follows)."""
         if self._inflight is not None:
@@ -387,7 +357,7 @@ class Engine(EngineControl[_Request]):
         graph = self._steps.buckets is not None and self._steps.bucket(len(samples)) <= self._held.bottom
         return self._steps.launch(samples, temperature, uniforms, attend, graph=graph)
 
-    def _consume(self, launched: Launched, finished: list[_Request]) -> None:
+    def _consume(self, launched: Launched, finished: list[EngineRequest]) -> None:
         """Append a launched step's tokens to its rows' samples (rows that finished meanwhile are skipped)."""
         tokens, logprobs = launched.results()
         rows = [i for i, s in enumerate(launched.samples) if not s.completion.finished]
@@ -399,7 +369,7 @@ class Engine(EngineControl[_Request]):
         never appended, so each of its rows decodes the same token again, from the host's inputs."""
         self._inflight = None
 
-    def _sample_and_append(self, logits: Tensor, samples: list[_Sample], finished: list[_Request]) -> None:
+    def _sample_and_append(self, logits: Tensor, samples: list[EngineSample], finished: list[EngineRequest]) -> None:
         """Sample row i of `logits` for samples[i] (top-k / top-p included) and append it."""
         device = logits.device
         params = [s.request.params for s in samples]
@@ -413,10 +383,10 @@ class Engine(EngineControl[_Request]):
                                          plain=self._sample_plain)
         self._append(samples, tokens.tolist(), logprobs.tolist(), finished)
 
-    def _append(self, samples: list[_Sample], tokens: list[int], logprobs: list[float],
-                finished: list[_Request]) -> None:
+    def _append(self, samples: list[EngineSample], tokens: list[int], logprobs: list[float],
+                finished: list[EngineRequest]) -> None:
         """Give each sample its token; finish, hold and release the samples that stop or reach their length."""
-        done: list[_Sample] = []
+        done: list[EngineSample] = []
         version = self.version
         for sample, token, logprob in zip(samples, tokens, logprobs):  # per token: kept lean
             c, request = sample.completion, sample.request
@@ -440,7 +410,7 @@ class Engine(EngineControl[_Request]):
         finished.extend({s.request.request_id: s.request for s in done
                          if all(x.completion.finished for x in s.request.samples)}.values())
 
-    def _release(self, samples: list[_Sample]) -> None:
+    def _release(self, samples: list[EngineSample]) -> None:
         """Free the slots of finished samples, moving the last running sequence into each hole."""
         freed = sorted((s.slot for s in samples if s.slot >= 0), reverse=True)
         for slot in freed:
@@ -458,7 +428,7 @@ class Engine(EngineControl[_Request]):
             s.slot = -1
 
     # ---------------------------------------------------------------- RL controls
-    def _withdraw(self, request: _Request) -> None:
+    def _withdraw(self, request: EngineRequest) -> None:
         """Drop it from the queue, or free the slots of its unfinished samples."""
         self._drop_inflight()
         if request in self._waiting:
