@@ -196,9 +196,32 @@ def test_shared_prompts_in_captured_graphs_give_per_slot_tokens(kv, share):
         assert engine.decode_kernel == "triton" and engine._steps.graphs
         assert layout == "slot" or bool(engine.stats["shared_prefix_tokens"]) == bool(share)
     assert outs["slot"].keys() == outs["shared-prompt"].keys()
+    flips = 0
     for rid, a in outs["slot"].items():
         for ca, cb in zip(a.completions, outs["shared-prompt"][rid].completions):
-            assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason and ca.versions == cb.versions
             # fp32 rounding of two reduction orders, at the scale of either weights' logits
             atol = max(logprob_tol(m, a.prompt_ids, ca.token_ids, 0.9) for m in (model, new))
-            torch.testing.assert_close(torch.tensor(cb.logprobs), torch.tensor(ca.logprobs), atol=atol, rtol=0)
+            k = boundary_flip(ca.token_ids, cb.token_ids)
+            flips += k is not None
+            upto = len(ca.token_ids) if k is None else k
+            torch.testing.assert_close(torch.tensor(cb.logprobs[:upto]), torch.tensor(ca.logprobs[:upto]), atol=atol,
+                                       rtol=0)
+            if k is None:
+                assert ca.finish_reason == cb.finish_reason and ca.versions == cb.versions
+            else:
+                assert ca.versions[:k] == cb.versions[:k]
+    # a common prefix's K/V comes from another request's prefill (another GEMM shape), so at most one of the ~2,000
+    # draws may land within rounding of a CDF boundary (seen once on an H200: a token of p 1.3e-6 and its neighbour)
+    assert flips <= (1 if share else 0), f"{flips} samples diverged"
+
+
+def boundary_flip(a: list[int], b: list[int]) -> int | None:
+    """None where two samplings give the same tokens; else the first position where they differ, which must be an
+    inverse-CDF boundary flip of rounding size: neighbouring token ids (the uniform fell between their CDF values as
+    each engine rounded them), at the same length or later."""
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if k is None:
+        assert len(a) == len(b), f"same tokens, lengths {len(a)} and {len(b)}"
+        return None
+    assert abs(a[k] - b[k]) == 1, f"token {k}: {a[k]} against {b[k]} is not a CDF-boundary flip"
+    return k
