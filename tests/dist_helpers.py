@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from asyncrl.checkpoint.snapshot import ShardSnapshot, exchange_in_ring
 from asyncrl.config import GRPO, PPO, CriticConfig, OffPolicyConfig, OptimConfig, TrainerConfig
 from asyncrl.learner import build_learner, full_weights, grad_norm_, policy_gradients, shard_model, train_step
 from asyncrl.policies import ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, random_model
@@ -196,7 +197,10 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
     3. the PPO learner then saves a checkpoint, exports itself with export_hf, and steps on `next_groups`;
     4. a fresh sharded learner (other init) loads that checkpoint and takes the same step;
     5. another one loads `single_ckpt` (written by one process) and takes the same step;
-    6. a PPO learner sharded with FSDP2's CPU offload (`--trainer.offload params`) takes the step of 2.
+    6. a PPO learner sharded with FSDP2's CPU offload (`--trainer.offload params`) takes the step of 2;
+    7. in 3, each rank snapshots its shard (`ShardSnapshot`) before the step on `next_groups`, restores it after,
+       and takes that step again; 8. sends it packed to the ring successor, and loads it into a fresh learner
+       (other initial weights, no optimizer state), which takes the same step.
     Writes its results to `out/rank{rank}.pt`."""
     res: dict = {"grads": {}, "train": {}, "clip": {}}
     for max_norm in (0.0, 0.5, 1e6):
@@ -218,8 +222,22 @@ def fsdp_worker(rank: int, world: int, out: pathlib.Path, groups: list[Group], n
     # `state` is the trained PPO learner
     path = save_checkpoint(run_dir, state, extra={"cursor": 17, "rank": rank})
     export_hf(state, export_dir)
+    snapshot = ShardSnapshot(state)  # 7. a restore point of each rank's shard, then the same step again from it
+    snapshot.take(state)
     state, _ = train_step(state, next_groups)
     res["continued"] = dict(policy=weights(state.policy), critic=weights(state.critic))
+    snapshot.restore(state)
+    res["restored"] = dict(policy=weights(state.policy), critic=weights(state.critic), step=state.step)
+    state, _ = train_step(state, next_groups)
+    res["restored_continued"] = dict(policy=weights(state.policy), critic=weights(state.critic))
+    packed = snapshot.packed()  # 8. the snapshot to the ring successor; and into a fresh learner, which steps alike
+    res["ring"] = dict(own=packed, replica=exchange_in_ring(packed, dist.group.WORLD))
+    fresh = build("ppo", sharded=True, seed=3)
+    replacement = ShardSnapshot(fresh)
+    replacement.load_packed(*packed)
+    replacement.restore(fresh)
+    fresh, _ = train_step(fresh, next_groups)
+    res["fresh_from_packed"] = dict(policy=weights(fresh.policy), critic=weights(fresh.critic))
 
     fresh = build("ppo", sharded=True, seed=1)
     res["extra"] = load_checkpoint(path, fresh)

@@ -81,7 +81,7 @@ def _is_writer(state: LearnerState) -> bool:
 
 
 # ----------------------------------------------------------------------------- weights_only-safe payload
-def _rng_state() -> dict:
+def rng_state() -> dict:
     """RNG states as tensors, ints, tuples and str (numpy's key array as an int64 tensor)."""
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -92,7 +92,7 @@ def _rng_state() -> dict:
     return out
 
 
-def _set_rng_state(rng: dict) -> None:
+def set_rng_state(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
@@ -154,7 +154,7 @@ def _gather(state: LearnerState) -> dict:
 def _learner_payload(state: LearnerState, gathered: dict) -> dict:
     lora = lora_record(state.policy)
     return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in _COUNTERS},
-            "config": _model_config(state.policy), "rng": _rng_state(), **({"lora": lora} if lora else {})}
+            "config": _model_config(state.policy), "rng": rng_state(), **({"lora": lora} if lora else {})}
 
 
 def _json_problem(value, where: str) -> str | None:
@@ -291,7 +291,7 @@ def load_checkpoint(path: str | pathlib.Path, state: LearnerState) -> dict:
     for key, value in saved["counters"].items():
         setattr(state, key, value)
     apply_optim_config(state)
-    _set_rng_state(saved["rng"])
+    set_rng_state(saved["rng"])
     return extra
 
 

@@ -192,6 +192,25 @@ def test_sharded_checkpoint_round_trips_and_matches_the_single_process_one(shard
             assert max_diff(res["from_single_continued"][part], single["continued"][part]) <= 1e-5, part
 
 
+def test_a_restored_shard_snapshot_takes_the_same_step_again(sharded):
+    """Each rank's `ShardSnapshot` (its shards, their AdamW moments, schedules, counters, RNG) taken at a version
+    boundary and restored after the next step: the weights of the boundary, and the same step again, bitwise; the
+    same from the packed snapshot loaded into a fresh sharded learner; the ring exchange of packed snapshots."""
+    for res in sharded["ranks"]:
+        for part in ("policy", "critic"):
+            assert max_diff(res["restored"][part], res["train"]["ppo"][part]) == 0, part
+            assert max_diff(res["restored_continued"][part], res["continued"][part]) == 0, part
+            assert max_diff(res["continued"][part], res["train"]["ppo"][part]) > 1e-4, part  # the step moved them
+        assert res["restored"]["step"] == 1
+        for part in ("policy", "critic"):  # a replacement's path: the packed shard into a fresh sharded learner
+            assert max_diff(res["fresh_from_packed"][part], res["continued"][part]) == 0, part
+    for rank, res in enumerate(sharded["ranks"]):  # rank r holds its predecessor's packed snapshot, byte for byte
+        text, flat = sharded["ranks"][(rank - 1) % WORLD]["ring"]["own"]
+        got_text, got_flat = res["ring"]["replica"]
+        assert got_text == text and torch.equal(got_flat, flat)
+    assert not torch.equal(sharded["ranks"][0]["ring"]["own"][1], sharded["ranks"][1]["ring"]["own"][1])
+
+
 def test_a_single_process_loads_the_sharded_checkpoint(sharded, next_groups):
     """The sharded checkpoint holds full (unsharded) tensors: one process loads it and takes the same
     next step as the sharded run."""
