@@ -39,7 +39,7 @@ from asyncrl.checkpoint.packing import pack, unpack
 from asyncrl.checkpoint.save_load import rng_state, set_rng_state
 from asyncrl.learner import LearnerState
 
-__all__ = ["ShardSnapshot", "COUNTERS", "exchange_in_ring"]
+__all__ = ["ShardSnapshot", "COUNTERS", "exchange_in_ring", "transfer_packed"]
 
 COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
 """The learner's counters a restore point holds (as a checkpoint does)."""
@@ -220,23 +220,34 @@ class ShardSnapshot:
 
 def exchange_in_ring(packed: tuple[str, Tensor], group: dist.ProcessGroup) -> tuple[str, Tensor] | None:
     """Send `packed` (this rank's `ShardSnapshot.packed()`) to the next rank of `group` and return the previous rank's
-    (rank r then holds shard r − 1 mod N as well as its own); None in a group of one. Every rank calls it together.
-    Lengths go first, then the JSON's bytes and the tensor bytes; nothing received is unpickled."""
+    (rank r then holds shard r − 1 mod N as well as its own); None in a group of one. Every rank calls it together."""
     ranks = dist.get_world_size(group)
     if ranks == 1:
         return None
     me = dist.get_rank(group)
-    text, flat = packed
-    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    sizes = torch.tensor([raw.numel(), flat.numel()], dtype=torch.int64)
+    return transfer_packed(group, packed, to=(me + 1) % ranks, source=(me - 1) % ranks)
+
+
+def transfer_packed(group: dist.ProcessGroup, packed: tuple[str, Tensor] | None, *, to: int | None,
+                    source: int | None) -> tuple[str, Tensor] | None:
+    """Send `packed` to group rank `to` and/or receive one from group rank `source` (None: that half is skipped);
+    returns what was received. Lengths go first, then the JSON's bytes and the tensor bytes; nothing received is
+    unpickled."""
+    sends: list[Tensor] = []
+    if to is not None:
+        text, flat = packed
+        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+        sends = [raw, flat]
+    sizes = torch.tensor([s.numel() for s in sends] if sends else [0, 0], dtype=torch.int64)
     got = torch.empty(2, dtype=torch.int64)
-    _swap(group, (me + 1) % ranks, (me - 1) % ranks, [sizes], [got])
-    their_raw, their_flat = torch.empty(int(got[0]), dtype=torch.uint8), torch.empty(int(got[1]), dtype=torch.uint8)
-    _swap(group, (me + 1) % ranks, (me - 1) % ranks, [raw, flat], [their_raw, their_flat])
-    return bytes(their_raw.numpy()).decode(), their_flat
+    _swap(group, to, source, [sizes] if to is not None else [], [got] if source is not None else [])
+    receives = [] if source is None else [torch.empty(int(n), dtype=torch.uint8) for n in got]
+    _swap(group, to, source, sends, receives)
+    return None if source is None else (bytes(receives[0].numpy()).decode(), receives[1])
 
 
-def _swap(group: dist.ProcessGroup, to: int, source: int, sends: list[Tensor], receives: list[Tensor]) -> None:
+def _swap(group: dist.ProcessGroup, to: int | None, source: int | None, sends: list[Tensor],
+          receives: list[Tensor]) -> None:
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=to) for t in sends if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=source) for t in receives if t.numel()]
     for work in dist.batch_isend_irecv(ops) if ops else []:

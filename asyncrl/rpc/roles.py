@@ -42,6 +42,7 @@ from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, n
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.commands import FollowerHost
 from asyncrl.rpc.membership import join_rpc, leave_rpc
+from asyncrl.rpc.reform import trainer_store
 from asyncrl.rpc.seal import key_check, rpc_key
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
@@ -108,7 +109,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
         if devices[rank].startswith("cuda"):
             torch.cuda.set_device(torch.device(devices[rank]))
-        dist.init_process_group(backend, store=store.prefix("asyncrl/trainers"), rank=rank,
+        dist.init_process_group(backend, store=trainer_store(store.raw, 0), rank=rank,
                                 world_size=spec.num_trainers,
                                 timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
         if rank == 0:

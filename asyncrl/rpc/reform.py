@@ -1,0 +1,62 @@
+"""Re-forming the trainer group after a rank died (trainer failover): every member of the new group leaves the old
+one and joins generation g's, over a store prefix of its own, so nothing of the dead group's keys is reused.
+
+    dist.init_process_group(backend, store=trainer_store(store, 0), ...)        # the run's first group
+    ... a peer dies: a collective raises on every survivor ...
+    reform_trainer_group(store, generation=1, rank=r, world_size=n, backend="gloo", timeout_s=60)
+    state = build_learner_state(...)             # the learner again, sharded over the new group
+    ShardSnapshot(state).load_packed(...)        # ... and restored to the last version boundary
+
+How survivors learn of a death: a rank whose collective was under way with the dead one fails at once (the
+connection closes); a rank that posts its receive after the death waits out the group's timeout (gloo does not fail a
+receive from a peer whose connection already closed; measured in tests/rpc/test_trainer_reform.py), so on gloo the
+trainer group's timeout bounds the detection.
+
+The members may be the survivors and a replacement (a spare, or a restarted process) with the same ranks, so the
+learner's layout is unchanged and a replacement's shard comes from the replica its ring successor holds
+(`asyncrl.checkpoint.snapshot`); tests/rpc/test_trainer_reform.py runs that with three gloo ranks and a spare.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+__all__ = ["trainer_store", "reform_trainer_group", "abort_trainer_groups"]
+
+log = logging.getLogger(__name__)
+
+
+def trainer_store(store: dist.Store, generation: int) -> dist.PrefixStore:
+    """The trainer group's store prefix in generation `generation` (0: the run's first group)."""
+    if generation < 0:
+        raise ValueError(f"trainer_store: generation {generation} must be >= 0")
+    return dist.PrefixStore("asyncrl/trainers" if generation == 0 else f"asyncrl/trainers/gen{generation}", store)
+
+
+def abort_trainer_groups() -> None:
+    """Abort every process group of this process (the trainer group and the groups made from it) and let them go.
+    The caller drops its learner first: its sharded tensors hold the group, which is freed (and its connections
+    closed) only once nothing refers to it."""
+    try:
+        distributed_c10d._abort_process_group()
+    except Exception as err:  # noqa: BLE001 - the group is broken by the death being recovered from
+        log.warning("aborting the broken trainer group: %s", err)
+    gc.collect()  # the groups' last references (a dropped learner's sharded tensors) go, and their sockets close
+
+
+def reform_trainer_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> None:
+    """Leave this process's trainer group (aborted; a replacement has none yet) and join generation
+    `generation`'s as `rank` of `world_size`; returns once every member joined, or raises after `timeout_s`."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"reform_trainer_group: rank {rank} outside a group of {world_size}")
+    if dist.is_initialized():
+        abort_trainer_groups()
+    dist.init_process_group(backend, store=trainer_store(store, generation), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    log.info("trainer group generation %d: rank %d of %d", generation, rank, world_size)

@@ -1,0 +1,129 @@
+"""Trainer failover, the group's part: three gloo trainer ranks (FSDP2, PPO with its critic) train a step, snapshot
+their shards at the version boundary and pass each snapshot to the ring successor; rank 2 dies; the survivors' next
+collective raises; they and a spare re-form the group as generation 1 (`reform_trainer_group`) with the same ranks,
+rebuild the learner, restore the boundary (the spare from rank 0's replica of shard 2), and take the step again. Its
+weights equal, bitwise, those of a group that never lost a rank. A survivor that posts its receive after the death
+learns of it at the group's timeout, so the first group's is short here."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pathlib
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncrl.checkpoint.snapshot import ShardSnapshot, exchange_in_ring, transfer_packed
+from asyncrl.learner import train_step
+from asyncrl.rpc.reform import abort_trainer_groups, reform_trainer_group, trainer_store
+from tests.dist_helpers import build, max_diff, sample_groups, weights
+from tests.run_helpers import free_ports
+from tests.timing import limit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+WORLD = 3
+SPARE = WORLD  # the spare's process index: it takes the dead rank's place
+STEP_TIMEOUT_S = 20  # the first group's collective timeout: a survivor that missed the death waits it out
+
+
+def _batches():
+    return sample_groups(4, seed=0, n=3), sample_groups(4, seed=0, n=3, first_id=100)
+
+
+def _member(index: int, port: int, out: str, die: bool) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=limit(60)))
+        first, second = _batches()
+        result: dict = {}
+        if index < WORLD:
+            dist.init_process_group("gloo", store=trainer_store(store, 0), rank=index, world_size=WORLD,
+                                    timeout=timedelta(seconds=limit(STEP_TIMEOUT_S)))
+            state, _ = train_step(build("ppo", sharded=True), first)
+            snapshot = ShardSnapshot(state)
+            snapshot.take(state)
+            own = snapshot.packed()
+            replica = exchange_in_ring(own, dist.group.WORLD)
+            if not die:
+                state, _ = train_step(state, second)
+                torch.save({"policy": weights(state.policy), "critic": weights(state.critic)},
+                           pathlib.Path(out) / f"member{index}.pt")
+                return
+            if index == 2:
+                store.set("died_at", repr(time.time()))
+                os._exit(9)  # dies at the version boundary, after its snapshot reached rank 0
+            try:
+                train_step(state, second)
+            except Exception as err:  # noqa: BLE001 - what a survivor sees of the death
+                result["error"] = f"{type(err).__name__}: {err}"[:300]
+                result["detected_s"] = time.time() - float(store.get("died_at").decode())
+            else:
+                raise AssertionError(f"rank {index} trained a step without rank 2")
+            del state, snapshot  # the learner holds the broken group: dropped, the group's connections can close
+            abort_trainer_groups()  # at once: a survivor blocked on this one fails now too
+        rank = 2 if index == SPARE else index
+        reform_trainer_group(store, generation=1, rank=rank, world_size=WORLD, backend="gloo", timeout_s=limit(180))
+        state = build("ppo", sharded=True, seed=5)  # the learner again, over the new group (other initial weights)
+        snapshot = ShardSnapshot(state)
+        if index == SPARE:
+            snapshot.load_packed(*transfer_packed(dist.group.WORLD, None, to=None, source=0))
+        else:
+            if index == 0:  # rank 2's ring successor holds its shard
+                transfer_packed(dist.group.WORLD, replica, to=2, source=None)
+            snapshot.load_packed(*own)
+        snapshot.restore(state)
+        state, _ = train_step(state, second)
+        result.update(policy=weights(state.policy), critic=weights(state.critic), version=snapshot.version)
+        torch.save(result, pathlib.Path(out) / f"member{index}.pt")
+    except BaseException:
+        (pathlib.Path(out) / f"error{index}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(out: pathlib.Path, die: bool) -> dict[int, dict]:
+    port = free_ports()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=limit(60)))
+    ctx = multiprocessing.get_context("spawn")
+    members = range(WORLD + 1) if die else range(WORLD)
+    procs = [ctx.Process(target=_member, args=(i, port, str(out), die)) for i in members]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(limit(240))
+        errors = "".join(f.read_text() for f in sorted(out.glob("error*.txt")))
+        assert all(p.exitcode is not None for p in procs), f"members still running\n{errors}"
+        expected = {i: (9 if die and i == 2 else 0) for i in members}
+        assert {i: p.exitcode for i, p in zip(members, procs)} == expected, errors
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        del store
+    return {i: torch.load(out / f"member{i}.pt") for i in members if not (die and i == 2)}
+
+
+def test_survivors_and_a_spare_reform_the_group_and_retrain_the_version_bitwise(tmp_path):
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "failed").mkdir()
+    whole = _run(tmp_path / "whole", die=False)
+    failed = _run(tmp_path / "failed", die=True)
+    assert sorted(failed) == [0, 1, SPARE]
+    for index, got in failed.items():
+        if index != SPARE:  # at once (a collective with the dead rank under way) or at the timeout (posted after)
+            assert "error" in got, f"rank {index}'s collective did not fail when rank 2 died"
+            assert got["detected_s"] < limit(STEP_TIMEOUT_S) + limit(10), got
+        assert got["version"] == 0
+        for part in ("policy", "critic"):
+            assert max_diff(got[part], whole[0][part]) == 0, (index, part)
+    assert max_diff(whole[0]["policy"], whole[1]["policy"]) == 0
