@@ -140,11 +140,11 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             summary = run_head(spec, store, stop, token, nonce, run_log=run_log)
             _report(results, summary)
         elif spec.colocate:  # its role object is rank 0's to create, over RPC
-            _wait_for_end(store, poll_s=0.5)
-        else:  # its own follower: rank 0's commands over the trainer group, no RPC
+            _wait_for_end(store, poll_s=0.5, beat=rank)
+        else:  # its own follower: rank 0's commands over the trainer group, no RPC; its heartbeat to the launcher
             follower = FollowerHost(spec, rank, None)
             while not follower.done.wait(0.5) and not store.is_shut_down():
-                pass
+                store.trainer_beat(rank)
     except RunFailed as err:  # its message says it all: the launcher prints it once
         _report(results, err)
     except BaseException as err:
@@ -193,12 +193,15 @@ def _report(results, outcome) -> None:
         results.put(pickle.dumps(outcome))
 
 
-def _wait_for_end(store: RunStore, poll_s: float) -> None:
-    """Until rank 0 marks the end of the run (or its store goes away with it)."""
+def _wait_for_end(store: RunStore, poll_s: float, beat: int | None = None) -> None:
+    """Until rank 0 marks the end of the run (or its store goes away with it); `beat`: this trainer rank's heartbeat
+    goes out every poll meanwhile."""
     while True:
         try:
             if store.is_shut_down():
                 return
+            if beat is not None:
+                store.trainer_beat(beat)
         except Exception:  # noqa: BLE001 - rank 0 is gone: so is the run
             return
         time.sleep(poll_s)

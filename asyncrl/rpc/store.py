@@ -8,6 +8,7 @@ run reaches at `master_addr:join_port`. It is the run's control plane for what R
   exits           the launcher saw an agent's process end: rank 0 declares it dead at once;
   dead reports    rank 0 names the agents it declared dead (pid included), so the launcher can end and restart
                   them;
+  heartbeats      each trainer follower counts up while it follows; the launcher names one whose count stops;
   shutdown        rank 0 marks the end of the run; every other process exits when it sees it;
   refusals        rank 0 names an agent it refused (no valid run token); that process exits when it sees it.
 
@@ -220,6 +221,14 @@ class RunStore:
         if not self.raw.check(["asyncrl/shutdown"]):
             return False
         return self._verified("asyncrl/shutdown", self.raw.get("asyncrl/shutdown")) is not None
+
+    def trainer_beat(self, rank: int) -> None:
+        """Trainer rank `rank` (a follower) is alive: its count goes up (every half second while it follows)."""
+        self.raw.add(f"asyncrl/trainers/beat/{rank}", 1)
+
+    def trainer_beats(self, rank: int) -> int:
+        """How many heartbeats trainer rank `rank` sent (0: it has not begun following)."""
+        return self.raw.add(f"asyncrl/trainers/beat/{rank}", 0)
 
     def set_restarts_left(self, n: int) -> None:
         self.raw.set("asyncrl/restarts_left", str(n))

@@ -12,7 +12,8 @@ a process behind, and returns rank 0's summary.
   `restart_agents` restarts in all; the new process joins the running job under the next incarnation name.
   An agent that had joined the run is restarted only once rank 0 has declared it dead (and so evicts it from
   the RPC group): a replacement that joined before would wait on the dead member.
-* A trainer rank that exits ends the run (its checkpoint needs every rank): resume from the last checkpoint.
+* A trainer rank that exits ends the run (its checkpoint needs every rank): resume from the last checkpoint. A
+  follower whose heartbeat (through the store) stops for `agent_timeout_s` (stopped, hung) ends it too, named.
 * `max_run_time_s`: when it passes, the run is stopped as by a SIGTERM (checkpoint, then exit).
 * `run_dir/processes.json` lists every process of the run (role, pid), for operators.
 * Start method (`--placement.start-method`): forkserver (the default) forks every rank, restarted agents
@@ -130,6 +131,7 @@ class Supervisor:
         self.signals: list[str] = []
         self.store: RunStore | None = None
         self._dead_seen = 0
+        self._beats: dict[int, tuple[int, float]] = {}  # trainer follower -> (heartbeats seen, when they last changed)
         self._stopping = False
         self.stop_reason: str | None = None  # a limit the launcher enforced (max_run_time_s)
         self.starter = _starter(spec, self.results)  # last: a fork server is a process, ended by run()
@@ -213,7 +215,7 @@ class Supervisor:
             if len(self.signals) > 1:
                 raise RunKilled(self.signals[-1])
             try:
-                return pickle.loads(self.results.get(timeout=self.poll_s))
+                return self._blamed(pickle.loads(self.results.get(timeout=self.poll_s)))
             except queue_mod.Empty:
                 pass
             if not rank0.is_alive():
@@ -226,13 +228,35 @@ class Supervisor:
             if cap is not None and time.monotonic() - start > cap:
                 self._stop_for(f"max_run_time_s={cap:g} reached")
             self._check_children()
+            self._check_trainer_beats()
             self._restart_due()
 
-    def _check_children(self) -> None:
-        for c in list(self.children):
+    def _follower_exit(self) -> str | None:
+        """Why the run cannot go on, when a trainer follower exited with an error."""
+        for c in self.children:
             if c.role.startswith("trainer") and c.slot > 0 and c.process.exitcode not in (None, 0):
-                raise RuntimeError(f"trainer rank {c.slot} exited with code {c.process.exitcode}; the run cannot go on "
-                                   "without it (resume from its last checkpoint with --resume)")
+                return (f"trainer rank {c.slot} exited with code {c.process.exitcode}; the run cannot go on without it "
+                        "(resume from its last checkpoint with --resume)")
+        return None
+
+    def _blamed(self, outcome):
+        """Rank 0's outcome; when it is a failure caused by a follower's death (rank 0's collective with it broke
+        first), the follower's exit is what the run reports."""
+        if not isinstance(outcome, BaseException) or self.spec.num_trainers == 1:
+            return outcome
+        deadline = time.monotonic() + 2.0  # the follower's exit can reach this process after rank 0's report
+        while (why := self._follower_exit()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if why is None:
+            return outcome
+        first = (str(outcome).splitlines() or [type(outcome).__name__])[0][:200]
+        err = RuntimeError(f"{why} (trainer rank 0 then failed: {first})")
+        err.__cause__ = outcome
+        return err
+
+    def _check_children(self) -> None:
+        if (why := self._follower_exit()) is not None:
+            raise RuntimeError(why)
         self._end_dead_agents()
         for c in list(self.children):
             if c.role.startswith("agent") and not c.process.is_alive() and not self._stopping:
@@ -247,6 +271,29 @@ class Supervisor:
                     log.warning("agent slot %d (pid %d) exited with code %s; restarting it in %.1f s (%d restarts "
                                 "left)", c.slot, c.process.pid, c.process.exitcode, delay, self.restarts_left)
                     self._tell_restarts_left()
+
+    def _check_trainer_beats(self) -> None:
+        """A trainer follower whose heartbeat stopped for `--async-training.agent-timeout-s` (stopped, or hung with
+        its whole process) is named now, rather than by rank 0's collective at the sync timeout."""
+        store = None if self._stopping or self.spec.num_trainers == 1 else self._store()
+        if store is None:
+            return
+        now, timeout = time.monotonic(), self.spec.async_.agent_timeout_s
+        for c in self.children:
+            if not c.role.startswith("trainer") or c.slot == 0 or not c.process.is_alive():
+                continue
+            try:
+                count = store.trainer_beats(c.slot)
+            except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
+                return
+            seen = self._beats.get(c.slot)
+            if count == 0 or seen is None or count != seen[0]:  # not following yet, or alive
+                self._beats[c.slot] = (count, now)
+            elif now - seen[1] > timeout:
+                how = "is stopped (SIGSTOP)" if _stopped(c.process.pid) else "hangs (its whole process)"
+                raise RuntimeError(f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat for "
+                                   f"{now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g}); the run "
+                                   "cannot go on without it (resume from its last checkpoint with --resume)")
 
     def _end_dead_agents(self) -> None:
         """Rank 0 declared these agents dead: with restarts on, end a process that still exists (hung), so it

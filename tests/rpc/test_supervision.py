@@ -239,3 +239,30 @@ def test_a_run_whose_only_agent_dies_waits_for_its_restart_and_goes_on(tmp_path,
     summary = job.summary()
     assert summary["agents"]["agent0"]["status"] == "dead" and summary["agents"]["agent0_r1"]["submitted"] > 0
     books_balance(summary)
+
+
+TWO_TRAINERS = ("--placement.trainer-devices", "cpu", "cpu")
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_dead_or_stopped_trainer_follower_ends_the_run_named(tmp_path, jobs, fault):
+    """Trainer rank 1 killed (-9): the launcher names its exit at once; stopped (SIGSTOP): its heartbeat through
+    the store stops and the launcher names it within agent_timeout_s (not at rank 0's sync timeout, 300 s here);
+    either way every process of the run is gone and the message says how to go on."""
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, *timeouts(timeout), "--async-training.sync-timeout-s", "300")
+    jobs.append(job)
+    job.wait_versions(2)
+    trainer1 = job.processes()["trainer1"]
+    os.kill(trainer1, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    faulted_at = time.monotonic()
+    assert job.finish(timeout=limit(60) + timeout) != 0, job.tail()
+    named = time.monotonic() - faulted_at
+    text = job.text()
+    if fault == "kill":
+        assert "trainer rank 1 exited with code -9" in text, job.tail()
+    else:
+        assert f"trainer rank 1 (pid {trainer1}) is stopped (SIGSTOP): no heartbeat for" in text, job.tail()
+        assert named < timeout + detection_margin() + limit(15), named  # not rank 0's 300 s collective timeout
+    assert "resume from its last checkpoint with --resume" in text
+    no_process_left(job)
