@@ -30,6 +30,7 @@ from asyncrl.learner.prepare import Prepared
 from asyncrl.learner.share import Deal
 from asyncrl.learner.sharding import compute_device, grad_norm_
 from asyncrl.learner.state import LearnerState, group_reduced, world
+from asyncrl.runtime.kill_points import kill_point
 
 __all__ = ["Counts", "MicroStats", "Totals", "UpdateResult", "run_updates", "actor_loss", "critic_loss", "accumulate",
            "ess_lr_scale", "world"]
@@ -173,6 +174,7 @@ def _actor_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
         aux, moe = router_terms()
         if cfg.router_aux_loss_coef > 0:  # weighted by this micro-batch's share of the mini-batch's tokens
             loss = loss + cfg.router_aux_loss_coef * aux * (mask.sum() / counts.tokens)
+    kill_point("backward", world(state)[0], state.version)
     (loss * size).backward()  # FSDP2 averages gradients over ranks; counts are already global
     return MicroStats(sums={"pg_loss": pg.loss.detach() * size, "entropy": entropy.detach() * size,
                             "kl_loss": kl_loss.detach() * size, "behaviour_kl": behaviour_kl.detach() * size},
@@ -199,14 +201,17 @@ def critic_loss(state: LearnerState, prep: Prepared, micro: MicroBatch, counts: 
 
 # -------------------------------------------------------------------------------------- the loop
 def _optimizer_step(model: nn.Module, optimizer, scheduler, clip: float, group=None, keep_grads: bool = False,
-                    lr_scale: float = 1.0) -> float:
+                    lr_scale: float = 1.0, committed: Callable[[], None] | None = None) -> float:
     """Clip, then step unless the gradient norm is non-finite (then zero the gradients and skip). Returns
     the norm (non-finite: skipped). `keep_grads`: zero the gradients in place instead of freeing them (CUDA
-    graphs accumulate into stable buffers). `lr_scale`: this step's learning rate is the schedule's times it."""
+    graphs accumulate into stable buffers). `lr_scale`: this step's learning rate is the schedule's times it.
+    `committed`: called once every rank has agreed on the norm, before the step (a failover drill's kill point)."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
     norm = float(grad_norm_(params, clip, group))
+    if committed is not None:
+        committed()
     if math.isfinite(norm):
         scheduled = [g["lr"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
@@ -254,6 +259,7 @@ def accumulate(state: LearnerState, prep: Prepared, groups: list[int], loss: Mic
     rows = _local_rows(prep, groups)
     counts = _counts(state, prep, rows)
     for micro in _plan(state, prep, rows, device):
+        kill_point("forward", world(state)[0], state.version)
         with value_checks(False):
             totals.add(loss(state, prep, micro, counts))
 
@@ -272,8 +278,10 @@ def run_updates(state: LearnerState, prep: Prepared, deal: Deal, loss: MicroLoss
         these = Totals()
         accumulate(state, prep, update[rank], loss, device, these)
         scales.append(lr_scale(state, these) if lr_scale is not None else 1.0)
+        kill_point("norm", rank, state.version)
         grad_norms.append(_optimizer_step(model, optimizer, scheduler, cfg.optim.grad_clip, group,
-                                          keep_grads=cfg.cuda_graphs, lr_scale=scales[-1]))
+                                          keep_grads=cfg.cuda_graphs, lr_scale=scales[-1],
+                                          committed=lambda: kill_point("step", rank, state.version)))
         totals.merge(these)
     sums, weighted, tokens = _group_totals(state, totals)
     means = {k: v / max(tokens, 1.0) for k, v in weighted.items()}

@@ -43,6 +43,7 @@ from asyncrl.learner.share import Deal, Share, group_counts, take_share
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.spec import RunSpec
+from asyncrl.runtime.kill_points import kill_point
 
 __all__ = ["TrainerGroup", "FollowerHost", "commands_group", "broadcast_command", "receive_command", "send_command",
            "receive_sent", "follow_step"]
@@ -212,6 +213,7 @@ class TrainerGroup:
     def weights(self, state: LearnerState, dtype: torch.dtype) -> list:
         """What a publication sends (`published_weights`), gathered by every rank together."""
         self._command("weights", dtype=str(dtype).removeprefix("torch."))
+        kill_point("publish", 0, state.version)
         return list(published_weights(state.policy, dtype=dtype))
 
     def load_hosted(self, state: LearnerState, dtype: torch.dtype, version: int) -> int:
@@ -220,6 +222,7 @@ class TrainerGroup:
 
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
         self._command("checkpoint", run_dir=str(run_dir), version=state.version, keep=keep)
+        kill_point("checkpoint", 0, state.version)
         return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
 
     def load(self, path: str, state: LearnerState) -> dict:
@@ -273,6 +276,7 @@ class FollowerHost:
         if cmd == "step":
             self.state, _ = follow_step(self.group, state, header)
         elif cmd == "weights":
+            kill_point("publish", self.rank, state.version)
             for _ in published_weights(state.policy, dtype=_DTYPES[f"torch.{header['dtype']}"]):
                 pass
         elif cmd == "load_hosted":
@@ -282,6 +286,7 @@ class FollowerHost:
             load_checkpoint(str(header["path"]), state)
         elif cmd == "checkpoint":
             state.version = int(header["version"])
+            kill_point("checkpoint", self.rank, state.version)
             save_checkpoint(str(header["run_dir"]), state, keep_last=int(header["keep"]))
         elif cmd == "stop":
             return False

@@ -42,6 +42,7 @@ from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
+from asyncrl.runtime.kill_points import check_kill_point_env
 from asyncrl.runtime.lifecycle import on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.spec import RunSpec
@@ -405,4 +406,5 @@ def launch(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary:
     # run names its faults itself. Set TORCH_CPP_LOG_LEVEL=INFO (or WARNING) to see them. Set before the fork
     # server starts: torch reads it when it loads.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    check_kill_point_env(spec.num_trainers)  # a failover drill's kill point, refused before any spawn if malformed
     return Supervisor(resolve_resume(spec), run_log=run_log).run()  # a resume without a checkpoint is refused before any spawn

@@ -42,7 +42,7 @@ def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.2):
 
 class Job:
     def __init__(self, tmp_path: pathlib.Path, *args: str, name: str = "job", command: str = "train",
-                 preset: str | None = "cpu-demo"):
+                 preset: str | None = "cpu-demo", env: dict | None = None):
         self.run_dir = tmp_path / name
         self.log_path = tmp_path / f"{name}.log"
         cmd = [command, *([preset] if preset else []), *args]
@@ -57,7 +57,7 @@ class Job:
                                              stderr=subprocess.STDOUT, cwd=ROOT,
                                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         else:
-            self.proc = start(cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1"}, stdout=self.log_path)
+            self.proc = start(cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1", **(env or {})}, stdout=self.log_path)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------------ reading

@@ -266,3 +266,17 @@ def test_a_dead_or_stopped_trainer_follower_ends_the_run_named(tmp_path, jobs, f
         assert named < timeout + detection_margin() + limit(15), named  # not rank 0's 300 s collective timeout
     assert "resume from its last checkpoint with --resume" in text
     no_process_left(job)
+
+
+@pytest.mark.parametrize("phase", ["backward", "publish"])
+def test_a_follower_killed_at_a_drill_kill_point_ends_the_run_named(tmp_path, jobs, phase):
+    """`ASYNCRL_FAULT=trainer:1:version:1:phase:P`: trainer rank 1 dies at that point of version 1 (in the learner's
+    backward; gathering a publication), and the run stops naming it (failover will keep it going)."""
+    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, env={"ASYNCRL_FAULT": f"trainer:1:version:1:phase:{phase}"})
+    jobs.append(job)
+    assert job.finish(timeout=limit(120)) != 0, job.tail()
+    text = job.text()
+    assert f"ASYNCRL_FAULT: trainer rank 1 killed at {phase} of version 1" in text, job.tail()
+    assert "trainer rank 1 exited with code 9" in text, job.tail()
+    assert len(job.metrics()) == 1  # version 0's step was trained and published; version 1's died
+    no_process_left(job)

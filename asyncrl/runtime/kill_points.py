@@ -1,0 +1,66 @@
+"""Deterministic kill points for failover drills: `ASYNCRL_FAULT=trainer:R:version:V:phase:P` ends trainer rank R's
+process at once (`os._exit(9)`, as a crash would: no cleanup, no message to its peers) when it reaches phase P with
+its learner's version counter at V.
+
+    ASYNCRL_FAULT=trainer:1:version:2:phase:backward asyncrl train cpu-demo --placement.trainer-devices cpu cpu
+
+Phases, in a step's order: forward (a micro-batch's forward begins), backward (its loss is computed, its backward
+not begun), norm (a mini-batch's gradients are complete; the gradient-norm all-reduce, the step's commit barrier, not
+begun), step (the norm is agreed; the optimizer step not taken), publish (the weights are gathered for a
+publication), checkpoint (a checkpoint is being written). Unset, a point costs one environment lookup. A malformed
+value is refused before any process starts (`check_kill_point_env`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+
+__all__ = ["ENV", "PHASES", "KillPoint", "parse_kill_point", "check_kill_point_env", "kill_point"]
+
+log = logging.getLogger(__name__)
+
+ENV = "ASYNCRL_FAULT"
+PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint")
+_FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KillPoint:
+    rank: int
+    version: int
+    phase: str
+
+
+def parse_kill_point(text: str) -> KillPoint:
+    match = _FORMAT.fullmatch(text.strip())
+    if match is None or match.group(3) not in PHASES:
+        raise ValueError(f"{ENV}={text!r}: expected trainer:RANK:version:VERSION:phase:PHASE with PHASE one of "
+                         f"{', '.join(PHASES)} (e.g. trainer:1:version:2:phase:backward)")
+    return KillPoint(int(match.group(1)), int(match.group(2)), match.group(3))
+
+
+def check_kill_point_env(num_trainers: int) -> KillPoint | None:
+    """The drill's kill point, checked against the run (before anything is spawned); None when unset."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    point = parse_kill_point(text)
+    if point.rank >= num_trainers:
+        raise ValueError(f"{ENV}={text!r}: trainer rank {point.rank} does not exist in a run of {num_trainers} "
+                         "trainer rank(s) (--placement.trainer-devices)")
+    return point
+
+
+def kill_point(phase: str, rank: int, version: int) -> None:
+    """End this process here if the drill names this trainer rank, version and phase."""
+    text = os.environ.get(ENV)
+    if not text:
+        return
+    point = parse_kill_point(text)
+    if (point.rank, point.version, point.phase) == (rank, version, phase):
+        log.error("%s: trainer rank %d killed at %s of version %d", ENV, rank, phase, version)
+        logging.shutdown()
+        os._exit(9)
