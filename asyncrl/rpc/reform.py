@@ -7,10 +7,11 @@ one and joins generation g's, over a store prefix of its own, so nothing of the 
     state = build_learner_state(...)             # the learner again, sharded over the new group
     ShardSnapshot(state).load_packed(...)        # ... and restored to the last version boundary
 
-How survivors learn of a death: a rank whose collective was under way with the dead one fails at once (the
-connection closes); a rank that posts its receive after the death waits out the group's timeout (gloo does not fail a
-receive from a peer whose connection already closed; measured in tests/rpc/test_trainer_reform.py), so on gloo the
-trainer group's timeout bounds the detection.
+How survivors learn of a death (gloo, torch 2.13, measured in tests/rpc/test_trainer_reform.py): a rank waiting on
+the dead one fails at once (its connection closes); a rank waiting on a live survivor whose own collective failed
+waits out the group's timeout, since a live process's gloo connections stay open (the process group's abort and
+shutdown do not close them; only the process's exit does). Fast detection on CPU therefore needs either a short
+trainer-group timeout or survivors that exit and restart from restore points kept outside the process.
 
 The members may be the survivors and a replacement (a spare, or a restarted process) with the same ranks, so the
 learner's layout is unchanged and a replacement's shard comes from the replica its ring successor holds
@@ -39,14 +40,14 @@ def trainer_store(store: dist.Store, generation: int) -> dist.PrefixStore:
 
 
 def abort_trainer_groups() -> None:
-    """Abort every process group of this process (the trainer group and the groups made from it) and let them go.
-    The caller drops its learner first: its sharded tensors hold the group, which is freed (and its connections
-    closed) only once nothing refers to it."""
+    """Abort every process group of this process (the trainer group and the groups made from it) and forget them,
+    so that a new generation can be joined. The caller drops its learner first (its sharded tensors hold the old
+    group). On gloo this does not close the old connections (module docstring)."""
     try:
         distributed_c10d._abort_process_group()
     except Exception as err:  # noqa: BLE001 - the group is broken by the death being recovered from
         log.warning("aborting the broken trainer group: %s", err)
-    gc.collect()  # the groups' last references (a dropped learner's sharded tensors) go, and their sockets close
+    gc.collect()  # what still refers to the old groups (a dropped learner) goes now
 
 
 def reform_trainer_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str,
