@@ -1,0 +1,91 @@
+"""Restore points that outlive their process: a packed shard snapshot (`ShardSnapshot.packed()`) in a file of host
+shared memory (tmpfs, /dev/shm), so that a trainer rank that exits on a fault (on gloo, the only way to free a
+survivor blocked in a collective) restarts and restores the version boundary it had reached.
+
+    path = write_packed(directory, rank=1, version=7, packed=snapshot.packed())   # atomic: a complete file or none
+    held = held_snapshots(directory)            # [(rank, version, path)], what a restart can restore from
+    snapshot.load_packed(*read_packed(path))    # then snapshot.restore(state)
+
+A file is `ASRLSNAP` + the JSON's byte length (8 bytes, little endian) + the JSON + the tensor bytes; nothing in it is
+unpickled or evaluated, and a truncated or foreign file is refused with its path. A rank keeps its newest two
+versions (`keep`), so a death while writing version V leaves V − 1 whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import tempfile
+
+import torch
+from torch import Tensor
+
+__all__ = ["snapshot_directory", "write_packed", "read_packed", "held_snapshots"]
+
+_MAGIC = b"ASRLSNAP"
+_NAME = re.compile(r"rank(\d+)-v(\d+)\.snap")
+
+
+def snapshot_directory(run_id: str) -> pathlib.Path:
+    """Where this run's restore points live on this host: /dev/shm (memory) where it exists, else the temp dir."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
+        raise ValueError(f"snapshot_directory: run id {run_id!r} must be letters, digits, '_', '.' or '-'")
+    root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
+    return root / f"asyncrl-{run_id}"
+
+
+def write_packed(directory: str | os.PathLike, *, rank: int, version: int, packed: tuple[str, Tensor],
+                 keep: int = 2) -> pathlib.Path:
+    """Write rank `rank`'s packed snapshot of `version` (renamed into place once complete), then delete its files
+    older than its newest `keep` versions. Returns the file."""
+    if keep < 1:
+        raise ValueError(f"write_packed: keep {keep} must be >= 1")
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    text, flat = packed
+    raw = text.encode()
+    final = directory / f"rank{rank}-v{version}.snap"
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
+        f.write(flat.contiguous().numpy().tobytes())
+    os.replace(tmp, final)
+    mine = sorted((v, p) for r, v, p in held_snapshots(directory) if r == rank)
+    for _, old in mine[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def read_packed(path: str | os.PathLike) -> tuple[str, Tensor]:
+    """A packed snapshot back from `write_packed`'s file (ValueError naming the file when it is not one)."""
+    path = pathlib.Path(path)
+    data = path.read_bytes()
+    if len(data) < 16 or data[:8] != _MAGIC:
+        raise ValueError(f"{path}: not an asyncrl snapshot file")
+    length = int.from_bytes(data[8:16], "little")
+    if 16 + length > len(data):
+        raise ValueError(f"{path}: truncated ({len(data)} bytes, its header says at least {16 + length})")
+    text = data[16:16 + length].decode()
+    try:
+        expected = sum(json.loads(text)["lengths"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: its header is not a packed snapshot's ({err})") from None
+    if len(data) - 16 - length != expected:
+        raise ValueError(f"{path}: truncated ({len(data) - 16 - length} tensor bytes of {expected})")
+    flat = torch.frombuffer(bytearray(data[16 + length:]), dtype=torch.uint8)
+    return text, flat
+
+
+def held_snapshots(directory: str | os.PathLike) -> list[tuple[int, int, pathlib.Path]]:
+    """(rank, version, file) of every complete snapshot file in `directory`."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    out = []
+    for p in directory.iterdir():
+        m = _NAME.fullmatch(p.name)
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), p))
+    return sorted(out)
