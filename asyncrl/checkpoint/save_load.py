@@ -66,7 +66,8 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_ch
            "list_checkpoints", "export_hf", "run_model", "run_hub", "lora_base_weights", "fsync_dir", "RUN_CONFIG",
            "read_learner_file"]
 
-_COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
+COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
+"""The learner's counters a checkpoint (and a shard snapshot) holds."""
 _STEP_DIR = re.compile(r"step_\d+")  # step_00000012; not step_….tmp / .old / .corrupt
 RUN_CONFIG = "run_config.json"
 """The copy of `run_dir/config.json` a checkpoint holds: the config (and data fingerprint) it was trained under."""
@@ -153,7 +154,7 @@ def _gather(state: LearnerState) -> dict:
 
 def _learner_payload(state: LearnerState, gathered: dict) -> dict:
     lora = lora_record(state.policy)
-    return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in _COUNTERS},
+    return {**gathered, "counters": {k: _plain(getattr(state, k)) for k in COUNTERS},
             "config": _model_config(state.policy), "rng": rng_state(), **({"lora": lora} if lora else {})}
 
 

@@ -36,13 +36,10 @@ from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 from asyncrl.checkpoint.packing import pack, unpack
-from asyncrl.checkpoint.save_load import rng_state, set_rng_state
+from asyncrl.checkpoint.save_load import COUNTERS, rng_state, set_rng_state
 from asyncrl.learner import LearnerState
 
 __all__ = ["ShardSnapshot", "COUNTERS", "exchange_in_ring", "transfer_packed"]
-
-COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
-"""The learner's counters a restore point holds (as a checkpoint does)."""
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -54,18 +51,16 @@ def _local(tensor: Tensor) -> Tensor:
 class _Trained:
     """A model's trained parameters and the optimizer and schedule that update them."""
 
-    name: str
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 def _trained(state: LearnerState) -> list[_Trained]:
-    out = [_Trained("policy", [p for p in state.policy.parameters() if p.requires_grad], state.optimizer,
-                    state.scheduler)]
+    out = [_Trained([p for p in state.policy.parameters() if p.requires_grad], state.optimizer, state.scheduler)]
     if state.critic is not None:
-        out.append(_Trained("critic", [p for p in state.critic.parameters() if p.requires_grad],
-                            state.critic_optimizer, state.critic_scheduler))
+        out.append(_Trained([p for p in state.critic.parameters() if p.requires_grad], state.critic_optimizer,
+                            state.critic_scheduler))
     return out
 
 
