@@ -64,7 +64,7 @@ from asyncrl.policies.model import CausalLM, TransformerConfig
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "describe_checkpoint", "latest_checkpoint",
            "list_checkpoints", "export_hf", "run_model", "run_hub", "lora_base_weights", "fsync_dir", "RUN_CONFIG",
-           "read_learner_file"]
+           "read_learner_file", "rng_state", "set_rng_state", "COUNTERS"]
 
 COUNTERS = ("step", "optimizer_steps", "version", "kl_coef", "skipped_updates", "critic_skipped_updates")
 """The learner's counters a checkpoint (and a shard snapshot) holds."""
