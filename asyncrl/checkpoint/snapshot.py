@@ -28,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import torch.distributed as dist
 
@@ -39,7 +40,7 @@ from asyncrl.checkpoint.packing import pack, unpack
 from asyncrl.checkpoint.save_load import COUNTERS, rng_state, set_rng_state
 from asyncrl.learner import LearnerState
 
-__all__ = ["ShardSnapshot", "COUNTERS", "exchange_in_ring", "transfer_packed"]
+__all__ = ["ShardSnapshot", "COUNTERS", "exchange_in_ring", "transfer_packed", "all_gather_packed"]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -85,6 +86,8 @@ class ShardSnapshot:
         self._models = _trained(state)
         self._pinned = any(p.device.type == "cuda" for m in self._models for p in m.params)
         self._weights = [[self._host_like(_local(p)) for p in m.params] for m in self._models]
+        self._sharded = [[isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+                          for p in m.params] for m in self._models]  # split along dim 0 over the ranks (FSDP2)
         self._moments: list[list[dict[str, Tensor] | None]] = [[None] * len(m.params) for m in self._models]
         self._stream = torch.cuda.Stream() if self._pinned else None
         self._copied: torch.cuda.Event | None = None
@@ -203,6 +206,40 @@ class ShardSnapshot:
         self._counters, self._rng = tree["counters"], tree["rng"]
         self.version, self.step = tree["version"], tree["step"]
 
+    def load_resharded(self, packed: Sequence[tuple[str, Tensor]], *, rank: int, world: int) -> None:
+        """Take the contents of a whole group's packed snapshots (one per rank of the old group, in rank order)
+        resharded for rank `rank` of a group of `world` (a shrink): each sharded tensor's parts are put together
+        along dim 0 in rank order and chunked as FSDP2 chunks it for the new group; replicated tensors, the
+        optimizer's step, schedules and counters come from the old rank 0, the RNG states from the old rank `rank`.
+        `restore` then applies them to this learner (built for the new group)."""
+        trees = [unpack(*p) for p in packed]
+        if len({t["version"] for t in trees}) != 1:
+            raise ValueError(f"ShardSnapshot.load_resharded: snapshots of versions {sorted({t['version'] for t in trees})}"
+                             "; every rank's must be of one version boundary")
+
+        def mine(parts: list[Tensor], sharded: bool, local: tuple[int, ...]) -> Tensor:
+            if not sharded or parts[0].dim() == 0:
+                return parts[0]
+            chunks = torch.cat(parts, dim=0).chunk(world, dim=0)
+            part = chunks[rank] if rank < len(chunks) else parts[0][:0]
+            if tuple(part.shape) != local:
+                raise ValueError(f"ShardSnapshot.load_resharded: a shard of shape {tuple(part.shape)} for a local "
+                                 f"tensor of {local} (snapshots of another model, or another order of ranks)")
+            return part
+
+        self._copied = None
+        for m, (weights, sharded) in enumerate(zip(self._weights, self._sharded)):
+            for i, (w, split) in enumerate(zip(weights, sharded)):
+                w.copy_(mine([t["weights"][m][i] for t in trees], split, tuple(w.shape)))
+                held = [t["moments"][m][i] for t in trees]
+                self._moments[m][i] = None if held[0] is None else {
+                    k: mine([h[k] for h in held], split, tuple(w.shape) if held[0][k].dim() else ()).clone()
+                    for k in held[0]}
+        first = trees[0]
+        self._schedules, self._groups, self._counters = first["schedules"], first["groups"], first["counters"]
+        self._rng = trees[min(rank, len(trees) - 1)]["rng"]
+        self.version, self.step = first["version"], first["step"]
+
     def _check(self, state: LearnerState) -> None:
         models = _trained(state)
         same = len(models) == len(self._models) and all(
@@ -247,3 +284,26 @@ def _swap(group: dist.ProcessGroup, to: int | None, source: int | None, sends: l
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=source) for t in receives if t.numel()]
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
+
+
+def all_gather_packed(group: dist.ProcessGroup, held: dict[int, tuple[str, Tensor]]) -> dict[int, tuple[str, Tensor]]:
+    """Every rank of `group` gives the packed snapshots it holds (old shard index -> packed: its own, and replicas of
+    the dead) and gets everyone's; each rank broadcasts its own in turn, typed (no pickle). Every rank calls it."""
+    out: dict[int, tuple[str, Tensor]] = {}
+    for source in range(dist.get_world_size(group)):
+        mine = source == dist.get_rank(group)
+        count = torch.tensor([len(held) if mine else 0], dtype=torch.int64)
+        dist.broadcast(count, group=group, group_src=source)
+        items = sorted(held.items()) if mine else [None] * int(count)
+        for item in items:
+            raw = torch.frombuffer(bytearray(item[1][0].encode()), dtype=torch.uint8) if mine else None
+            header = torch.tensor([item[0], raw.numel(), item[1][1].numel()] if mine else [0, 0, 0], dtype=torch.int64)
+            dist.broadcast(header, group=group, group_src=source)
+            shard, raw_len, flat_len = (int(v) for v in header)
+            raw = raw if mine else torch.empty(raw_len, dtype=torch.uint8)
+            flat = item[1][1].contiguous() if mine else torch.empty(flat_len, dtype=torch.uint8)
+            for t in (raw, flat):
+                if t.numel():
+                    dist.broadcast(t, group=group, group_src=source)
+            out.setdefault(shard, (bytes(raw.numpy()).decode(), flat))
+    return out

@@ -2,7 +2,8 @@
 their shards at the version boundary and pass each snapshot to the ring successor; rank 2 dies; the survivors' next
 collective raises; they and a spare re-form the group as generation 1 (`reform_trainer_group`) with the same ranks,
 rebuild the learner, restore the boundary (the spare from rank 0's replica of shard 2), and take the step again. Its
-weights equal, bitwise, those of a group that never lost a rank.
+weights equal, bitwise, those the whole group made of that step before the death (it took the step once, then
+went back to the boundary).
 
 Detection on gloo: rank 2 dies while the others wait in the step; rank 1, waiting on it, fails at once (the
 connection closes); rank 0, waiting on rank 1, fails only at the group's timeout, because a live process's gloo
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.checkpoint.snapshot import ShardSnapshot, exchange_in_ring, transfer_packed
+from asyncrl.checkpoint.snapshot import ShardSnapshot, all_gather_packed, exchange_in_ring, transfer_packed
 from asyncrl.learner import train_step
 from asyncrl.rpc.reform import abort_trainer_groups, reform_trainer_group, trainer_store
 from tests.dist_helpers import build, max_diff, sample_groups, weights
@@ -40,7 +41,9 @@ def _batches():
     return sample_groups(4, seed=0, n=3), sample_groups(4, seed=0, n=3, first_id=100)
 
 
-def _member(index: int, port: int, out: str, die: bool) -> None:
+def _member(index: int, port: int, out: str, mode: str) -> None:
+    """Rank 2 dies; mode "spare": a spare takes its place, "shrink": the survivors go on as a group of two. Before
+    the death the whole group takes the next step once (the reference) and goes back to the boundary."""
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=limit(60)))
@@ -54,11 +57,9 @@ def _member(index: int, port: int, out: str, die: bool) -> None:
             snapshot.take(state)
             own = snapshot.packed()
             replica = exchange_in_ring(own, dist.group.WORLD)
-            if not die:
-                state, _ = train_step(state, second)
-                torch.save({"policy": weights(state.policy), "critic": weights(state.critic)},
-                           pathlib.Path(out) / f"member{index}.pt")
-                return
+            state, _ = train_step(state, second)  # what the whole group makes of the next step; then back to the
+            result["whole"] = {"policy": weights(state.policy), "critic": weights(state.critic)}  # boundary
+            snapshot.restore(state)
             if index == 2:  # dies once the others are in the next step (its collectives wait for it), its
                 store.wait(["entered/0", "entered/1"])  # snapshot with rank 0
                 time.sleep(1.0)
@@ -75,10 +76,15 @@ def _member(index: int, port: int, out: str, die: bool) -> None:
             del state, snapshot  # the learner holds the broken group: dropped, the group's connections can close
             abort_trainer_groups()  # at once: a survivor blocked on this one fails now too
         rank = 2 if index == SPARE else index
-        reform_trainer_group(store, generation=1, rank=rank, world_size=WORLD, backend="gloo", timeout_s=limit(180))
+        world = WORLD - 1 if mode == "shrink" else WORLD
+        reform_trainer_group(store, generation=1, rank=rank, world_size=world, backend="gloo", timeout_s=limit(180))
         state = build("ppo", sharded=True, seed=5)  # the learner again, over the new group (other initial weights)
         snapshot = ShardSnapshot(state)
-        if index == SPARE:
+        if mode == "shrink":  # rank 0 holds rank 2's replica; everyone gets every shard, then takes its new part
+            held = {0: own, 2: replica} if index == 0 else {index: own}
+            shards = all_gather_packed(dist.group.WORLD, held)
+            snapshot.load_resharded([shards[r] for r in range(WORLD)], rank=rank, world=world)
+        elif index == SPARE:
             snapshot.load_packed(*transfer_packed(dist.group.WORLD, None, to=None, source=0))
         else:
             if index == 0:  # rank 2's ring successor holds its shard
@@ -96,12 +102,12 @@ def _member(index: int, port: int, out: str, die: bool) -> None:
             dist.destroy_process_group()
 
 
-def _run(out: pathlib.Path, die: bool) -> dict[int, dict]:
+def _run(out: pathlib.Path, mode: str) -> dict[int, dict]:
     port = free_ports()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=limit(60)))
     ctx = multiprocessing.get_context("spawn")
-    members = range(WORLD + 1) if die else range(WORLD)
-    procs = [ctx.Process(target=_member, args=(i, port, str(out), die)) for i in members]
+    members = range(WORLD + 1) if mode == "spare" else range(WORLD)
+    procs = [ctx.Process(target=_member, args=(i, port, str(out), mode)) for i in members]
     for p in procs:
         p.start()
     try:
@@ -109,7 +115,7 @@ def _run(out: pathlib.Path, die: bool) -> dict[int, dict]:
             p.join(limit(240))
         errors = "".join(f.read_text() for f in sorted(out.glob("error*.txt")))
         assert all(p.exitcode is not None for p in procs), f"members still running\n{errors}"
-        expected = {i: (9 if die and i == 2 else 0) for i in members}
+        expected = {i: (9 if i == 2 else 0) for i in members}
         assert {i: p.exitcode for i, p in zip(members, procs)} == expected, errors
     finally:
         for p in procs:
@@ -117,20 +123,33 @@ def _run(out: pathlib.Path, die: bool) -> dict[int, dict]:
                 p.kill()
                 p.join(5)
         del store
-    return {i: torch.load(out / f"member{i}.pt") for i in members if not (die and i == 2)}
+    return {i: torch.load(out / f"member{i}.pt") for i in members if i != 2}
 
 
 def test_survivors_and_a_spare_reform_the_group_and_retrain_the_version_bitwise(tmp_path):
-    (tmp_path / "whole").mkdir()
-    (tmp_path / "failed").mkdir()
-    whole = _run(tmp_path / "whole", die=False)
-    failed = _run(tmp_path / "failed", die=True)
+    failed = _run(tmp_path, "spare")
     assert sorted(failed) == [0, 1, SPARE]
+    whole = failed[0]["whole"]
+    assert max_diff(whole["policy"], failed[1]["whole"]["policy"]) == 0
     for index, got in failed.items():
-        if index != SPARE:  # at once (a collective with the dead rank under way) or at the timeout (posted after)
+        if index != SPARE:  # at once (waiting on the dead rank) or at the timeout (waiting on a live one)
             assert "error" in got, f"rank {index}'s collective did not fail when rank 2 died"
             assert got["detected_s"] < limit(STEP_TIMEOUT_S) + limit(10), got
         assert got["version"] == 0
         for part in ("policy", "critic"):
-            assert max_diff(got[part], whole[0][part]) == 0, (index, part)
-    assert max_diff(whole[0]["policy"], whole[1]["policy"]) == 0
+            assert max_diff(got[part], whole[part]) == 0, (index, part)
+
+
+def test_the_survivors_shrink_to_two_ranks_and_retrain_the_version_as_one_process_does(tmp_path):
+    """No spare: ranks 0 and 1 re-form as a group of two; each gets every rank's shard of the boundary (rank 2's
+    from rank 0's replica), takes its new part (FSDP2's chunks for two ranks) and retrains the step. The weights
+    equal one process's two steps within the rounding of another reduction order (the FSDP tests' 1e-5)."""
+    failed = _run(tmp_path, "shrink")
+    assert sorted(failed) == [0, 1]
+    first, second = _batches()
+    state, _ = train_step(build("ppo"), first)
+    state, _ = train_step(state, second)
+    for index, got in failed.items():
+        assert "error" in got and got["version"] == 0
+        for part, model in (("policy", state.policy), ("critic", state.critic)):
+            assert max_diff(got[part], weights(model)) <= 1e-5, (index, part, max_diff(got[part], weights(model)))
