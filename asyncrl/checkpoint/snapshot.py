@@ -202,9 +202,7 @@ class ShardSnapshot:
             for w, g in zip(ws, got):
                 w.copy_(g)
         self._moments = tree["moments"]
-        self._schedules, self._groups = tree["schedules"], tree["groups"]
-        self._counters, self._rng = tree["counters"], tree["rng"]
-        self.version, self.step = tree["version"], tree["step"]
+        self._take_state(tree, tree["rng"])
 
     def load_resharded(self, packed: Sequence[tuple[str, Tensor]], *, rank: int, world: int) -> None:
         """Take the contents of a whole group's packed snapshots (one per rank of the old group, in rank order)
@@ -235,10 +233,13 @@ class ShardSnapshot:
                 self._moments[m][i] = None if held[0] is None else {
                     k: mine([h[k] for h in held], split, tuple(w.shape) if held[0][k].dim() else ()).clone()
                     for k in held[0]}
-        first = trees[0]
-        self._schedules, self._groups, self._counters = first["schedules"], first["groups"], first["counters"]
-        self._rng = trees[min(rank, len(trees) - 1)]["rng"]
-        self.version, self.step = first["version"], first["step"]
+        self._take_state(trees[0], trees[min(rank, len(trees) - 1)]["rng"])
+
+    def _take_state(self, tree: dict, rng: dict) -> None:
+        """A packed snapshot's schedules, optimizer settings, counters and boundary, and the RNG states `rng`."""
+        self._schedules, self._groups, self._counters = tree["schedules"], tree["groups"], tree["counters"]
+        self._rng = rng
+        self.version, self.step = tree["version"], tree["step"]
 
     def _check(self, state: LearnerState) -> None:
         models = _trained(state)
@@ -268,14 +269,13 @@ def transfer_packed(group: dist.ProcessGroup, packed: tuple[str, Tensor] | None,
     sends: list[Tensor] = []
     if to is not None:
         text, flat = packed
-        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-        sends = [raw, flat]
+        sends = [_text_bytes(text), flat]
     sizes = torch.tensor([s.numel() for s in sends] if sends else [0, 0], dtype=torch.int64)
     got = torch.empty(2, dtype=torch.int64)
     _swap(group, to, source, [sizes] if to is not None else [], [got] if source is not None else [])
     receives = [] if source is None else [torch.empty(int(n), dtype=torch.uint8) for n in got]
     _swap(group, to, source, sends, receives)
-    return None if source is None else (bytes(receives[0].numpy()).decode(), receives[1])
+    return None if source is None else (_text_of(receives[0]), receives[1])
 
 
 def _swap(group: dist.ProcessGroup, to: int | None, source: int | None, sends: list[Tensor],
@@ -296,7 +296,7 @@ def all_gather_packed(group: dist.ProcessGroup, held: dict[int, tuple[str, Tenso
         dist.broadcast(count, group=group, group_src=source)
         items = sorted(held.items()) if mine else [None] * int(count)
         for item in items:
-            raw = torch.frombuffer(bytearray(item[1][0].encode()), dtype=torch.uint8) if mine else None
+            raw = _text_bytes(item[1][0]) if mine else None
             header = torch.tensor([item[0], raw.numel(), item[1][1].numel()] if mine else [0, 0, 0], dtype=torch.int64)
             dist.broadcast(header, group=group, group_src=source)
             shard, raw_len, flat_len = (int(v) for v in header)
@@ -305,5 +305,15 @@ def all_gather_packed(group: dist.ProcessGroup, held: dict[int, tuple[str, Tenso
             for t in (raw, flat):
                 if t.numel():
                     dist.broadcast(t, group=group, group_src=source)
-            out.setdefault(shard, (bytes(raw.numpy()).decode(), flat))
+            out.setdefault(shard, (_text_of(raw), flat))
     return out
+
+
+def _text_bytes(text: str) -> Tensor:
+    """A packed snapshot's JSON as a byte tensor, to send."""
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def _text_of(raw: Tensor) -> str:
+    """The JSON back from received bytes."""
+    return bytes(raw.numpy()).decode()
