@@ -1,14 +1,14 @@
 """Restore points that outlive their process: a packed shard snapshot (`ShardSnapshot.packed()`) in a file of host
 shared memory (tmpfs, /dev/shm), so that a trainer rank that exits on a fault (on gloo, the only way to free a
-survivor blocked in a collective) restarts and restores the version boundary it had reached.
+survivor blocked in a collective) restarts and restores the step boundary it had reached.
 
-    path = write_packed(directory, rank=1, version=7, packed=snapshot.packed())   # atomic: a complete file or none
-    held = held_snapshots(directory)            # [(rank, version, path)], what a restart can restore from
+    path = write_packed(directory, rank=1, step=7, packed=snapshot.packed())   # atomic: a complete file or none
+    held = held_snapshots(directory)            # [(rank, step, path)], what a restart can restore from
     snapshot.load_packed(*read_packed(path))    # then snapshot.restore(state)
 
 A file is `ASRLSNAP` + the JSON's byte length (8 bytes, little endian) + the JSON + the tensor bytes; nothing in it is
 unpickled or evaluated, and a truncated or foreign file is refused with its path. A rank keeps its newest two
-versions (`keep`), so a death while writing version V leaves V − 1 whole.
+steps (`keep`), so a death while writing step S leaves S − 1 whole.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 __all__ = ["snapshot_directory", "write_packed", "read_packed", "held_snapshots"]
 
 _MAGIC = b"ASRLSNAP"
-_NAME = re.compile(r"rank(\d+)-v(\d+)\.snap")
+_NAME = re.compile(r"rank(\d+)-s(\d+)\.snap")
 
 
 def snapshot_directory(run_id: str) -> pathlib.Path:
@@ -36,17 +36,17 @@ def snapshot_directory(run_id: str) -> pathlib.Path:
     return root / f"asyncrl-{run_id}"
 
 
-def write_packed(directory: str | os.PathLike, *, rank: int, version: int, packed: tuple[str, Tensor],
+def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: tuple[str, Tensor],
                  keep: int = 2) -> pathlib.Path:
-    """Write rank `rank`'s packed snapshot of `version` (renamed into place once complete), then delete its files
-    older than its newest `keep` versions. Returns the file."""
+    """Write rank `rank`'s packed snapshot at learner step `step` (renamed into place once complete), then delete
+    its files older than its newest `keep` steps. Returns the file."""
     if keep < 1:
         raise ValueError(f"write_packed: keep {keep} must be >= 1")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     text, flat = packed
     raw = text.encode()
-    final = directory / f"rank{rank}-v{version}.snap"
+    final = directory / f"rank{rank}-s{step}.snap"
     tmp = final.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
@@ -79,7 +79,7 @@ def read_packed(path: str | os.PathLike) -> tuple[str, Tensor]:
 
 
 def held_snapshots(directory: str | os.PathLike) -> list[tuple[int, int, pathlib.Path]]:
-    """(rank, version, file) of every complete snapshot file in `directory`."""
+    """(rank, step, file) of every complete snapshot file in `directory`."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         return []

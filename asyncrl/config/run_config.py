@@ -426,6 +426,12 @@ class RunConfig:
             _fail("trainer", "cuda_graphs", True, f"a group of {trainers} trainer ranks (FSDP2) gathers each layer's "
                   "weights into fresh memory every micro-batch, which a recorded CUDA graph cannot follow; its "
                   "layers are compiled without graphs: leave --trainer.cuda-graphs off")
+        if self.trainer.max_recoveries and (trainers < 2 or self.placement.launcher != "rpc"
+                                            or self.async_training.colocated):
+            _fail("trainer", "max_recoveries", self.trainer.max_recoveries,
+                  "recovers from a trainer follower's fault in a split run on this machine: it needs two or more "
+                  "--placement.trainer-devices, --placement.launcher rpc and a split placement (trainer rank 0's own "
+                  "death, torchrun jobs and colocated runs resume from a checkpoint instead); leave it at 0")
         if self.trainer.offload == "params" and self.placement.launcher == "local":
             _fail("trainer", "offload", "params", "FSDP2's CPU offload runs in a trainer process with its process "
                   "group; use --placement.launcher rpc (the default) or torchrun")

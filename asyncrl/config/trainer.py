@@ -203,6 +203,10 @@ class TrainerConfig:
     """Shuffle groups between PPO epochs."""
     seed: int = 0
     """Seed of the mini-batch shuffling."""
+    max_recoveries: int = 0
+    """Trainer-group faults (a follower rank that dies or hangs) the run recovers from without stopping: every rank
+    keeps a restore point of each step in host shared memory, and the launcher starts the followers again
+    (`asyncrl.rpc.failover`). 0: such a fault ends the run (resume from a checkpoint)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     off_policy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
 
@@ -220,6 +224,8 @@ class TrainerConfig:
         if self.routing_replay != "off" and self.cuda_graphs:
             _fail(owner, "routing_replay", self.routing_replay, "replays routes through each micro-batch's token "
                   "cells, which the CUDA graphs' bucket padding shares; leave --trainer.cuda-graphs off")
+        if self.max_recoveries < 0:
+            _fail(owner, "max_recoveries", self.max_recoveries, "must be >= 0 (0: a trainer rank's fault ends the run)")
         if self.temperature is not None and not self.temperature > 0:
             _fail(owner, "temperature", self.temperature, "must be > 0 (the rollout temperature), or None")
         self.optim.validate("trainer.optim")

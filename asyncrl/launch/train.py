@@ -86,7 +86,8 @@ def train(run: RunConfig | CheckedRun) -> RunSummary | None:
     (run_dir / "summary.json").write_text(json.dumps(
         {"versions": summary.versions, "steps": summary.steps, "ledger": summary.ledger,
          "dead_agents": summary.dead_agents, "agents": summary.agents, "interrupted": summary.interrupted,
-         "checkpoint": summary.checkpoint, "rewards": summary.rewards, "wall_s": time.time() - start}, indent=2))
+         "checkpoint": summary.checkpoint, "rewards": summary.rewards, "trainer_recoveries": summary.trainer_recoveries,
+         "wall_s": time.time() - start}, indent=2))
     return summary
 
 

@@ -21,7 +21,11 @@ of the groups dealt it and the counts it computes the step's deal from): nothing
   {"cmd": "load_hosted", "dtype", "version"}  copy the full weights into this rank's own engine (colocated)
   {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
   {"cmd": "load", "path"}                     restore this rank's shard from a checkpoint
+  {"cmd": "commit"}                           write this rank's restore point, then meet at a barrier (failover)
+  {"cmd": "restore", "step", "version"}       back to this rank's restore point of `step` (a re-formed group)
   {"cmd": "stop"}                             leave the loop
+With failover on (`asyncrl.rpc.failover`), every step ends with each rank's restore point and the barrier, and rank
+0 gives a command broken by a trainer-group fault again once the group is re-formed.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from asyncrl.learner import LearnerState, RolloutBatch, collate, published_weigh
 from asyncrl.learner.share import Deal, Share, group_counts, take_share
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
+from asyncrl.rpc.failover import Failover, RestorePoints
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.runtime.kill_points import kill_point
 
@@ -190,40 +195,74 @@ def follow_step(group: dist.ProcessGroup, state: LearnerState, header: dict) -> 
 class TrainerGroup:
     """Rank 0's handle on the whole trainer group (itself plus the followers)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, hosted=None):
+    def __init__(self, group: dist.ProcessGroup | None, *, hosted=None, failover: Failover | None = None):
         self.group = group  # the commands group; None for a single-rank trainer
         self.hosted = hosted  # the AgentServer this process hosts (colocated placement)
+        self.failover = failover  # None: a fault ends the run
 
     def _command(self, cmd: str, tensors: list[torch.Tensor] = (), **fields) -> None:
         if self.group is not None:
             broadcast_command(self.group, {"cmd": cmd, **fields}, tensors)
+
+    def _guarded(self, state: LearnerState, command):
+        """`command()`, a command to the whole group; with failover on, a trainer-group fault (posted before it, or
+        breaking it) is recovered from and the command given again from the committed step."""
+        if self.failover is None:
+            return command()
+        while True:
+            fault = self.failover.posted()
+            if fault is None:
+                try:
+                    return command()
+                except Exception as err:  # noqa: BLE001 - a peer's death breaks any collective: the launcher says
+                    fault = self.failover.await_fault(err)
+            self.group = self.failover.recover(state, fault, commands_group)
+            self._command("restore", step=self.failover.committed, version=state.version)
+            dist.barrier(group=self.group)  # every follower restored its shard
+            self.failover.recovered(state)
+
+    def commit(self, state: LearnerState) -> None:
+        """Every rank writes its restore point of `state.step` (failover on; before the first step)."""
+        self._command("commit")
+        self.failover.commit(state, self.group)
 
     def step(self, state: LearnerState, groups):
         """A training step: each follower is sent only its share of the collated batch (`asyncrl.learner.share`)."""
         if self.group is None:
             return train_step(state, groups)
         batch = collate_step(state, groups)
+        return self._guarded(state, lambda: self._step(state, batch))
+
+    def _step(self, state: LearnerState, batch: RolloutBatch):
         ranks = dist.get_world_size(self.group)
         deal = Deal.of_step(state.config, state.step, *group_counts(batch), ranks)
         self._command("step", version=state.version, step=state.step)  # followers learn the version this way
         for rank in range(1, ranks):
             send_command(self.group, rank, *_share_message(take_share(batch, deal, rank)))
-        return train_step(state, batch)
+        state, metrics = train_step(state, batch)
+        if self.failover is not None:
+            self.failover.commit(state, self.group)
+            metrics["trainer/recoveries"] = len(self.failover.recoveries)
+        return state, metrics
 
     def weights(self, state: LearnerState, dtype: torch.dtype) -> list:
         """What a publication sends (`published_weights`), gathered by every rank together."""
-        self._command("weights", dtype=str(dtype).removeprefix("torch."))
-        kill_point("publish", 0, state.version)
-        return list(published_weights(state.policy, dtype=dtype))
+        def gather():
+            self._command("weights", dtype=str(dtype).removeprefix("torch."))
+            kill_point("publish", 0, state.version)
+            return list(published_weights(state.policy, dtype=dtype))
+        return self._guarded(state, gather)
 
     def load_hosted(self, state: LearnerState, dtype: torch.dtype, version: int) -> int:
         self._command("load_hosted", dtype=str(dtype).removeprefix("torch."), version=version)
         return _load_hosted(self.hosted, state, dtype, version)
 
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
-        self._command("checkpoint", run_dir=str(run_dir), version=state.version, keep=keep)
-        kill_point("checkpoint", 0, state.version)
-        return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
+        def save():
+            self._command("checkpoint", run_dir=str(run_dir), version=state.version, keep=keep)
+            kill_point("checkpoint", 0, state.version)
+            return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
+        return self._guarded(state, save)
 
     def load(self, path: str, state: LearnerState) -> dict:
         self._command("load", path=str(path))
@@ -236,8 +275,9 @@ class TrainerGroup:
 class FollowerHost:
     """Trainer rank r ≥ 1: its learner shard (and colocated engine), executing rank 0's commands."""
 
-    def __init__(self, spec: RunSpec, rank: int, roster: rpc.RRef | None):
+    def __init__(self, spec: RunSpec, rank: int, roster: rpc.RRef | None, points: RestorePoints | None = None):
         self.spec, self.rank = spec, rank
+        self.points = points  # its restore points (failover on), else None
         self.group = commands_group(spec)
         device = local_device(spec.trainer_devices[rank])
         if device.startswith("cuda"):
@@ -263,9 +303,14 @@ class FollowerHost:
         try:
             while self._execute():
                 pass
-        except BaseException as err:  # noqa: BLE001 - the process ends: the launcher sees it and stops the run
-            self.error = err
-            log.exception("trainer rank %d failed; its process exits", self.rank)
+        except BaseException as err:  # noqa: BLE001 - the process ends: the launcher sees it (stops the run, or
+            self.error = err  # starts the trainer group's next generation: failover)
+            if self.points is None:
+                log.exception("trainer rank %d failed; its process exits", self.rank)
+            else:  # most likely a peer's death broke its collective: one line, not a traceback
+                first = (str(err).splitlines() or [""])[0][:300]
+                log.error("trainer rank %d: %s: %s; its process exits (the launcher starts the trainer group again)",
+                          self.rank, type(err).__name__, first)
             os._exit(1)
         finally:
             self.done.set()
@@ -275,6 +320,14 @@ class FollowerHost:
         cmd, state = header.get("cmd"), self.state
         if cmd == "step":
             self.state, _ = follow_step(self.group, state, header)
+            if self.points is not None:
+                self._commit()
+        elif cmd == "commit":
+            self._commit()
+        elif cmd == "restore":
+            self.points.restore(state, int(header["step"]))
+            state.version = int(header["version"])
+            dist.barrier(group=self.group)
         elif cmd == "weights":
             kill_point("publish", self.rank, state.version)
             for _ in published_weights(state.policy, dtype=_DTYPES[f"torch.{header['dtype']}"]):
@@ -293,6 +346,10 @@ class FollowerHost:
         else:
             raise RuntimeError(f"trainer rank {self.rank}: unknown command {cmd!r}")
         return True
+
+    def _commit(self) -> None:
+        self.points.write(self.state)
+        dist.barrier(group=self.group)
 
     def status(self) -> dict:
         return {"done": self.done.is_set(), "error": repr(self.error) if self.error else None}

@@ -8,6 +8,7 @@ shuts the run down.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import time
@@ -23,6 +24,7 @@ from asyncrl.rpc.assembly import (build_evals, build_learner_state, build_queue,
                                   resolve_resume, resume_info)
 from asyncrl.rpc.commands import FollowerHost, TrainerGroup, commands_group
 from asyncrl.rpc.exposure import RunToken
+from asyncrl.rpc.failover import Failover, RestorePoints
 from asyncrl.rpc.fleet import Admissions, Fleet
 from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
@@ -45,7 +47,7 @@ class _Head:
     own learner shard, the resume, then agents and the publisher."""
 
     def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str,
-                 run_log: RunLog | None):
+                 run_log: RunLog | None, restore_points: str | None):
         self.spec, self.store, self.stop, self.run_log = spec, store, stop, run_log
         self.token, self.nonce = token, nonce
         self.queue = build_queue(spec)
@@ -70,12 +72,16 @@ class _Head:
         phase(f"trainer0: model ready in {time.monotonic() - loading:.1f} s")
         self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
             if spec.colocate else None
-        self.trainers = TrainerGroup(group, hosted=self.hosted)
+        self.failover = Failover(spec, store, RestorePoints(restore_points, 0), device=self.device,
+                                 build=build_learner_state) if restore_points else None
+        self.trainers = TrainerGroup(group, hosted=self.hosted, failover=self.failover)
         for rref in followers:
             rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)
         self.followers = followers
         self.resumed_extra: dict = {}
         self.resumed = self._resume()
+        if self.failover is not None:  # the first restore point: a fault before the first step goes back here
+            self.trainers.commit(self.state)
         self.admissions: Admissions | None = None
         self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
         schedule = None if evals is None else EvalSchedule(evals, self.roster, resumed=self.resumed_extra.get("evals"),
@@ -170,7 +176,10 @@ class _Head:
             end = self.controller.train()
         finally:
             self._shut_down()
-        return self.controller.summary(end)
+        summary = self.controller.summary(end)
+        if self.failover is None:
+            return summary
+        return dataclasses.replace(summary, trainer_recoveries=[dataclasses.asdict(r) for r in self.failover.recoveries])
 
     def _shut_down(self) -> None:
         """Stop admitting, stop the followers, stop every agent (its stats), then end the agent processes."""
@@ -204,7 +213,8 @@ class _Head:
 
 
 def run_head(spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str, *,
-             run_log: RunLog | None = None) -> RunSummary:
+             run_log: RunLog | None = None, restore_points: str | None = None) -> RunSummary:
     """Rank 0's run; agents are admitted when they prove `token` over `nonce` (the nonce of the store's info).
-    `run_log` takes each version's metrics (None: the run logs nowhere)."""
-    return _Head(spec, store, stop, token, nonce, run_log).run()
+    `run_log` takes each version's metrics (None: the run logs nowhere). `restore_points`: the directory of the
+    trainer ranks' restore points (failover on, `asyncrl.rpc.failover`), else None."""
+    return _Head(spec, store, stop, token, nonce, run_log, restore_points).run()

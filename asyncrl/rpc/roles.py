@@ -41,6 +41,7 @@ from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.commands import FollowerHost
+from asyncrl.rpc.failover import RestorePoints, enter_generation, trainer_backend
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.reform import trainer_store
 from asyncrl.rpc.seal import key_check, rpc_key
@@ -83,13 +84,15 @@ def _setup_logging(role: str) -> None:
 
 # -------------------------------------------------------------------------------------- trainer ranks
 def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
-                parent_pid: int | None = None, token: RunToken | None = None,
-                run_log: RunLog | None = None) -> RunSummary | None:
+                parent_pid: int | None = None, token: RunToken | None = None, run_log: RunLog | None = None,
+                generation: int = 0, restore_points: str | None = None) -> RunSummary | None:
     """The body of trainer rank `rank`: the trainer group, then rank 0 joins RPC and runs the head; a follower
     builds its `FollowerHost` and follows rank 0's commands over the trainer group until "stop", outside RPC (a
     colocated follower joins RPC instead and rank 0 creates its role object there: rank 0's roster drives the
     engine it hosts). Returns the summary on rank 0 (also put on `results` when given). `token`: the run's (rank 0
-    needs it: agents must prove it). `run_log`: where rank 0 logs the metrics; closed when the rank ends."""
+    needs it: agents must prove it). `run_log`: where rank 0 logs the metrics; closed when the rank ends.
+    `restore_points`: the run's directory of restore points (failover on: `asyncrl.rpc.failover`), else None;
+    `generation`: the trainer group's generation a follower joins (> 0: started again after a fault)."""
     role = f"trainer{rank}"
     _setup_logging(role)
     pin_interface(host, spec.placement.interface)
@@ -97,6 +100,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         die_with_parent(parent_pid)
         name_process(f"asyncrl-{role}")
     torch.set_num_threads(spec.placement.threads_per_process)
+    if generation:
+        enter_generation(generation)
     stop = StopRequest()
     if rank == 0:
         on_signals(stop.set)
@@ -105,11 +110,10 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     left = None  # rank 0 of a loopback run: the token file it left for this host's user
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
-        devices = [local_device(d) for d in spec.trainer_devices]
-        backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
-        if devices[rank].startswith("cuda"):
-            torch.cuda.set_device(torch.device(devices[rank]))
-        dist.init_process_group(backend, store=trainer_store(store.raw, 0), rank=rank,
+        device = local_device(spec.trainer_devices[rank])
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group(trainer_backend(spec), store=trainer_store(store.raw, generation), rank=rank,
                                 world_size=spec.num_trainers,
                                 timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
         if rank == 0:
@@ -137,14 +141,15 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     summary = None
     try:
         if rank == 0:
-            summary = run_head(spec, store, stop, token, nonce, run_log=run_log)
+            summary = run_head(spec, store, stop, token, nonce, run_log=run_log, restore_points=restore_points)
             _report(results, summary)
         elif spec.colocate:  # its role object is rank 0's to create, over RPC
             _wait_for_end(store, poll_s=0.5, beat=rank)
         else:  # its own follower: rank 0's commands over the trainer group, no RPC; its heartbeat to the launcher
-            follower = FollowerHost(spec, rank, None)
+            points = RestorePoints(restore_points, rank) if restore_points else None
+            follower = FollowerHost(spec, rank, None, points)
             while not follower.done.wait(0.5) and not store.is_shut_down():
-                store.trainer_beat(rank)
+                store.trainer_beat(rank, generation)
     except RunFailed as err:  # its message says it all: the launcher prints it once
         _report(results, err)
     except BaseException as err:

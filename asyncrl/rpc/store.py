@@ -222,13 +222,27 @@ class RunStore:
             return False
         return self._verified("asyncrl/shutdown", self.raw.get("asyncrl/shutdown")) is not None
 
-    def trainer_beat(self, rank: int) -> None:
-        """Trainer rank `rank` (a follower) is alive: its count goes up (every half second while it follows)."""
-        self.raw.add(f"asyncrl/trainers/beat/{rank}", 1)
+    def trainer_beat(self, rank: int, generation: int = 0) -> None:
+        """Trainer rank `rank` (a follower) of the trainer group's generation `generation` is alive: its count goes
+        up (every half second while it follows)."""
+        self.raw.add(f"asyncrl/beat/gen{generation}/{rank}", 1)
 
-    def trainer_beats(self, rank: int) -> int:
-        """How many heartbeats trainer rank `rank` sent (0: it has not begun following)."""
-        return self.raw.add(f"asyncrl/trainers/beat/{rank}", 0)
+    def trainer_beats(self, rank: int, generation: int = 0) -> int:
+        """How many heartbeats trainer rank `rank` of generation `generation` sent (0: it has not begun following)."""
+        return self.raw.add(f"asyncrl/beat/gen{generation}/{rank}", 0)
+
+    def post_trainer_fault(self, generation: int, why: str) -> None:
+        """The launcher ended the trainer group's followers after `why` and starts generation `generation`'s."""
+        key = "asyncrl/trainer_fault"
+        self.raw.set(key, self._signed(key, {"generation": generation, "why": why}))
+
+    def trainer_fault(self) -> dict | None:
+        """The newest trainer-group fault the launcher posted ({"generation", "why"}), or None."""
+        key = "asyncrl/trainer_fault"
+        if not self.raw.check([key]):
+            return None
+        record = self._verified(key, self.raw.get(key))
+        return record if record is not None and isinstance(record.get("generation"), int) else None
 
     def set_restarts_left(self, n: int) -> None:
         self.raw.set("asyncrl/restarts_left", str(n))

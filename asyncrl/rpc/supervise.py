@@ -12,8 +12,10 @@ a process behind, and returns rank 0's summary.
   `restart_agents` restarts in all; the new process joins the running job under the next incarnation name.
   An agent that had joined the run is restarted only once rank 0 has declared it dead (and so evicts it from
   the RPC group): a replacement that joined before would wait on the dead member.
-* A trainer rank that exits ends the run (its checkpoint needs every rank): resume from the last checkpoint. A
-  follower whose heartbeat (through the store) stops for `agent_timeout_s` (stopped, hung) ends it too, named.
+* A trainer follower that exits, or whose heartbeat (through the store) stops for `agent_timeout_s` (stopped,
+  hung), is named. With `--trainer.max-recoveries N` the launcher then ends every follower, posts the fault to the
+  store and starts followers 1..T−1 as the trainer group's next generation, which rank 0 re-forms and restores
+  (`asyncrl.rpc.failover`), up to N times; otherwise (and for rank 0) the run ends: resume from the last checkpoint.
 * `max_run_time_s`: when it passes, the run is stopped as by a SIGTERM (checkpoint, then exit).
 * `run_dir/processes.json` lists every process of the run (role, pid), for operators.
 * Start method (`--placement.start-method`): forkserver (the default) forks every rank, restarted agents
@@ -32,18 +34,21 @@ import os
 import pathlib
 import pickle
 import queue as queue_mod
+import secrets
+import shutil
 import signal
 import socket
 import sys
 import time
 
+from asyncrl.checkpoint.snapshot_files import snapshot_directory
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.kill_points import check_kill_point_env
-from asyncrl.runtime.lifecycle import on_signals
+from asyncrl.runtime.lifecycle import RunFailed, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
@@ -75,9 +80,11 @@ fork ends at once when its body returns (a fresh interpreter's teardown used to 
 
 
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
-                   parent_pid: int, token: RunToken, run_log: RunLog | None) -> None:
+                   parent_pid: int, token: RunToken, run_log: RunLog | None, generation: int,
+                   restore_points: str | None) -> None:
     os.setpgid(0, 0)
-    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token, run_log=run_log)
+    run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token, run_log=run_log,
+                generation=generation, restore_points=restore_points)
     if rank == 0:
         time.sleep(END_LINGER_S)
 
@@ -133,6 +140,9 @@ class Supervisor:
         self.store: RunStore | None = None
         self._dead_seen = 0
         self._beats: dict[int, tuple[int, float]] = {}  # trainer follower -> (heartbeats seen, when they last changed)
+        self.generation = 0  # the trainer group's: one more after each recovered fault
+        self.recoveries_left = spec.trainer.max_recoveries
+        self.restore_points = str(snapshot_directory(secrets.token_hex(8))) if spec.trainer.max_recoveries else None
         self._stopping = False
         self.stop_reason: str | None = None  # a limit the launcher enforced (max_run_time_s)
         self.starter = _starter(spec, self.results)  # last: a fork server is a process, ended by run()
@@ -141,7 +151,8 @@ class Supervisor:
     def _spawn_trainer(self, rank: int) -> None:
         p = self.starter.start(_trainer_entry, (rank, self.spec, self.host, self.store_port, self.rpc_port,
                                                 self.results if rank == 0 else None, self.starter.parent_pid,
-                                                self.token, self.run_log if rank == 0 else None),
+                                                self.token, self.run_log if rank == 0 else None, self.generation,
+                                                self.restore_points),
                                name=f"asyncrl-trainer{rank}")
         self.children.append(_Child(f"trainer{rank}", rank, p))
 
@@ -160,7 +171,8 @@ class Supervisor:
         rows = [{"role": c.role, "slot": c.slot, "pid": c.process.pid, "restarts": c.restarts,
                  "alive": c.process.is_alive()} for c in self.children]
         (path / "processes.json").write_text(json.dumps({"launcher": os.getpid(), "forkserver": self.starter.server_pid,
-                                                         "processes": rows}, indent=2))
+                                                         "restore_points": self.restore_points, "processes": rows},
+                                                        indent=2))
 
     def _signal_all(self, sig: int) -> None:
         for c in self.children:
@@ -233,31 +245,63 @@ class Supervisor:
             self._restart_due()
 
     def _follower_exit(self) -> str | None:
-        """Why the run cannot go on, when a trainer follower exited with an error."""
-        for c in self.children:
-            if c.role.startswith("trainer") and c.slot > 0 and c.process.exitcode not in (None, 0):
-                return (f"trainer rank {c.slot} exited with code {c.process.exitcode}; the run cannot go on without it "
-                        "(resume from its last checkpoint with --resume)")
-        return None
+        """Which trainer followers exited with an error, if any did. A follower whose collective a dead peer broke
+        exits with code 1 right after it: the others are named first."""
+        exited = sorted((c.process.exitcode == 1, c.slot, c.process.exitcode) for c in self.children
+                        if c.role.startswith("trainer") and c.slot > 0 and c.process.exitcode not in (None, 0))
+        if not exited:
+            return None
+        (_, slot, code), *others = exited
+        also = "".join(f"; rank {s} then exited with code {c}" for _, s, c in others)
+        return f"trainer rank {slot} exited with code {code}{also}"
+
+    def _ended(self, why: str) -> str:
+        spent = self.spec.trainer.max_recoveries
+        hint = f" (--trainer.max-recoveries {spent} spent)" if spent else ""
+        return f"{why}; the run cannot go on without it{hint} (resume from its last checkpoint with --resume)"
+
+    def _trainer_fault(self, why: str) -> None:
+        """A follower died or hangs (`why`): with a recovery left, end every follower and start the trainer group's
+        next generation (rank 0 re-forms the group with it and restores the committed step); else end the run."""
+        store = self._store()
+        if self.recoveries_left <= 0 or self._stopping or self.signals or store is None:
+            raise RuntimeError(self._ended(why))
+        self.recoveries_left -= 1
+        self.generation += 1
+        for c in [c for c in self.children if c.role.startswith("trainer") and c.slot > 0]:
+            if c.process.is_alive():
+                c.process.kill()  # on gloo only a peer's exit frees a survivor blocked on it
+            c.process.join(5.0)
+            self.children.remove(c)
+        self._beats.clear()
+        try:
+            store.post_trainer_fault(self.generation, why)
+        except Exception as err:  # noqa: BLE001 - rank 0 (the store) is gone: so is the run
+            raise RuntimeError(self._ended(why)) from err
+        log.warning("%s: starting trainer ranks 1..%d as generation %d of the trainer group (%d recoveries left)", why,
+                    self.spec.num_trainers - 1, self.generation, self.recoveries_left)
+        for rank in range(1, self.spec.num_trainers):
+            self._spawn_trainer(rank)
+        self._write_processes()
 
     def _blamed(self, outcome):
         """Rank 0's outcome; when it is a failure caused by a follower's death (rank 0's collective with it broke
         first), the follower's exit is what the run reports."""
-        if not isinstance(outcome, BaseException) or self.spec.num_trainers == 1:
-            return outcome
+        if not isinstance(outcome, BaseException) or isinstance(outcome, RunFailed) or self.spec.num_trainers == 1:
+            return outcome  # a RunFailed says why in full (a fault that was not recovered from, among others)
         deadline = time.monotonic() + 2.0  # the follower's exit can reach this process after rank 0's report
         while (why := self._follower_exit()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         if why is None:
             return outcome
         first = (str(outcome).splitlines() or [type(outcome).__name__])[0][:200]
-        err = RuntimeError(f"{why} (trainer rank 0 then failed: {first})")
+        err = RuntimeError(f"{self._ended(why)} (trainer rank 0 then failed: {first})")
         err.__cause__ = outcome
         return err
 
     def _check_children(self) -> None:
         if (why := self._follower_exit()) is not None:
-            raise RuntimeError(why)
+            self._trainer_fault(why)
         self._end_dead_agents()
         for c in list(self.children):
             if c.role.startswith("agent") and not c.process.is_alive() and not self._stopping:
@@ -284,7 +328,7 @@ class Supervisor:
             if not c.role.startswith("trainer") or c.slot == 0 or not c.process.is_alive():
                 continue
             try:
-                count = store.trainer_beats(c.slot)
+                count = store.trainer_beats(c.slot, self.generation)
             except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
                 return
             seen = self._beats.get(c.slot)
@@ -292,9 +336,9 @@ class Supervisor:
                 self._beats[c.slot] = (count, now)
             elif now - seen[1] > timeout:
                 how = "is stopped (SIGSTOP)" if _stopped(c.process.pid) else "hangs (its whole process)"
-                raise RuntimeError(f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat for "
-                                   f"{now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g}); the run "
-                                   "cannot go on without it (resume from its last checkpoint with --resume)")
+                self._trainer_fault(f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat for "
+                                    f"{now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g})")
+                return
 
     def _end_dead_agents(self) -> None:
         """Rank 0 declared these agents dead: with restarts on, end a process that still exists (hung), so it
@@ -376,6 +420,8 @@ class Supervisor:
             c.process.join(max(0.1, deadline - time.monotonic()))
         self._kill_all()
         self._write_processes()
+        if self.restore_points is not None:
+            shutil.rmtree(self.restore_points, ignore_errors=True)
         self.starter.close()
         for s in self.reserved:
             s.close()

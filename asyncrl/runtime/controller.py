@@ -145,6 +145,9 @@ class RunSummary:
     """Every agent that took part: status, why it left, first and last weight version, groups delivered."""
     rewards: dict = dataclasses.field(default_factory=dict)
     """Reward calls of the run: {"calls", "errors", "timeouts", "examples": first distinct error messages}."""
+    trainer_recoveries: list = dataclasses.field(default_factory=list)
+    """Trainer-group faults recovered from (`asyncrl.rpc.failover`): {"generation", "why", "step", "version",
+    "seconds"} each."""
 
     def done_lines(self, warn_share: float = 0.5) -> str:
         """What the console prints at the end: versions, the prompt ledger with drop reasons, reward failures."""
@@ -166,6 +169,9 @@ class RunSummary:
                          "see reward/errors and reward/timeouts in metrics.jsonl")
         if self.dead_agents:
             lines.append(f"dead agents: {', '.join(self.dead_agents)}")
+        for r in self.trainer_recoveries:
+            lines.append(f"trainer group re-formed at version {r['version']} (step {r['step']}) in {r['seconds']:.1f} s: "
+                         f"{r['why']}")
         return "\n".join(lines)
 
     def interrupted_line(self) -> str:

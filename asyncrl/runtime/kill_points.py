@@ -1,14 +1,18 @@
 """Deterministic kill points for failover drills: `ASYNCRL_FAULT=trainer:R:version:V:phase:P` ends trainer rank R's
 process at once (`os._exit(9)`, as a crash would: no cleanup, no message to its peers) when it reaches phase P with
-its learner's version counter at V.
+its learner's version counter at V. A comma-separated list drills one fault per trainer-group generation: its k-th
+point (from 0) applies after k recoveries (`--trainer.max-recoveries`), in the group the launcher formed then.
 
     ASYNCRL_FAULT=trainer:1:version:2:phase:backward asyncrl train cpu-demo --placement.trainer-devices cpu cpu
+    ASYNCRL_FAULT=trainer:2:version:1:phase:forward,trainer:1:version:3:phase:norm asyncrl train ... \
+        --trainer.max-recoveries 2
 
 Phases, in a step's order: forward (a micro-batch's forward begins), backward (its loss is computed, its backward
 not begun), norm (a mini-batch's gradients are complete; the gradient-norm all-reduce, the step's commit barrier, not
 begun), step (the norm is agreed; the optimizer step not taken), publish (the weights are gathered for a
 publication), checkpoint (a checkpoint is being written). Unset, a point costs one environment lookup. A malformed
-value is refused before any process starts (`check_kill_point_env`).
+value is refused before any process starts (`check_kill_point_env`). A trainer process learns its generation from
+`ASYNCRL_TRAINER_GENERATION`, which it sets itself (`asyncrl.rpc.failover`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import logging
 import os
 import re
 
-__all__ = ["ENV", "PHASES", "KillPoint", "parse_kill_point", "check_kill_point_env", "kill_point"]
+__all__ = ["ENV", "GENERATION_ENV", "PHASES", "KillPoint", "parse_kill_point", "parse_kill_points",
+           "check_kill_point_env", "kill_point"]
 
 log = logging.getLogger(__name__)
 
 ENV = "ASYNCRL_FAULT"
+GENERATION_ENV = "ASYNCRL_TRAINER_GENERATION"
 PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint")
 _FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)")
 
@@ -42,25 +48,35 @@ def parse_kill_point(text: str) -> KillPoint:
     return KillPoint(int(match.group(1)), int(match.group(2)), match.group(3))
 
 
-def check_kill_point_env(num_trainers: int) -> KillPoint | None:
-    """The drill's kill point, checked against the run (before anything is spawned); None when unset."""
+def parse_kill_points(text: str) -> list[KillPoint]:
+    """A drill's points, one per trainer-group generation (module docstring)."""
+    return [parse_kill_point(part) for part in text.split(",")]
+
+
+def check_kill_point_env(num_trainers: int) -> list[KillPoint]:
+    """The drill's kill points, checked against the run (before anything is spawned); [] when unset."""
     text = os.environ.get(ENV)
     if not text:
-        return None
-    point = parse_kill_point(text)
-    if point.rank >= num_trainers:
-        raise ValueError(f"{ENV}={text!r}: trainer rank {point.rank} does not exist in a run of {num_trainers} "
-                         "trainer rank(s) (--placement.trainer-devices)")
-    return point
+        return []
+    points = parse_kill_points(text)
+    for point in points:
+        if point.rank >= num_trainers:
+            raise ValueError(f"{ENV}={text!r}: trainer rank {point.rank} does not exist in a run of {num_trainers} "
+                             "trainer rank(s) (--placement.trainer-devices)")
+    return points
 
 
 def kill_point(phase: str, rank: int, version: int) -> None:
-    """End this process here if the drill names this trainer rank, version and phase."""
+    """End this process here if the drill names this trainer rank, version and phase for this process's trainer-group
+    generation."""
     text = os.environ.get(ENV)
     if not text:
         return
-    point = parse_kill_point(text)
-    if (point.rank, point.version, point.phase) == (rank, version, phase):
-        log.error("%s: trainer rank %d killed at %s of version %d", ENV, rank, phase, version)
+    points = parse_kill_points(text)
+    generation = int(os.environ.get(GENERATION_ENV) or 0)
+    point = points[generation] if generation < len(points) else None
+    if point is not None and (point.rank, point.version, point.phase) == (rank, version, phase):
+        log.error("%s: trainer rank %d killed at %s of version %d (trainer group generation %d)", ENV, rank, phase,
+                  version, generation)
         logging.shutdown()
         os._exit(9)

@@ -1,6 +1,6 @@
 """Restore points in host shared memory: a packed snapshot written to a file, read back into a fresh learner after
 the first learner (and its snapshot object) are gone, restores the boundary and takes the same step bitwise; each
-rank keeps its newest versions; an interrupted write leaves no file the listing shows; foreign, truncated and
+rank keeps its newest steps; an interrupted write leaves no file the listing shows; foreign, truncated and
 unsafe inputs are refused with the path."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_a_restore_point_outlives_its_learner_and_restores_a_fresh_one(tmp_path)
     state, _ = train_step(build("ppo"), first)
     snapshot = ShardSnapshot(state)
     snapshot.take(state)
-    path = write_packed(tmp_path, rank=1, version=state.version, packed=snapshot.packed())
+    path = write_packed(tmp_path, rank=1, step=state.step, packed=snapshot.packed())
     state, _ = train_step(state, second)
     want = {"policy": weights(state.policy), "critic": weights(state.critic)}
     del state, snapshot
@@ -34,17 +34,17 @@ def test_a_restore_point_outlives_its_learner_and_restores_a_fresh_one(tmp_path)
     assert max_diff(weights(fresh.critic), want["critic"]) == 0
 
 
-def test_each_rank_keeps_its_newest_versions_and_half_written_files_are_not_listed(tmp_path):
+def test_each_rank_keeps_its_newest_steps_and_half_written_files_are_not_listed(tmp_path):
     state = build("grpo")
     snapshot = ShardSnapshot(state)
     snapshot.take(state)
     packed = snapshot.packed()
-    for version in range(4):
+    for step in range(4):
         for rank in (0, 1):
-            write_packed(tmp_path, rank=rank, version=version, packed=packed, keep=2)
+            write_packed(tmp_path, rank=rank, step=step, packed=packed, keep=2)
     (tmp_path / "rank0-v4.tmp").write_bytes(b"ASRLSNAP")  # a write that died before its rename
     assert [(r, v) for r, v, _ in held_snapshots(tmp_path)] == [(0, 2), (0, 3), (1, 2), (1, 3)]
-    text, flat = read_packed(tmp_path / "rank1-v3.snap")
+    text, flat = read_packed(tmp_path / "rank1-s3.snap")
     assert text == packed[0] and flat.equal(packed[1])
 
 
@@ -55,11 +55,11 @@ def test_foreign_and_truncated_files_and_odd_run_ids_are_refused(tmp_path):
     state = build("grpo")
     snapshot = ShardSnapshot(state)
     snapshot.take(state)
-    path = write_packed(tmp_path, rank=0, version=0, packed=snapshot.packed())
+    path = write_packed(tmp_path, rank=0, step=0, packed=snapshot.packed())
     whole = path.read_bytes()
     for cut in (40, len(whole) - 3):  # in the header's JSON; in the tensor bytes
         path.write_bytes(whole[:cut])
-        with pytest.raises(ValueError, match=r"rank0-v0.snap: truncated"):
+        with pytest.raises(ValueError, match=r"rank0-s0.snap: truncated"):
             read_packed(path)
     assert snapshot_directory("run_1.a-b").name == "asyncrl-run_1.a-b"
     with pytest.raises(ValueError, match="must be letters"):

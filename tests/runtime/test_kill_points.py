@@ -11,7 +11,7 @@ import torch
 from asyncrl.learner import train_step
 from asyncrl.rpc.commands import TrainerGroup
 from asyncrl.runtime import kill_points
-from asyncrl.runtime.kill_points import ENV, PHASES, KillPoint, check_kill_point_env, parse_kill_point
+from asyncrl.runtime.kill_points import ENV, GENERATION_ENV, PHASES, KillPoint, check_kill_point_env, parse_kill_point
 from tests.dist_helpers import build, sample_groups
 
 
@@ -36,11 +36,23 @@ def test_the_format_and_its_refusals(monkeypatch):
         with pytest.raises(ValueError, match=r"ASYNCRL_FAULT=.*expected trainer:RANK:version:VERSION:phase:PHASE"):
             parse_kill_point(bad)
     monkeypatch.delenv(ENV, raising=False)
-    assert check_kill_point_env(2) is None
-    monkeypatch.setenv(ENV, "trainer:2:version:0:phase:step")
+    assert check_kill_point_env(2) == []
+    monkeypatch.setenv(ENV, "trainer:1:version:0:phase:step,trainer:2:version:0:phase:step")
     with pytest.raises(ValueError, match=r"trainer rank 2 does not exist in a run of 2 trainer rank\(s\) "
                                          r"\(--placement.trainer-devices\)"):
         check_kill_point_env(2)
+    monkeypatch.setenv(ENV, "trainer:1:version:0:phase:step,trainer:1:version:4:phase:norm")
+    assert check_kill_point_env(2) == [KillPoint(1, 0, "step"), KillPoint(1, 4, "norm")]
+
+
+def test_the_kth_point_of_a_list_applies_to_the_trainer_groups_kth_generation(drill, monkeypatch):
+    drill("trainer:0:version:3:phase:publish,trainer:0:version:5:phase:publish")
+    monkeypatch.setenv(GENERATION_ENV, "1")
+    kill_points.kill_point("publish", 0, 3)  # generation 0's point: passes through
+    with pytest.raises(Killed):
+        kill_points.kill_point("publish", 0, 5)
+    monkeypatch.setenv(GENERATION_ENV, "2")  # no point for generation 2
+    kill_points.kill_point("publish", 0, 5)
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "norm", "step"])

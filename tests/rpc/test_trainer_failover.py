@@ -1,0 +1,114 @@
+"""A dead or hung trainer rank does not end the run (`--trainer.max-recoveries`, `asyncrl.rpc.failover`): `asyncrl
+train` with three trainer ranks as a process of its own, faults set by the drill's kill points (`ASYNCRL_FAULT`, one
+per trainer-group generation) or sent as real signals, and what the run did read back from its metrics, summary and
+log. The group-level pieces (a re-formed gloo group, a bitwise restore) are in tests/rpc/test_trainer_reform.py and
+tests/checkpoint/; the launcher's other faults in tests/rpc/test_supervision.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from tests.rpc.jobs import TOY, Job, alive, wait_until
+from tests.timing import agent_timeout, detection_margin, limit
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(limit(400))]
+
+THREE_TRAINERS = ("--placement.trainer-devices", "cpu", "cpu", "cpu")
+# a synchronous split: every version's samples come from the weights before it, whatever the timing, so two runs
+# train on the same batches and their metrics can be compared exactly
+LOCKSTEP = ("--async-training.staleness-threshold", "0", "--async-training.no-partial-rollout")
+DRILL = ("trainer:2:version:1:phase:forward,trainer:1:version:2:phase:backward,trainer:2:version:3:phase:norm,"
+         "trainer:1:version:4:phase:step,trainer:2:version:5:phase:publish,trainer:1:version:7:phase:checkpoint")
+COMPARED = ("actor/", "critic/", "training/grad_norm")
+
+
+def _books_balance(summary: dict) -> None:
+    ledger = summary["ledger"]
+    assert ledger["in_flight"] == ledger["pending"] == ledger["queued"] == 0, ledger
+    assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger.get("carried", 0), ledger
+    assert ledger["trained"] == summary["steps"] * 4, ledger  # cpu-demo: mini-batch 4, one batch per step: none twice
+
+
+def _no_restore_points_left(job: Job) -> None:
+    directory = json.loads((job.run_dir / "processes.json").read_text())["restore_points"]
+    assert directory and "asyncrl-" in directory and not pathlib.Path(directory).exists(), directory
+
+
+def _learning(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k.startswith(COMPARED)} for row in rows]
+
+
+def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_one(tmp_path, jobs):
+    """Six faults, one per phase of a version (forward, backward, gradient norm, optimizer step, publication,
+    checkpoint), on ranks 1 and 2 in turn: each time the launcher starts the followers again, rank 0 re-forms the
+    group and restores the last committed step, and the command the fault broke is given again. The run then
+    trains every version once, in order, with its books balanced, and every learner metric equals, exactly, an
+    uninterrupted run's."""
+    common = (*TOY, *THREE_TRAINERS, *LOCKSTEP, "--async-training.total-versions", "8", "--checkpoint-every", "1")
+    plain = Job(tmp_path, *common, name="plain")
+    jobs.append(plain)
+    assert plain.finish(timeout=limit(180)) == 0, plain.tail()
+    drilled = Job(tmp_path, *common, "--trainer.max-recoveries", "6", name="drilled", env={"ASYNCRL_FAULT": DRILL})
+    jobs.append(drilled)
+    assert drilled.finish(timeout=limit(240)) == 0, drilled.tail()
+    text, summary = drilled.text(), drilled.summary()
+    for point in DRILL.split(","):
+        _, rank, _, version, _, phase = point.split(":")
+        assert f"trainer rank {rank} killed at {phase} of version {version}" in text, drilled.tail()
+    recoveries = summary["trainer_recoveries"]
+    assert [r["generation"] for r in recoveries] == [1, 2, 3, 4, 5, 6], recoveries
+    assert [r["version"] for r in recoveries] == [1, 2, 3, 4, 5, 7], recoveries  # the counter never went back
+    assert all(r["why"].startswith("trainer rank ") and " exited with code 9" in r["why"] for r in recoveries)
+    assert "trainer group re-formed at version 5" in text
+    rows = drilled.metrics()
+    assert [r["step"] for r in rows] == list(range(1, 9)), rows  # metrics.jsonl counts versions as "step"
+    # version V's kill points fall in the step that makes version V + 1; a publication's and a checkpoint's after it
+    assert [r["trainer/recoveries"] for r in rows] == [0, 1, 2, 3, 4, 4, 5, 6]
+    _books_balance(summary)
+    assert summary["versions"] == 8 and summary["steps"] == plain.summary()["steps"] == 8
+    assert _learning(rows) == _learning(plain.metrics())
+    assert (drilled.run_dir / "checkpoints" / "step_00000008").is_dir()
+    _no_restore_points_left(drilled)
+
+
+def test_a_killed_and_a_stopped_follower_are_replaced_and_the_run_goes_on(tmp_path, jobs):
+    """SIGKILL of trainer rank 2 mid-run: the group is re-formed and training goes on. Then SIGSTOP of the new rank
+    1: its heartbeat stops, the launcher names it within agent_timeout_s (not rank 0's 300 s collective timeout),
+    ends it and starts the group again. SIGTERM then ends the run as usual: a checkpoint, balanced books, and no
+    process left."""
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *THREE_TRAINERS, "--async-training.total-versions", "1000000",
+              "--async-training.agent-timeout-s", str(timeout), "--async-training.sync-timeout-s", "300",
+              "--trainer.max-recoveries", "2")
+    jobs.append(job)
+    job.wait_versions(2)
+    os.kill(job.processes()["trainer2"], signal.SIGKILL)
+    job.wait_for(r"trainer group generation 1 ready")
+    versions = len(job.metrics())
+    job.wait_versions(versions + 2)  # trained on
+    trainer1 = job.processes()["trainer1"]
+    os.kill(trainer1, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    job.wait_for(r"trainer group generation 2 ready", timeout=limit(60) + timeout)
+    assert time.monotonic() - stopped_at < timeout + detection_margin() + limit(15)
+    assert f"trainer rank 1 (pid {trainer1}) is stopped (SIGSTOP): no heartbeat for" in job.text()
+    assert not alive(trainer1)
+    versions = len(job.metrics())
+    job.wait_versions(versions + 2)
+    job.signal(signal.SIGTERM)
+    assert job.finish(timeout=limit(120)) == 128 + signal.SIGTERM, job.tail()  # interrupted, as the shell says
+    summary = job.summary()
+    assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"]
+    assert "trainer rank 2 exited with code -9" in summary["trainer_recoveries"][0]["why"]
+    assert len(summary["trainer_recoveries"]) == 2
+    versions = [r["step"] for r in job.metrics()]
+    assert versions == list(range(1, len(versions) + 1))
+    _books_balance(summary)
+    wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20), "every process of the run gone")
+    _no_restore_points_left(job)
