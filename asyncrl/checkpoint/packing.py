@@ -2,6 +2,7 @@
 one flat byte tensor, and back: how a shard snapshot travels to its replica over a process group without pickle.
 
     text, flat = pack(tree)          # JSON (tensors replaced by references, tuples marked) and a uint8 tensor
+    text, parts = pack_parts(tree)   # the same JSON; the tensors' bytes as views, `flat` = their concatenation
     tree = unpack(text, flat)        # the same values; tensors come back as new CPU tensors
 
 Nothing is evaluated or unpickled on the receiving side: the JSON names each tensor's dtype, shape and byte range.
@@ -15,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "pack_parts", "unpack"]
 
 _MARKERS = {"__tensor__", "__tuple__", "__float__"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -24,6 +25,12 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 
 
 def pack(tree) -> tuple[str, Tensor]:
+    text, parts = pack_parts(tree)
+    return text, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def pack_parts(tree) -> tuple[str, list[Tensor]]:
+    """`pack` without the concatenation: each tensor's bytes (a view where the tensor is contiguous)."""
     tensors: list[Tensor] = []
 
     def encode(value):
@@ -52,8 +59,7 @@ def pack(tree) -> tuple[str, Tensor]:
         raise ValueError(f"pack: cannot carry a {type(value).__name__}")
 
     tree = encode(tree)
-    flat = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.uint8)
-    return json.dumps({"tree": tree, "lengths": [t.numel() for t in tensors]}, allow_nan=False), flat
+    return json.dumps({"tree": tree, "lengths": [t.numel() for t in tensors]}, allow_nan=False), tensors
 
 
 def unpack(text: str, flat: Tensor):

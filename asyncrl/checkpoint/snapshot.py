@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import torch.distributed as dist
 
-from asyncrl.checkpoint.packing import pack, unpack
+from asyncrl.checkpoint.packing import pack, pack_parts, unpack
 from asyncrl.checkpoint.save_load import COUNTERS, rng_state, set_rng_state
 from asyncrl.learner import LearnerState
 
@@ -108,8 +108,9 @@ class ShardSnapshot:
         tensors += [t for ms in self._moments for m in ms if m for t in m.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def take(self, state: LearnerState) -> None:
-        """Copy this rank's part of `state` (after a training step: a version boundary)."""
+    def take(self, state: LearnerState) -> torch.cuda.Event | None:
+        """Copy this rank's part of `state` (after a training step: a version boundary). Returns the event the
+        device's copies complete at (None off the GPU), for a reader on another thread."""
         self._check(state)
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -127,6 +128,7 @@ class ShardSnapshot:
         self._counters = {k: getattr(state, k) for k in COUNTERS}
         self._rng = copy.deepcopy(rng_state())
         self.version, self.step = state.version, state.step
+        return self._copied
 
     def _moments_of(self, held: dict | None, into: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
         """Host copies of one parameter's optimizer state (None before its first optimizer step)."""
@@ -182,13 +184,20 @@ class ShardSnapshot:
 
     def packed(self) -> tuple[str, Tensor]:
         """The snapshot as JSON text and one flat byte tensor (`asyncrl.checkpoint.packing`)."""
+        return pack(self._tree())
+
+    def packed_parts(self) -> tuple[str, list[Tensor]]:
+        """`packed` without the concatenation: the host buffers' bytes as views (for a file, written part by part;
+        nothing may `take` into them meanwhile)."""
+        return pack_parts(self._tree())
+
+    def _tree(self) -> dict:
         if self.version is None:
             raise RuntimeError("ShardSnapshot.packed: no snapshot was taken")
         if self._copied is not None:
             self._copied.synchronize()
-        return pack({"version": self.version, "step": self.step, "weights": self._weights, "moments": self._moments,
-                     "schedules": self._schedules, "groups": self._groups, "counters": self._counters,
-                     "rng": self._rng})
+        return {"version": self.version, "step": self.step, "weights": self._weights, "moments": self._moments,
+                "schedules": self._schedules, "groups": self._groups, "counters": self._counters, "rng": self._rng}
 
     def load_packed(self, text: str, flat: Tensor) -> None:
         """Take a packed snapshot's contents (one of a learner with this one's shards: the same rank's, or its

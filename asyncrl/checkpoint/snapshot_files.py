@@ -22,35 +22,44 @@ import tempfile
 import torch
 from torch import Tensor
 
-__all__ = ["snapshot_directory", "write_packed", "read_packed", "held_snapshots"]
+__all__ = ["ROOT_ENV", "snapshot_directory", "write_packed", "read_packed", "held_snapshots"]
 
 _MAGIC = b"ASRLSNAP"
 _NAME = re.compile(r"rank(\d+)-s(\d+)\.snap")
 
 
+ROOT_ENV = "ASYNCRL_RESTORE_POINTS_DIR"
+
+
 def snapshot_directory(run_id: str) -> pathlib.Path:
-    """Where this run's restore points live on this host: /dev/shm (memory) where it exists, else the temp dir."""
+    """Where this run's restore points live on this host: under $ASYNCRL_RESTORE_POINTS_DIR when set (a container's
+    /dev/shm is often 64 MB), else /dev/shm (memory) where it exists, else the temp dir."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
         raise ValueError(f"snapshot_directory: run id {run_id!r} must be letters, digits, '_', '.' or '-'")
-    root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
+    if os.environ.get(ROOT_ENV):
+        root = pathlib.Path(os.environ[ROOT_ENV])
+    else:
+        root = pathlib.Path("/dev/shm") if pathlib.Path("/dev/shm").is_dir() else pathlib.Path(tempfile.gettempdir())
     return root / f"asyncrl-{run_id}"
 
 
-def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: tuple[str, Tensor],
+def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: tuple[str, Tensor | list[Tensor]],
                  keep: int = 2) -> pathlib.Path:
     """Write rank `rank`'s packed snapshot at learner step `step` (renamed into place once complete), then delete
-    its files older than its newest `keep` steps. Returns the file."""
+    its files older than its newest `keep` steps. `packed`: (text, flat) or (text, parts), the flat bytes as the
+    parts that concatenate to them (`ShardSnapshot.packed_parts`, written without a copy). Returns the file."""
     if keep < 1:
         raise ValueError(f"write_packed: keep {keep} must be >= 1")
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    text, flat = packed
+    text, parts = packed
     raw = text.encode()
     final = directory / f"rank{rank}-s{step}.snap"
     tmp = final.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
-        f.write(flat.contiguous().numpy().tobytes())
+        for part in [parts] if isinstance(parts, Tensor) else parts:
+            f.write(memoryview(part.contiguous().numpy()))
     os.replace(tmp, final)
     mine = sorted((v, p) for r, v, p in held_snapshots(directory) if r == rank)
     for _, old in mine[:-keep]:
@@ -61,20 +70,23 @@ def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: 
 def read_packed(path: str | os.PathLike) -> tuple[str, Tensor]:
     """A packed snapshot back from `write_packed`'s file (ValueError naming the file when it is not one)."""
     path = pathlib.Path(path)
-    data = path.read_bytes()
-    if len(data) < 16 or data[:8] != _MAGIC:
-        raise ValueError(f"{path}: not an asyncrl snapshot file")
-    length = int.from_bytes(data[8:16], "little")
-    if 16 + length > len(data):
-        raise ValueError(f"{path}: truncated ({len(data)} bytes, its header says at least {16 + length})")
-    text = data[16:16 + length].decode()
-    try:
-        expected = sum(json.loads(text)["lengths"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: its header is not a packed snapshot's ({err})") from None
-    if len(data) - 16 - length != expected:
-        raise ValueError(f"{path}: truncated ({len(data) - 16 - length} tensor bytes of {expected})")
-    flat = torch.frombuffer(bytearray(data[16 + length:]), dtype=torch.uint8)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if len(head) < 16 or head[:8] != _MAGIC:
+            raise ValueError(f"{path}: not an asyncrl snapshot file")
+        length = int.from_bytes(head[8:16], "little")
+        if 16 + length > size:
+            raise ValueError(f"{path}: truncated ({size} bytes, its header says at least {16 + length})")
+        text = f.read(length).decode()
+        try:
+            expected = sum(json.loads(text)["lengths"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: its header is not a packed snapshot's ({err})") from None
+        if size - 16 - length != expected:
+            raise ValueError(f"{path}: truncated ({size - 16 - length} tensor bytes of {expected})")
+        flat = torch.empty(expected, dtype=torch.uint8)
+        f.readinto(memoryview(flat.numpy()))  # once, into the tensor
     return text, flat
 
 

@@ -21,11 +21,12 @@ of the groups dealt it and the counts it computes the step's deal from): nothing
   {"cmd": "load_hosted", "dtype", "version"}  copy the full weights into this rank's own engine (colocated)
   {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
   {"cmd": "load", "path"}                     restore this rank's shard from a checkpoint
-  {"cmd": "commit"}                           write this rank's restore point, then meet at a barrier (failover)
+  {"cmd": "commit"}                           write this rank's restore point and wait for every rank's (failover)
   {"cmd": "restore", "step", "version"}       back to this rank's restore point of `step` (a re-formed group)
   {"cmd": "stop"}                             leave the loop
-With failover on (`asyncrl.rpc.failover`), every step ends with each rank's restore point and the barrier, and rank
-0 gives a command broken by a trainer-group fault again once the group is re-formed.
+With failover on (`asyncrl.rpc.failover`), every step ends with the ranks agreeing on the committed restore point
+(and starting the next one when all are idle); rank 0 keeps the batches since, and after a trainer-group fault it
+re-forms the group, trains those again from the committed step and gives the broken command again.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -199,6 +201,7 @@ class TrainerGroup:
         self.group = group  # the commands group; None for a single-rank trainer
         self.hosted = hosted  # the AgentServer this process hosts (colocated placement)
         self.failover = failover  # None: a fault ends the run
+        self._since: list[tuple[int, int, RolloutBatch]] = []  # (step, version, batch) of each step since the commit
 
     def _command(self, cmd: str, tensors: list[torch.Tensor] = (), **fields) -> None:
         if self.group is not None:
@@ -213,18 +216,36 @@ class TrainerGroup:
             fault = self.failover.posted()
             if fault is None:
                 try:
-                    return command()
+                    with self.failover.watching():
+                        return command()
                 except Exception as err:  # noqa: BLE001 - a peer's death breaks any collective: the launcher says
                     fault = self.failover.await_fault(err)
             self.group = self.failover.recover(state, fault, commands_group)
             self._command("restore", step=self.failover.committed, version=state.version)
             dist.barrier(group=self.group)  # every follower restored its shard
+            self._replay(state)
             self.failover.recovered(state)
+
+    def _replay(self, state: LearnerState) -> None:
+        """Train the steps since the committed one again, on their batches at their versions (their metrics were
+        logged the first time)."""
+        version, since = state.version, [entry for entry in self._since if entry[0] >= state.step]
+        self._since = []
+        if since:
+            log.warning("trainer failover: training steps %d..%d again from the committed step", since[0][0] + 1,
+                        since[-1][0] + 1)
+        for step, at_version, batch in since:
+            if step != state.step:
+                raise RuntimeError(f"trainer failover: the batch of step {step} came up at step {state.step}")
+            state.version = at_version
+            self._step(state, batch)
+        state.version = version
 
     def commit(self, state: LearnerState) -> None:
         """Every rank writes its restore point of `state.step` (failover on; before the first step)."""
         self._command("commit")
-        self.failover.commit(state, self.group)
+        self.failover.commit_now(state, self.group)
+        self._since = []
 
     def step(self, state: LearnerState, groups):
         """A training step: each follower is sent only its share of the collated batch (`asyncrl.learner.share`)."""
@@ -239,9 +260,11 @@ class TrainerGroup:
         self._command("step", version=state.version, step=state.step)  # followers learn the version this way
         for rank in range(1, ranks):
             send_command(self.group, rank, *_share_message(take_share(batch, deal, rank)))
+        step, version = state.step, state.version
         state, metrics = train_step(state, batch)
         if self.failover is not None:
-            self.failover.commit(state, self.group)
+            self.failover.after_step(state, self.group)
+            self._since = [e for e in self._since if e[0] >= self.failover.committed] + [(step, version, batch)]
             metrics["trainer/recoveries"] = len(self.failover.recoveries)
         return state, metrics
 
@@ -321,11 +344,14 @@ class FollowerHost:
         if cmd == "step":
             self.state, _ = follow_step(self.group, state, header)
             if self.points is not None:
-                self._commit()
+                self.points.after_step(self.state, self.group)
         elif cmd == "commit":
-            self._commit()
+            self.points.commit_now(state, self.group)
         elif cmd == "restore":
+            started = time.monotonic()
             self.points.restore(state, int(header["step"]))
+            log.warning("trainer rank %d: step %d restored in %.1f s", self.rank, int(header["step"]),
+                        time.monotonic() - started)
             state.version = int(header["version"])
             dist.barrier(group=self.group)
         elif cmd == "weights":
@@ -346,10 +372,6 @@ class FollowerHost:
         else:
             raise RuntimeError(f"trainer rank {self.rank}: unknown command {cmd!r}")
         return True
-
-    def _commit(self) -> None:
-        self.points.write(self.state)
-        dist.barrier(group=self.group)
 
     def status(self) -> dict:
         return {"done": self.done.is_set(), "error": repr(self.error) if self.error else None}

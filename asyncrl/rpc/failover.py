@@ -27,18 +27,21 @@ write it (docs/faults.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pathlib
+import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from asyncrl.checkpoint.snapshot import ShardSnapshot
 from asyncrl.checkpoint.snapshot_files import read_packed, write_packed
 from asyncrl.learner import LearnerState
-from asyncrl.rpc.reform import abort_trainer_groups, reform_trainer_group
+from asyncrl.rpc.reform import abort_communicators, abort_trainer_groups, reform_trainer_group
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
@@ -61,44 +64,106 @@ def enter_generation(generation: int) -> None:
 
 
 class RestorePoints:
-    """One trainer rank's restore points: files of its packed shard snapshot in the run's directory, one per
-    committed step (the newest two are kept)."""
+    """One trainer rank's restore points: files of its packed shard snapshot in the run's directory (the newest two).
+
+    A snapshot is taken after a step when no rank is still writing the previous one (the device's copies go to
+    host buffers at once, on a side stream on a GPU) and written to its file on a thread of its own while training
+    goes on; the ranks agree after every step on the newest step whose file every rank completed (`after_step`),
+    which is the committed one. Steps since then are trained again from it on a fault (rank 0 keeps their batches)."""
 
     def __init__(self, directory: str | os.PathLike, rank: int):
         self.directory, self.rank = pathlib.Path(directory), rank
         self._snapshot: ShardSnapshot | None = None
         self._of: int | None = None  # id() of the policy the snapshot's buffers were built for
+        self._writer: threading.Thread | None = None
+        self._written = -1  # the newest step whose file this rank completed
+        self._failed: BaseException | None = None
 
     def _snapshot_of(self, state: LearnerState) -> ShardSnapshot:
         if self._snapshot is None or self._of != id(state.policy):
             self._snapshot, self._of = ShardSnapshot(state), id(state.policy)
         return self._snapshot
 
-    def write(self, state: LearnerState) -> pathlib.Path:
-        """Write this rank's shard at `state.step` (after a step: the device's copies are waited for)."""
+    def start(self, state: LearnerState) -> None:
+        """Snapshot `state` now and write it to its file in the background (no write may be under way)."""
+        self.wait()
         snapshot = self._snapshot_of(state)
-        snapshot.take(state)
-        return write_packed(self.directory, rank=self.rank, step=state.step, packed=snapshot.packed())
+        copied = snapshot.take(state)
+        snapshot.settle()  # the next step's updates come after the copies on the device
+        step = state.step
+        self._writer = threading.Thread(target=self._write, args=(snapshot, copied, step), daemon=True,
+                                        name=f"restore-point-{step}")
+        self._writer.start()
+
+    def _write(self, snapshot: ShardSnapshot, copied, step: int) -> None:
+        try:
+            if copied is not None:
+                copied.synchronize()
+            write_packed(self.directory, rank=self.rank, step=step, packed=snapshot.packed_parts())
+            self._written = step
+        except BaseException as err:  # noqa: BLE001 - raised on the training thread by `wait`
+            self._failed = err
+
+    def idle(self) -> bool:
+        return self._writer is None or not self._writer.is_alive()
+
+    def wait(self) -> None:
+        """Until the write under way (if any) is done; raises RunFailed when it failed (a full disk)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failed is not None:
+            err, self._failed = self._failed, None
+            raise RunFailed(f"trainer rank {self.rank}: its restore point could not be written to {self.directory}: "
+                            f"{err} (set ASYNCRL_RESTORE_POINTS_DIR to a larger host directory)") from err
+
+    def after_step(self, state: LearnerState, group: dist.ProcessGroup | None) -> int:
+        """Every rank after each step, together: agree on the committed step and on whether every rank is idle;
+        if so, snapshot this step. Returns the committed step (-1: none yet)."""
+        if self._failed is not None:
+            self.wait()
+        agreed = torch.tensor([self._written, 1 if self.idle() else 0], dtype=torch.int64)
+        if group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        committed, idle = int(agreed[0]), bool(agreed[1])
+        if idle:
+            self.start(state)
+        return committed
+
+    def commit_now(self, state: LearnerState, group: dist.ProcessGroup | None) -> int:
+        """Every rank, together: snapshot `state` and wait until every rank wrote it (the first restore point)."""
+        self.start(state)
+        self.wait()
+        agreed = torch.tensor([self._written], dtype=torch.int64)
+        if group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        return int(agreed[0])
 
     def restore(self, state: LearnerState, step: int) -> None:
         """Put `state` (this rank's learner, possibly freshly built) back to its shard at `step`."""
+        if self._writer is not None:
+            self._writer.join()  # a write under way finishes first (it may prune older files)
+            self._writer, self._failed = None, None
         path = self.directory / f"rank{self.rank}-s{step}.snap"
         if not path.exists():
             raise RunFailed(f"trainer rank {self.rank}: no restore point of step {step} in {self.directory}")
         snapshot = self._snapshot_of(state)
         snapshot.load_packed(*read_packed(path))
         snapshot.restore(state)
+        self._written = max(self._written, step)
 
 
-def refusal(*, recoveries: int, max_recoveries: int, committed: int | None, last_fault_at: int | None) -> str | None:
+def refusal(*, recoveries: int, max_recoveries: int, committed: int, at_step: int,
+            last_fault_at: int | None) -> str | None:
     """Why a trainer-group fault is not recovered from (None: it is). `recoveries`: made so far; `committed`: the step
-    every rank holds a restore point of (None: none yet); `last_fault_at`: the committed step of the previous fault."""
+    every rank holds a restore point of (-1: none yet); `at_step`: the learner's step when the fault came;
+    `last_fault_at`: the previous fault's."""
     if recoveries >= max_recoveries:
         return f"--trainer.max-recoveries {max_recoveries} spent"
-    if committed is None:
+    if committed < 0:
         return "no restore point was committed yet"
-    if last_fault_at == committed:
-        return f"a second fault before another step was committed (both at step {committed})"
+    if last_fault_at == at_step:
+        return f"a second fault before another step was trained (both at step {at_step})"
     return None
 
 
@@ -127,7 +192,7 @@ class Failover:
         self.spec, self.store, self.points, self.device = spec, store, points, device
         self.build = build  # (spec, device, group) -> a fresh LearnerState over `group`
         self.generation = 0
-        self.committed: int | None = None
+        self.committed = -1  # the step every rank's restore point holds (-1: none yet)
         self.recoveries: list[Recovery] = []
         self._last_fault_at: int | None = None
         self._started, self._why = 0.0, ""  # of the recovery under way
@@ -151,12 +216,43 @@ class Failover:
                     type(err).__name__, fault["why"])
         return fault
 
-    def commit(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
-        """Rank 0: its restore point of `state.step`, then the barrier with the followers (who wrote theirs)."""
-        self.points.write(state)
-        if group is not None:
-            dist.barrier(group=group)
-        self.committed = state.step
+    @contextlib.contextmanager
+    def watching(self):
+        """Around a command on NCCL: a fault posted meanwhile aborts the trainer group's communicators, so that a
+        collective waiting on a dead peer fails now rather than at its timeout (on gloo the peer's exit does that)."""
+        if trainer_backend(self.spec) != "nccl":
+            yield
+            return
+        done, aborted = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.2):
+                if self.posted() is not None:
+                    log.warning("a trainer-group fault was posted during a command: aborting its communicators")
+                    aborted.set()
+                    abort_communicators()
+                    return
+
+        watcher = threading.Thread(target=watch, name="failover-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+            # NCCL returns before its kernels end: a collective waiting on a dead peer would hang whatever uses its
+            # result next (a publication's broadcast to an agent), outside this watch. Wait for them here; aborted
+            # kernels end with garbage, so the command counts as broken and is given again.
+            torch.cuda.current_stream().synchronize()
+            if aborted.is_set():
+                raise RuntimeError("the trainer group was aborted during the command (a posted fault)")
+        finally:
+            done.set()
+            watcher.join()
+
+    def after_step(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
+        """Rank 0 after each step (the followers do the same): `RestorePoints.after_step`."""
+        self.committed = self.points.after_step(state, group)
+
+    def commit_now(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
+        self.committed = self.points.commit_now(state, group)
 
     def recover(self, state: LearnerState, fault: dict, commands) -> dist.ProcessGroup:
         """Join the new generation's group and rebuild `state` in place at the committed step (its version kept).
@@ -165,10 +261,11 @@ class Failover:
         RunFailed when the fault is not recovered from (`refusal`)."""
         why = str(fault["why"])
         refused = refusal(recoveries=len(self.recoveries), max_recoveries=self.spec.trainer.max_recoveries,
-                          committed=self.committed, last_fault_at=self._last_fault_at)
+                          committed=self.committed, at_step=state.step, last_fault_at=self._last_fault_at)
         if refused is not None:
             raise RunFailed(f"{why}; not recovered: {refused} (resume from the last checkpoint with --resume)")
         self._started, version = time.monotonic(), state.version
+        self._last_fault_at = state.step
         self.generation = int(fault["generation"])
         enter_generation(self.generation)
         log.warning("%s: trainer group generation %d re-forms; back to step %d", why, self.generation, self.committed)
@@ -177,17 +274,20 @@ class Failover:
         reform_trainer_group(self.store.raw, generation=self.generation, rank=0, world_size=self.spec.num_trainers,
                              backend=trainer_backend(self.spec), timeout_s=self.spec.startup_timeout_s)
         group = commands(self.spec)
+        joined = time.monotonic()
         fresh = self.build(self.spec, self.device, dist.group.WORLD)
         for field in dataclasses.fields(LearnerState):
             setattr(state, field.name, getattr(fresh, field.name))
+        built = time.monotonic()
         self.points.restore(state, self.committed)
+        log.warning("trainer rank 0: group joined in %.1f s, learner built in %.1f s, step %d restored in %.1f s",
+                    joined - self._started, built - joined, self.committed, time.monotonic() - built)
         state.version = version  # publications since the committed step happened: the counter never goes back
         self._why = why
         return group
 
     def recovered(self, state: LearnerState) -> Recovery:
-        """Every rank restored: the recovery is over (recorded)."""
-        self._last_fault_at = self.committed
+        """Every rank restored and the steps since were trained again: the recovery is over (recorded)."""
         done = Recovery(self.generation, self._why, state.step, state.version, time.monotonic() - self._started)
         self.recoveries.append(done)
         log.warning("trainer group generation %d ready in %.1f s (step %d, version %d)", done.generation, done.seconds,

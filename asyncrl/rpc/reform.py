@@ -27,7 +27,7 @@ import logging
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-__all__ = ["trainer_store", "reform_trainer_group", "abort_trainer_groups"]
+__all__ = ["trainer_store", "reform_trainer_group", "abort_trainer_groups", "abort_communicators"]
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,20 @@ def trainer_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     return dist.PrefixStore("asyncrl/trainers" if generation == 0 else f"asyncrl/trainers/gen{generation}", store)
 
 
-def abort_trainer_groups() -> None:
-    """Abort every process group of this process (the trainer group and the groups made from it) and forget them,
-    so that a new generation can be joined. The caller drops its learner first (its sharded tensors hold the old
-    group). On gloo this does not close the old connections (module docstring)."""
+def abort_communicators() -> None:
+    """Abort every process group of this process (from any thread): an NCCL collective under way, or the next one,
+    fails instead of waiting for a dead peer. `abort_trainer_groups` still follows, on the thread that re-forms."""
     try:
         distributed_c10d._abort_process_group()
     except Exception as err:  # noqa: BLE001 - the group is broken by the death being recovered from
         log.warning("aborting the broken trainer group: %s", err)
+
+
+def abort_trainer_groups() -> None:
+    """Abort every process group of this process (the trainer group and the groups made from it) and forget them,
+    so that a new generation can be joined. The caller drops its learner first (its sharded tensors hold the old
+    group). On gloo this does not close the old connections (module docstring)."""
+    abort_communicators()
     gc.collect()  # what still refers to the old groups (a dropped learner) goes now
 
 

@@ -147,7 +147,11 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             _wait_for_end(store, poll_s=0.5, beat=rank)
         else:  # its own follower: rank 0's commands over the trainer group, no RPC; its heartbeat to the launcher
             points = RestorePoints(restore_points, rank) if restore_points else None
+            building = time.monotonic()
             follower = FollowerHost(spec, rank, None, points)
+            if generation:
+                log.warning("%s: learner built in %.1f s for trainer group generation %d", role,
+                            time.monotonic() - building, generation)
             while not follower.done.wait(0.5) and not store.is_shut_down():
                 store.trainer_beat(rank, generation)
     except RunFailed as err:  # its message says it all: the launcher prints it once

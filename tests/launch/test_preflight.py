@@ -78,6 +78,12 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--trainer.offload", "optimizer", "--placement.trainer-devices", "cpu", "cpu"],
      ["--trainer.offload optimizer is invalid: a group of 2 trainer ranks already splits the optimizer state",
       "--trainer.offload params keeps each rank's shards in host memory"]),
+    (["--trainer.max-recoveries", "2"],
+     ["--trainer.max-recoveries 2 is invalid: recovers from a trainer follower's fault in a split run on this machine: "
+      "it needs two or more --placement.trainer-devices"]),
+    (["--trainer.max-recoveries", "1", "--placement.trainer-devices", "cpu", "cpu", "--placement.launcher",
+      "torchrun"], ["--trainer.max-recoveries 1 is invalid", "torchrun jobs and colocated runs resume from a checkpoint"]),
+    (["--trainer.max-recoveries", "-1"], ["--trainer.max-recoveries -1 is invalid: must be >= 0"]),
     (["--trainer.offload", "params", "--placement.launcher", "local"],
      ["--trainer.offload params is invalid: FSDP2's CPU offload runs in a trainer process",
       "use --placement.launcher rpc"]),

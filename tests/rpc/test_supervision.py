@@ -244,40 +244,41 @@ def test_a_run_whose_only_agent_dies_waits_for_its_restart_and_goes_on(tmp_path,
 TWO_TRAINERS = ("--placement.trainer-devices", "cpu", "cpu")
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_dead_or_stopped_trainer_follower_ends_the_run_named(tmp_path, jobs, fault):
-    """Trainer rank 1 killed (-9): the launcher names its exit at once; stopped (SIGSTOP): its heartbeat through
-    the store stops and the launcher names it within agent_timeout_s (not at rank 0's sync timeout, 300 s here);
-    either way every process of the run is gone and the message says how to go on."""
-    timeout = agent_timeout()
-    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, *timeouts(timeout), "--async-training.sync-timeout-s", "300")
+def test_a_dead_trainer_follower_ends_the_run_named_without_failover(tmp_path, jobs):
+    """Trainer rank 1 killed (-9), `--trainer.max-recoveries` at its default 0: the launcher names its exit at once,
+    every process of the run is gone and the message says how to go on. (A stopped follower, named by its
+    heartbeat, and the recoveries themselves are in tests/rpc/test_trainer_failover.py.)"""
+    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, "--async-training.sync-timeout-s", "300")
     jobs.append(job)
     job.wait_versions(2)
-    trainer1 = job.processes()["trainer1"]
-    os.kill(trainer1, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-    faulted_at = time.monotonic()
-    assert job.finish(timeout=limit(60) + timeout) != 0, job.tail()
-    named = time.monotonic() - faulted_at
+    os.kill(job.processes()["trainer1"], signal.SIGKILL)
+    assert job.finish(timeout=limit(60)) != 0, job.tail()
     text = job.text()
-    if fault == "kill":
-        assert "trainer rank 1 exited with code -9" in text, job.tail()
-    else:
-        assert f"trainer rank 1 (pid {trainer1}) is stopped (SIGSTOP): no heartbeat for" in text, job.tail()
-        assert named < timeout + detection_margin() + limit(15), named  # not rank 0's 300 s collective timeout
-    assert "resume from its last checkpoint with --resume" in text
+    assert "trainer rank 1 exited with code -9; the run cannot go on without it (resume from its last checkpoint " \
+           "with --resume)" in text, job.tail()
     no_process_left(job)
 
 
-@pytest.mark.parametrize("phase", ["backward"])
-def test_a_follower_killed_at_a_drill_kill_point_ends_the_run_named(tmp_path, jobs, phase):
-    """`ASYNCRL_FAULT=trainer:1:version:1:phase:P`: trainer rank 1 dies at that point of version 1 (in the learner's
-    backward), and the run stops naming it (failover will keep it going). Every phase's place is checked in one
-    process (tests/runtime/test_kill_points.py)."""
-    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, env={"ASYNCRL_FAULT": f"trainer:1:version:1:phase:{phase}"})
+@pytest.mark.parametrize("case", ["spent", "same step"])
+def test_a_fault_failover_does_not_recover_from_ends_the_run_named(tmp_path, jobs, case):
+    """`ASYNCRL_FAULT` kills trainer rank 1 once per trainer-group generation. "spent": the second fault finds
+    `--trainer.max-recoveries 1` spent. "same step": the second fault (a checkpoint's) comes before another step was
+    trained after the first (a publication's), which would repeat the same recovery; either way the run ends and
+    says why."""
+    points, recoveries = {"spent": ("trainer:1:version:1:phase:backward,trainer:1:version:3:phase:norm", "1"),
+                          "same step": ("trainer:1:version:2:phase:publish,trainer:1:version:3:phase:checkpoint",
+                                        "2")}[case]
+    job = Job(tmp_path, *TOY, *TWO_TRAINERS, *ENDLESS, "--trainer.max-recoveries", recoveries, "--checkpoint-every",
+              "1", env={"ASYNCRL_FAULT": points})
     jobs.append(job)
     assert job.finish(timeout=limit(120)) != 0, job.tail()
     text = job.text()
-    assert f"ASYNCRL_FAULT: trainer rank 1 killed at {phase} of version 1" in text, job.tail()
-    assert "trainer rank 1 exited with code 9" in text, job.tail()
-    assert len(job.metrics()) == 1  # version 0's step was trained and published; version 1's died
+    assert "trainer group generation 1 ready" in text, job.tail()
+    if case == "spent":
+        assert "trainer rank 1 exited with code 9; the run cannot go on without it (--trainer.max-recoveries 1 " \
+               "spent)" in text, job.tail()
+        assert len(job.metrics()) == 3  # the step of version 3 → 4 died
+    else:
+        assert "trainer rank 1 exited with code 9; not recovered: a second fault before another step was trained " \
+               "(both at step 3)" in text, job.tail()
     no_process_left(job)

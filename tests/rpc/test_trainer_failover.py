@@ -66,6 +66,7 @@ def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_on
     assert [r["version"] for r in recoveries] == [1, 2, 3, 4, 5, 7], recoveries  # the counter never went back
     assert all(r["why"].startswith("trainer rank ") and " exited with code 9" in r["why"] for r in recoveries)
     assert "trainer group re-formed at version 5" in text
+    assert "trainer failover: training steps " in text  # the steps since the committed one, trained again
     rows = drilled.metrics()
     assert [r["step"] for r in rows] == list(range(1, 9)), rows  # metrics.jsonl counts versions as "step"
     # version V's kill points fall in the step that makes version V + 1; a publication's and a checkpoint's after it
