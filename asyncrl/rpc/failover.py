@@ -207,6 +207,8 @@ class Failover:
     def await_fault(self, err: BaseException) -> dict:
         """After a trainer-group command broke with `err`: the launcher's fault, once posted; `err` is raised when
         none comes within `wait_s` (a failure of rank 0's own)."""
+        if isinstance(err, RunFailed):
+            raise err  # a reason of rank 0's own, stated in full (a restore point that could not be written)
         deadline = time.monotonic() + self.wait_s
         while (fault := self.posted()) is None:
             if time.monotonic() > deadline:

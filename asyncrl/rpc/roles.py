@@ -145,15 +145,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             _report(results, summary)
         elif spec.colocate:  # its role object is rank 0's to create, over RPC
             _wait_for_end(store, poll_s=0.5, beat=rank)
-        else:  # its own follower: rank 0's commands over the trainer group, no RPC; its heartbeat to the launcher
-            points = RestorePoints(restore_points, rank) if restore_points else None
-            building = time.monotonic()
-            follower = FollowerHost(spec, rank, None, points)
-            if generation:
-                log.warning("%s: learner built in %.1f s for trainer group generation %d", role,
-                            time.monotonic() - building, generation)
-            while not follower.done.wait(0.5) and not store.is_shut_down():
-                store.trainer_beat(rank, generation)
+        else:
+            _follow(spec, rank, store, generation, restore_points)
     except RunFailed as err:  # its message says it all: the launcher prints it once
         _report(results, err)
     except BaseException as err:
@@ -169,6 +162,19 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary
+
+
+def _follow(spec: RunSpec, rank: int, store: RunStore, generation: int, restore_points: str | None) -> None:
+    """A follower of its own: rank 0's commands over the trainer group, no RPC; its heartbeat goes to the launcher
+    through the store until the commands end or the run does."""
+    points = RestorePoints(restore_points, rank) if restore_points else None
+    building = time.monotonic()
+    follower = FollowerHost(spec, rank, None, points)
+    if generation:
+        log.warning("trainer%d: learner built in %.1f s for trainer group generation %d", rank,
+                    time.monotonic() - building, generation)
+    while not follower.done.wait(0.5) and not store.is_shut_down():
+        store.trainer_beat(rank, generation)
 
 
 def _open_run(store: RunStore, spec: RunSpec, host: str, rpc_port: int, token: RunToken
