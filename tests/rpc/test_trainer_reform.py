@@ -3,7 +3,9 @@ their shards at the version boundary and pass each snapshot to the ring successo
 collective raises; they and a spare re-form the group as generation 1 (`reform_trainer_group`) with the same ranks,
 rebuild the learner, restore the boundary (the spare from rank 0's replica of shard 2), and take the step again. Its
 weights equal, bitwise, those the whole group made of that step before the death (it took the step once, then
-went back to the boundary).
+went back to the boundary). Then ranks 0 and 1 shrink to a group of two (generation 2), reshard the boundary and take
+the step again, as one process does. (`asyncrl train` recovers with restarted followers instead:
+tests/rpc/test_trainer_failover.py.)
 
 Detection on gloo: rank 2 dies while the others wait in the step; rank 1, waiting on it, fails at once (the
 connection closes); rank 0, waiting on rank 1, fails only at the group's timeout, because a live process's gloo
@@ -41,9 +43,9 @@ def _batches():
     return sample_groups(4, seed=0, n=3), sample_groups(4, seed=0, n=3, first_id=100)
 
 
-def _member(index: int, port: int, out: str, mode: str) -> None:
-    """Rank 2 dies; mode "spare": a spare takes its place, "shrink": the survivors go on as a group of two. Before
-    the death the whole group takes the next step once (the reference) and goes back to the boundary."""
+def _member(index: int, port: int, out: str) -> None:
+    """Rank 2 dies; a spare takes its place (generation 1), then the survivors go on as a group of two (generation
+    2). Before the death the whole group takes the next step once (the reference) and goes back to the boundary."""
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=limit(60)))
@@ -75,16 +77,11 @@ def _member(index: int, port: int, out: str, mode: str) -> None:
                 raise AssertionError(f"rank {index} trained a step without rank 2")
             del state, snapshot  # the learner holds the broken group: dropped, the group's connections can close
             abort_trainer_groups()  # at once: a survivor blocked on this one fails now too
-        rank = 2 if index == SPARE else index
-        world = WORLD - 1 if mode == "shrink" else WORLD
-        reform_trainer_group(store, generation=1, rank=rank, world_size=world, backend="gloo", timeout_s=limit(180))
+        rank = 2 if index == SPARE else index  # generation 1: the spare takes rank 2's place
+        reform_trainer_group(store, generation=1, rank=rank, world_size=WORLD, backend="gloo", timeout_s=limit(180))
         state = build("ppo", sharded=True, seed=5)  # the learner again, over the new group (other initial weights)
         snapshot = ShardSnapshot(state)
-        if mode == "shrink":  # rank 0 holds rank 2's replica; everyone gets every shard, then takes its new part
-            held = {0: own, 2: replica} if index == 0 else {index: own}
-            shards = all_gather_packed(dist.group.WORLD, held)
-            snapshot.load_resharded([shards[r] for r in range(WORLD)], rank=rank, world=world)
-        elif index == SPARE:
+        if index == SPARE:
             snapshot.load_packed(*transfer_packed(dist.group.WORLD, None, to=None, source=0))
         else:
             if index == 0:  # rank 2's ring successor holds its shard
@@ -92,7 +89,19 @@ def _member(index: int, port: int, out: str, mode: str) -> None:
             snapshot.load_packed(*own)
         snapshot.restore(state)
         state, _ = train_step(state, second)
-        result.update(policy=weights(state.policy), critic=weights(state.critic), version=snapshot.version)
+        result["spare"] = dict(policy=weights(state.policy), critic=weights(state.critic), version=snapshot.version)
+        if index != SPARE:  # generation 2: ranks 0 and 1 alone, each with every shard of the boundary (rank 2's from
+            del state, snapshot  # rank 0's replica), taking FSDP2's part of it for a group of two
+            reform_trainer_group(store, generation=2, rank=index, world_size=WORLD - 1, backend="gloo",
+                                 timeout_s=limit(180))
+            state = build("ppo", sharded=True, seed=5)
+            snapshot = ShardSnapshot(state)
+            shards = all_gather_packed(dist.group.WORLD, {0: own, 2: replica} if index == 0 else {index: own})
+            snapshot.load_resharded([shards[r] for r in range(WORLD)], rank=index, world=WORLD - 1)
+            snapshot.restore(state)
+            state, _ = train_step(state, second)
+            result["shrink"] = dict(policy=weights(state.policy), critic=weights(state.critic),
+                                    version=snapshot.version)
         torch.save(result, pathlib.Path(out) / f"member{index}.pt")
     except BaseException:
         (pathlib.Path(out) / f"error{index}.txt").write_text(traceback.format_exc())
@@ -102,12 +111,12 @@ def _member(index: int, port: int, out: str, mode: str) -> None:
             dist.destroy_process_group()
 
 
-def _run(out: pathlib.Path, mode: str) -> dict[int, dict]:
+def _run(out: pathlib.Path) -> dict[int, dict]:
     port = free_ports()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=limit(60)))
     ctx = multiprocessing.get_context("spawn")
-    members = range(WORLD + 1) if mode == "spare" else range(WORLD)
-    procs = [ctx.Process(target=_member, args=(i, port, str(out), mode)) for i in members]
+    members = range(WORLD + 1)
+    procs = [ctx.Process(target=_member, args=(i, port, str(out))) for i in members]
     for p in procs:
         p.start()
     try:
@@ -126,8 +135,12 @@ def _run(out: pathlib.Path, mode: str) -> dict[int, dict]:
     return {i: torch.load(out / f"member{i}.pt") for i in members if i != 2}
 
 
-def test_survivors_and_a_spare_reform_the_group_and_retrain_the_version_bitwise(tmp_path):
-    failed = _run(tmp_path, "spare")
+def test_survivors_and_a_spare_reform_the_group_bitwise_then_shrink_to_two_ranks_as_one_process_does(tmp_path):
+    """Generation 1, with a spare in rank 2's place: every rank retrains the step and its weights equal, bitwise,
+    those the whole group made of it before the death. Generation 2, ranks 0 and 1 alone: each gets every rank's
+    shard of the boundary, takes its new part (FSDP2's chunks for two ranks) and retrains the step; the weights equal
+    one process's two steps within the rounding of another reduction order (the FSDP tests' 1e-5)."""
+    failed = _run(tmp_path)
     assert sorted(failed) == [0, 1, SPARE]
     whole = failed[0]["whole"]
     assert max_diff(whole["policy"], failed[1]["whole"]["policy"]) == 0
@@ -135,21 +148,14 @@ def test_survivors_and_a_spare_reform_the_group_and_retrain_the_version_bitwise(
         if index != SPARE:  # at once (waiting on the dead rank) or at the timeout (waiting on a live one)
             assert "error" in got, f"rank {index}'s collective did not fail when rank 2 died"
             assert got["detected_s"] < limit(STEP_TIMEOUT_S) + limit(10), got
-        assert got["version"] == 0
+        assert got["spare"]["version"] == 0
         for part in ("policy", "critic"):
-            assert max_diff(got[part], whole[part]) == 0, (index, part)
-
-
-def test_the_survivors_shrink_to_two_ranks_and_retrain_the_version_as_one_process_does(tmp_path):
-    """No spare: ranks 0 and 1 re-form as a group of two; each gets every rank's shard of the boundary (rank 2's
-    from rank 0's replica), takes its new part (FSDP2's chunks for two ranks) and retrains the step. The weights
-    equal one process's two steps within the rounding of another reduction order (the FSDP tests' 1e-5)."""
-    failed = _run(tmp_path, "shrink")
-    assert sorted(failed) == [0, 1]
+            assert max_diff(got["spare"][part], whole[part]) == 0, (index, part)
     first, second = _batches()
     state, _ = train_step(build("ppo"), first)
     state, _ = train_step(state, second)
-    for index, got in failed.items():
-        assert "error" in got and got["version"] == 0
+    for index in (0, 1):
+        got = failed[index]["shrink"]
+        assert got["version"] == 0
         for part, model in (("policy", state.policy), ("critic", state.critic)):
             assert max_diff(got[part], weights(model)) <= 1e-5, (index, part, max_diff(got[part], weights(model)))
