@@ -3,26 +3,27 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
 
     asyncrl train cpu-demo --placement.trainer-devices cpu cpu cpu --trainer.max-recoveries 2
 
-1. Restore points. After every training step each trainer rank writes its shard (weights, optimizer moments,
-   schedules, counters, RNG: `ShardSnapshot`) to the run's directory in host shared memory (/dev/shm), and the ranks
-   then meet at a barrier: only a step every rank has written is committed. A rank keeps its newest two files, so a
-   death while writing leaves the committed one whole (`RestorePoints`).
+1. Restore points. After a training step, when no rank is still writing the previous one, each trainer rank copies
+   its shard (weights, optimizer moments, schedules, counters, RNG: `ShardSnapshot`) to host buffers and writes it to
+   the run's directory in host shared memory (/dev/shm) on a thread of its own. After every step the ranks agree on
+   the newest step every rank's file holds: the committed one. A rank keeps its newest two files, so a death while
+   writing leaves the committed one whole (`RestorePoints`); rank 0 keeps the batches trained since.
 2. Detection (the launcher, `asyncrl.rpc.supervise`). A follower's exit is seen at once; a stopped or hung one when
    its heartbeat has been silent for `--async-training.agent-timeout-s`. The launcher then ends every other follower
    as well (on gloo a survivor blocked in a collective with a live peer is freed only by that peer's exit), posts the
    fault to the run's store with the trainer group's next generation, and starts followers 1..T−1 again.
 3. Rank 0 (the head: queue, roster, agents and their weight channels stay up) finds its command broken or the fault
-   posted, and `Failover.recover`s: it leaves the broken group, joins the new generation's over a store prefix of
-   its own (`asyncrl.rpc.reform`), rebuilds its learner, restores the committed step, tells the new followers to
-   restore theirs from their files, and gives the command again. A step broken mid-way is thus trained again on
-   the same groups from the same boundary: no group is trained twice, the version counter never goes back, and
-   the ledger is unchanged. Each recovery is in the run's metrics (`trainer/recoveries`) and summary.
+   posted (on NCCL a watcher aborts its communicators when the fault is posted), and `Failover.recover`s: it leaves
+   the broken group, joins the new generation's over a store prefix of its own (`asyncrl.rpc.reform`), rebuilds its
+   learner, restores the committed step, tells the new followers to restore theirs from their files, trains the
+   steps since again on their batches, and gives the command again: no group is trained twice, the version counter
+   never goes back, and the ledger is unchanged. Each recovery is in the run's metrics (`trainer/recoveries`) and summary.
 
 Limits: rank 0's own death still ends the run (resume from a checkpoint); the launcher is this machine's
-(`--placement.launcher rpc`), the placement is split (not colocated); a second fault before another step is
-committed, or more than `--trainer.max-recoveries` faults, end the run with the reason. Cost: a host copy of every
-rank's shard a step (16 bytes a trained parameter over the ranks, twice: the newest two are kept) and the time to
-write it (docs/faults.md).
+(`--placement.launcher rpc`), the placement is split (not colocated); a second fault before another step was
+trained, or more than `--trainer.max-recoveries` faults, end the run with the reason. Cost: host memory for two
+files of every rank's shard (16 bytes a trained parameter over the ranks) and pinned buffers of one, the writes'
+bandwidth beside training, and rank 0's batches since the committed step (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -104,16 +105,21 @@ class RestorePoints:
         except BaseException as err:  # noqa: BLE001 - raised on the training thread by `wait`
             self._failed = err
 
+    def _join(self) -> BaseException | None:
+        """Wait for the write under way; its failure, if it failed (then cleared)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        err, self._failed = self._failed, None
+        return err
+
     def idle(self) -> bool:
         return self._writer is None or not self._writer.is_alive()
 
     def wait(self) -> None:
         """Until the write under way (if any) is done; raises RunFailed when it failed (a full disk)."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._failed is not None:
-            err, self._failed = self._failed, None
+        err = self._join()
+        if err is not None:
             raise RunFailed(f"trainer rank {self.rank}: its restore point could not be written to {self.directory}: "
                             f"{err} (set ASYNCRL_RESTORE_POINTS_DIR to a larger host directory)") from err
 
@@ -122,10 +128,7 @@ class RestorePoints:
         if so, snapshot this step. Returns the committed step (-1: none yet)."""
         if self._failed is not None:
             self.wait()
-        agreed = torch.tensor([self._written, 1 if self.idle() else 0], dtype=torch.int64)
-        if group is not None:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        committed, idle = int(agreed[0]), bool(agreed[1])
+        committed, idle = _lowest([self._written, 1 if self.idle() else 0], group)
         if idle:
             self.start(state)
         return committed
@@ -134,16 +137,11 @@ class RestorePoints:
         """Every rank, together: snapshot `state` and wait until every rank wrote it (the first restore point)."""
         self.start(state)
         self.wait()
-        agreed = torch.tensor([self._written], dtype=torch.int64)
-        if group is not None:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        return int(agreed[0])
+        return _lowest([self._written], group)[0]
 
     def restore(self, state: LearnerState, step: int) -> None:
         """Put `state` (this rank's learner, possibly freshly built) back to its shard at `step`."""
-        if self._writer is not None:
-            self._writer.join()  # a write under way finishes first (it may prune older files)
-            self._writer, self._failed = None, None
+        self._join()  # a write under way finishes first (it may prune older files); a failed one no longer matters
         path = self.directory / f"rank{self.rank}-s{step}.snap"
         if not path.exists():
             raise RunFailed(f"trainer rank {self.rank}: no restore point of step {step} in {self.directory}")
@@ -151,6 +149,14 @@ class RestorePoints:
         snapshot.load_packed(*read_packed(path))
         snapshot.restore(state)
         self._written = max(self._written, step)
+
+
+def _lowest(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """Each of `values`' minimum over the ranks of `group` (this rank's own without a group)."""
+    agreed = torch.tensor(values, dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in agreed]
 
 
 def refusal(*, recoveries: int, max_recoveries: int, committed: int, at_step: int,
