@@ -220,26 +220,43 @@ class TrainerGroup:
                         return command()
                 except Exception as err:  # noqa: BLE001 - a peer's death breaks any collective: the launcher says
                     fault = self.failover.await_fault(err)
-            self.group = self.failover.recover(state, fault, commands_group)
-            self._command("restore", step=self.failover.committed, version=state.version)
-            dist.barrier(group=self.group)  # every follower restored its shard
-            self._replay(state)
-            self.failover.recovered(state)
+            self._recover(state, fault)
+
+    def _recover(self, state: LearnerState, fault: dict) -> None:
+        """Re-form the group for `fault`, have every follower restore the committed step and train the steps since
+        again; a fault meanwhile (a follower started again that died or hangs) starts it over with that fault."""
+        while True:
+            self.failover.take_on(state, fault)
+            try:
+                with self.failover.watching():
+                    self.group = self.failover.rebuild(state, commands_group)
+                    self._command("restore", step=self.failover.committed, version=state.version)
+                    dist.barrier(group=self.group)  # every follower restored its shard
+                    self._replay(state)
+                self.failover.recovered(state)
+                return
+            except Exception as err:  # noqa: BLE001 - as in _guarded; Abandoned: the newer fault is posted already
+                fault = self.failover.await_fault(err)
 
     def _replay(self, state: LearnerState) -> None:
         """Train the steps since the committed one again, on their batches at their versions (their metrics were
-        logged the first time)."""
+        logged the first time). Broken midway, those not committed again are kept for the next recovery."""
         version, since = state.version, [entry for entry in self._since if entry[0] >= state.step]
         self._since = []
         if since:
             log.warning("trainer failover: training steps %d..%d again from the committed step", since[0][0] + 1,
                         since[-1][0] + 1)
-        for step, at_version, batch in since:
-            if step != state.step:
-                raise RuntimeError(f"trainer failover: the batch of step {step} came up at step {state.step}")
-            state.version = at_version
-            self._step(state, batch)
-        state.version = version
+        try:
+            for step, at_version, batch in since:
+                if step != state.step:
+                    raise RuntimeError(f"trainer failover: the batch of step {step} came up at step {state.step}")
+                state.version = at_version
+                self._step(state, batch)
+        except BaseException:
+            self._since = [entry for entry in since if entry[0] >= self.failover.committed]
+            raise
+        finally:
+            state.version = version
 
     def commit(self, state: LearnerState) -> None:
         """Every rank writes its restore point of `state.step` (failover on; before the first step)."""
@@ -348,6 +365,7 @@ class FollowerHost:
         elif cmd == "commit":
             self.points.commit_now(state, self.group)
         elif cmd == "restore":
+            kill_point("restore", self.rank, int(header["version"]))
             started = time.monotonic()
             self.points.restore(state, int(header["step"]))
             log.warning("trainer rank %d: step %d restored in %.1f s", self.rank, int(header["step"]),

@@ -13,11 +13,14 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
    as well (on gloo a survivor blocked in a collective with a live peer is freed only by that peer's exit), posts the
    fault to the run's store with the trainer group's next generation, and starts followers 1..T−1 again.
 3. Rank 0 (the head: queue, roster, agents and their weight channels stay up) finds its command broken or the fault
-   posted (on NCCL a watcher aborts its communicators when the fault is posted), and `Failover.recover`s: it leaves
+   posted (on NCCL a watcher aborts its communicators when the fault is posted), and recovers (`Failover`): it leaves
    the broken group, joins the new generation's over a store prefix of its own (`asyncrl.rpc.reform`), rebuilds its
    learner, restores the committed step, tells the new followers to restore theirs from their files, trains the
    steps since again on their batches, and gives the command again: no group is trained twice, the version counter
    never goes back, and the ledger is unchanged. Each recovery is in the run's metrics (`trainer/recoveries`) and summary.
+4. A fault while the group re-forms (a follower started again that dies or hangs) starts the recovery over with the
+   newer generation (`take_on`, then `rebuild` again); the members assemble before the backend's rendezvous, so rank
+   0 never waits for a member that is gone (`asyncrl.rpc.reform`).
 
 Limits: rank 0's own death still ends the run (resume from a checkpoint); the launcher is this machine's
 (`--placement.launcher rpc`), the placement is split (not colocated); a second fault before another step was
@@ -42,7 +45,7 @@ import torch.distributed as dist
 from asyncrl.checkpoint.snapshot import ShardSnapshot
 from asyncrl.checkpoint.snapshot_files import read_packed, write_packed
 from asyncrl.learner import LearnerState
-from asyncrl.rpc.reform import abort_communicators, abort_trainer_groups, reform_trainer_group
+from asyncrl.rpc.reform import abort_communicators, reform_trainer_group
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
@@ -200,8 +203,9 @@ class Failover:
         self.generation = 0
         self.committed = -1  # the step every rank's restore point holds (-1: none yet)
         self.recoveries: list[Recovery] = []
+        self.faults = 0  # taken on, each recovered or still being recovered from
         self._last_fault_at: int | None = None
-        self._started, self._why = 0.0, ""  # of the recovery under way
+        self._started, self._version, self._whys = 0.0, 0, []  # of the recovery under way (its faults; []: none)
         # how long a broken command waits for the launcher's word: it names a hung follower after the agent timeout
         self.wait_s = spec.async_.agent_timeout_s + 10.0
 
@@ -262,25 +266,37 @@ class Failover:
     def commit_now(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
         self.committed = self.points.commit_now(state, group)
 
-    def recover(self, state: LearnerState, fault: dict, commands) -> dist.ProcessGroup:
-        """Join the new generation's group and rebuild `state` in place at the committed step (its version kept).
-        `commands(spec)` makes the commands group (every rank in the same order). Returns the new commands group, on
-        which the caller has the followers restore theirs (a "restore" command), then calls `recovered`. Raises
-        RunFailed when the fault is not recovered from (`refusal`)."""
+    def take_on(self, state: LearnerState, fault: dict) -> None:
+        """Accept `fault` (RunFailed when it is not recovered from: `refusal`) and move to its generation. A fault
+        during a recovery (a follower started again that died or hung before the group was ready) restarts that
+        recovery: it counts against --trainer.max-recoveries, and no step was trained in between."""
         why = str(fault["why"])
-        refused = refusal(recoveries=len(self.recoveries), max_recoveries=self.spec.trainer.max_recoveries,
-                          committed=self.committed, at_step=state.step, last_fault_at=self._last_fault_at)
+        recovering = bool(self._whys)
+        refused = refusal(recoveries=self.faults, max_recoveries=self.spec.trainer.max_recoveries,
+                          committed=self.committed, at_step=state.step,
+                          last_fault_at=None if recovering else self._last_fault_at)
         if refused is not None:
-            raise RunFailed(f"{why}; not recovered: {refused} (resume from the last checkpoint with --resume)")
-        self._started, version = time.monotonic(), state.version
-        self._last_fault_at = state.step
+            raise RunFailed(f"{'; then '.join([*self._whys, why])}; not recovered: {refused} (resume from the last "
+                            "checkpoint with --resume)")
+        if not recovering:
+            self._started, self._version, self._last_fault_at = time.monotonic(), state.version, state.step
+        self.faults += 1
+        self._whys.append(why)
         self.generation = int(fault["generation"])
         enter_generation(self.generation)
         log.warning("%s: trainer group generation %d re-forms; back to step %d", why, self.generation, self.committed)
+
+    def rebuild(self, state: LearnerState, commands) -> dist.ProcessGroup:
+        """Join the taken-on generation's group and rebuild `state` in place at the committed step (its version
+        kept). `commands(spec)` makes the commands group (every rank in the same order). Returns it, on which the
+        caller has the followers restore theirs (a "restore" command), then calls `recovered`. Raises Abandoned when
+        a newer generation is called while the group assembles (`asyncrl.rpc.reform`)."""
         _drop_learner(state)
-        abort_trainer_groups()
+        began = time.monotonic()
         reform_trainer_group(self.store.raw, generation=self.generation, rank=0, world_size=self.spec.num_trainers,
-                             backend=trainer_backend(self.spec), timeout_s=self.spec.startup_timeout_s)
+                             backend=trainer_backend(self.spec), timeout_s=self.spec.async_.sync_timeout_s,
+                             startup_timeout_s=self.spec.startup_timeout_s,
+                             abandoned=lambda: self.posted() is not None)
         group = commands(self.spec)
         joined = time.monotonic()
         fresh = self.build(self.spec, self.device, dist.group.WORLD)
@@ -289,15 +305,16 @@ class Failover:
         built = time.monotonic()
         self.points.restore(state, self.committed)
         log.warning("trainer rank 0: group joined in %.1f s, learner built in %.1f s, step %d restored in %.1f s",
-                    joined - self._started, built - joined, self.committed, time.monotonic() - built)
-        state.version = version  # publications since the committed step happened: the counter never goes back
-        self._why = why
+                    joined - began, built - joined, self.committed, time.monotonic() - built)
+        state.version = self._version  # publications since the committed step happened: the counter never goes back
         return group
 
     def recovered(self, state: LearnerState) -> Recovery:
         """Every rank restored and the steps since were trained again: the recovery is over (recorded)."""
-        done = Recovery(self.generation, self._why, state.step, state.version, time.monotonic() - self._started)
+        done = Recovery(self.generation, "; then ".join(self._whys), state.step, state.version,
+                        time.monotonic() - self._started)
         self.recoveries.append(done)
+        self._whys = []
         log.warning("trainer group generation %d ready in %.1f s (step %d, version %d)", done.generation, done.seconds,
                     done.step, done.version)
         return done

@@ -23,11 +23,14 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import time
+from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-__all__ = ["trainer_store", "reform_trainer_group", "abort_trainer_groups", "abort_communicators"]
+__all__ = ["trainer_store", "join_trainer_group", "reform_trainer_group", "abort_trainer_groups",
+           "abort_communicators", "Abandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +59,56 @@ def abort_trainer_groups() -> None:
     gc.collect()  # what still refers to the old groups (a dropped learner) goes now
 
 
+class Abandoned(Exception):
+    """A generation's group stopped forming: a newer generation was called while its members assembled."""
+
+
+def _assemble(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
+              abandoned: Callable[[], bool] | None, poll_s: float = 0.05) -> None:
+    """Every member of generation `generation` says it is here before any joins the group: the join itself (the
+    backend's rendezvous) cannot be interrupted, and a member that died before it would hold the others there
+    until the timeout. This wait can: `abandoned()` true raises Abandoned."""
+    here = dist.PrefixStore(f"asyncrl/trainers/gen{generation}/here", store)
+    here.set(str(rank), "1")
+    members = [str(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not here.check(members):
+        if abandoned is not None and abandoned():
+            raise Abandoned(f"trainer group generation {generation}: a newer generation was called while it formed")
+        if time.monotonic() > deadline:
+            missing = [m for m in members if not here.check([m])]
+            raise TimeoutError(f"trainer group generation {generation}: rank(s) {', '.join(missing)} did not come "
+                               f"within {timeout_s:g} s (--startup-timeout-s)")
+        time.sleep(poll_s)
+
+
+def join_trainer_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str,
+                       timeout: datetime.timedelta, startup_timeout_s: float,
+                       abandoned: Callable[[], bool] | None = None) -> None:
+    """Join generation `generation`'s trainer group as `rank` of `world_size` (`timeout`: its collectives'). A
+    re-formed generation (> 0) assembles first (`_assemble`, within `startup_timeout_s`; `abandoned`: whether a
+    newer generation was called meanwhile)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"join_trainer_group: rank {rank} outside a group of {world_size}")
+    if generation:
+        _assemble(store, generation, rank, world_size, startup_timeout_s, abandoned)
+    dist.init_process_group(backend, store=trainer_store(store, generation), rank=rank, world_size=world_size,
+                            timeout=timeout)
+    if generation:
+        log.info("trainer group generation %d: rank %d of %d", generation, rank, world_size)
+
+
 def reform_trainer_group(store: dist.Store, *, generation: int, rank: int, world_size: int, backend: str,
-                         timeout_s: float) -> None:
+                         timeout_s: float, startup_timeout_s: float | None = None,
+                         abandoned: Callable[[], bool] | None = None) -> None:
     """Leave this process's trainer group (aborted; a replacement has none yet) and join generation
-    `generation`'s as `rank` of `world_size`; returns once every member joined, or raises after `timeout_s`."""
+    `generation`'s as `rank` of `world_size` (`join_trainer_group`; `timeout_s`: its collectives', and the
+    assembly's unless `startup_timeout_s` is given); returns once every member joined."""
     if not 0 <= rank < world_size:
         raise ValueError(f"reform_trainer_group: rank {rank} outside a group of {world_size}")
     if dist.is_initialized():
         abort_trainer_groups()
-    dist.init_process_group(backend, store=trainer_store(store, generation), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    log.info("trainer group generation %d: rank %d of %d", generation, rank, world_size)
+    join_trainer_group(store, generation=generation, rank=rank, world_size=world_size, backend=backend,
+                       timeout=datetime.timedelta(seconds=timeout_s),
+                       startup_timeout_s=timeout_s if startup_timeout_s is None else startup_timeout_s,
+                       abandoned=abandoned)

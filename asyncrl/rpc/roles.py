@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from asyncrl.rpc.assembly import local_device
 from asyncrl.runtime.controller import RunSummary
+from asyncrl.runtime.kill_points import kill_point
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_nonce, pin_interface, read_token
 from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
@@ -43,7 +44,7 @@ from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.commands import FollowerHost
 from asyncrl.rpc.failover import RestorePoints, enter_generation, trainer_backend
 from asyncrl.rpc.membership import join_rpc, leave_rpc
-from asyncrl.rpc.reform import trainer_store
+from asyncrl.rpc.reform import join_trainer_group
 from asyncrl.rpc.seal import key_check, rpc_key
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
@@ -113,9 +114,11 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         device = local_device(spec.trainer_devices[rank])
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        dist.init_process_group(trainer_backend(spec), store=trainer_store(store.raw, generation), rank=rank,
-                                world_size=spec.num_trainers,
-                                timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s))
+        if generation:
+            kill_point("join", rank, 0)
+        join_trainer_group(store.raw, generation=generation, rank=rank, world_size=spec.num_trainers,
+                           backend=trainer_backend(spec), timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s),
+                           startup_timeout_s=spec.startup_timeout_s)
         if rank == 0:
             if token is None:
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")

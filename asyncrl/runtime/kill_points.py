@@ -10,7 +10,10 @@ point (from 0) applies after k recoveries (`--trainer.max-recoveries`), in the g
 Phases, in a step's order: forward (a micro-batch's forward begins), backward (its loss is computed, its backward
 not begun), norm (a mini-batch's gradients are complete; the gradient-norm all-reduce, the step's commit barrier, not
 begun), step (the norm is agreed; the optimizer step not taken), publish (the weights are gathered for a
-publication), checkpoint (a checkpoint is being written). Unset, a point costs one environment lookup. A malformed
+publication), checkpoint (a checkpoint is being written). Two more fall inside a recovery, in a follower started
+again: join (before it joins the re-formed group; its version is 0 there, as it has no learner yet) and restore (rank
+0's restore command received, the restore point not yet read; the version is the one the command carries). Unset, a
+point costs one environment lookup. A malformed
 value is refused before any process starts (`check_kill_point_env`). A trainer process learns its generation from
 `ASYNCRL_TRAINER_GENERATION`, which it sets itself (`asyncrl.rpc.failover`).
 """
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 
 ENV = "ASYNCRL_FAULT"
 GENERATION_ENV = "ASYNCRL_TRAINER_GENERATION"
-PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint")
+PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint", "join", "restore")
 _FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)")
 
 

@@ -4,11 +4,18 @@ what a missing restore point says. Launched runs that recover are in tests/rpc/t
 
 from __future__ import annotations
 
+import datetime
+import types
+
 import pytest
+import torch.distributed as dist
 
 from asyncrl.learner import train_step
-from asyncrl.rpc.failover import RestorePoints, refusal
+from asyncrl.rpc.failover import Failover, RestorePoints, refusal
+from asyncrl.rpc.reform import Abandoned, join_trainer_group
+from asyncrl.runtime.kill_points import GENERATION_ENV
 from asyncrl.runtime.lifecycle import RunFailed
+from tests.timing import limit
 from tests.dist_helpers import build, max_diff, sample_groups, weights
 
 
@@ -45,3 +52,41 @@ def test_restore_points_put_a_fresh_learner_back_to_the_committed_step_bitwise(t
     assert max_diff(weights(fresh.policy), expected_policy) == 0 and max_diff(weights(fresh.critic), expected_critic) == 0
     with pytest.raises(RunFailed, match=r"trainer rank 1: no restore point of step 7 in "):
         replacement.restore(fresh, step=7)
+
+
+def test_a_fault_while_the_group_re_forms_restarts_the_recovery_and_counts_against_the_limit(monkeypatch):
+    """A follower started again that dies before the group is ready: its fault is taken on without the same-step rule
+    (no step was trained in between), counts as one of --trainer.max-recoveries, and the recovery names both."""
+    monkeypatch.setenv(GENERATION_ENV, "0")
+    spec = types.SimpleNamespace(trainer=types.SimpleNamespace(max_recoveries=2),
+                                 async_=types.SimpleNamespace(agent_timeout_s=1.0))
+    failover = Failover(spec, store=None, points=None, device="cpu", build=None)
+    failover.committed = 3
+    state = types.SimpleNamespace(step=4, version=6)
+    failover.take_on(state, {"generation": 1, "why": "trainer rank 2 exited with code 9"})
+    state.step = 0  # rebuilt, not restored yet
+    failover.take_on(state, {"generation": 2, "why": "trainer rank 1 exited with code 9"})
+    assert (failover.faults, failover.generation) == (2, 2)
+    done = failover.recovered(types.SimpleNamespace(step=4, version=6))
+    assert done.why == "trainer rank 2 exited with code 9; then trainer rank 1 exited with code 9"
+    assert done.generation == 2
+    with pytest.raises(RunFailed, match=r"trainer rank 2 exited with code 9; not recovered: "
+                                        r"--trainer.max-recoveries 2 spent"):
+        failover.take_on(state, {"generation": 3, "why": "trainer rank 2 exited with code 9"})
+
+
+def test_a_re_formed_group_waits_for_its_members_only_while_no_newer_generation_is_called():
+    """Before the backend's rendezvous (which nothing interrupts), a re-formed generation's members assemble: a
+    newer generation called meanwhile ends the wait at once, and a member that never comes is named."""
+    store = dist.HashStore()
+    calls = []
+    with pytest.raises(Abandoned, match="generation 1: a newer generation was called"):
+        join_trainer_group(store, generation=1, rank=0, world_size=3, backend="gloo",
+                           timeout=datetime.timedelta(seconds=5), startup_timeout_s=limit(60),
+                           abandoned=lambda: calls.append(1) or len(calls) > 3)
+    assert not dist.is_initialized()
+    dist.PrefixStore("asyncrl/trainers/gen2/here", store).set("1", "1")
+    with pytest.raises(TimeoutError, match=r"generation 2: rank\(s\) 2 did not come within 0.3 s \(--startup-timeout-s\)"):
+        join_trainer_group(store, generation=2, rank=0, world_size=3, backend="gloo",
+                           timeout=datetime.timedelta(seconds=5), startup_timeout_s=0.3)
+    assert not dist.is_initialized()

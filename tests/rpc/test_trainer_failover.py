@@ -23,8 +23,11 @@ THREE_TRAINERS = ("--placement.trainer-devices", "cpu", "cpu", "cpu")
 # a synchronous split: every version's samples come from the weights before it, whatever the timing, so two runs
 # train on the same batches and their metrics can be compared exactly
 LOCKSTEP = ("--async-training.staleness-threshold", "0", "--async-training.no-partial-rollout")
-DRILL = ("trainer:2:version:1:phase:forward,trainer:1:version:2:phase:backward,trainer:2:version:3:phase:norm,"
-         "trainer:1:version:4:phase:step,trainer:2:version:5:phase:publish,trainer:1:version:7:phase:checkpoint")
+# one fault a trainer-group generation: the first recovery meets two more (a follower started again dies before it
+# joins the group, then one on receiving the restore command), then one fault in each remaining phase of a version
+DRILL = ("trainer:2:version:1:phase:forward,trainer:1:version:0:phase:join,trainer:2:version:1:phase:restore,"
+         "trainer:1:version:2:phase:backward,trainer:2:version:3:phase:norm,trainer:1:version:4:phase:step,"
+         "trainer:2:version:5:phase:publish,trainer:1:version:7:phase:checkpoint")
 COMPARED = ("actor/", "critic/", "training/grad_norm")
 
 
@@ -46,15 +49,16 @@ def _learning(rows: list[dict]) -> list[dict]:
 
 def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_one(tmp_path, jobs):
     """Six faults, one per phase of a version (forward, backward, gradient norm, optimizer step, publication,
-    checkpoint), on ranks 1 and 2 in turn: each time the launcher starts the followers again, rank 0 re-forms the
-    group and restores the last committed step, and the command the fault broke is given again. The run then
-    trains every version once, in order, with its books balanced, and every learner metric equals, exactly, an
-    uninterrupted run's."""
+    checkpoint), on ranks 1 and 2 in turn, and two more while the first recovery is under way (a follower dies
+    before it joins the re-formed group; another when told to restore): each time the launcher starts the
+    followers again, rank 0 re-forms the group (without waiting out a member that is gone) and restores the last
+    committed step, and the command the fault broke is given again. The run then trains every version once, in
+    order, with its books balanced, and every learner metric equals, exactly, an uninterrupted run's."""
     common = (*TOY, *THREE_TRAINERS, *LOCKSTEP, "--async-training.total-versions", "8", "--checkpoint-every", "1")
     plain = Job(tmp_path, *common, name="plain")
     jobs.append(plain)
     assert plain.finish(timeout=limit(180)) == 0, plain.tail()
-    drilled = Job(tmp_path, *common, "--trainer.max-recoveries", "6", name="drilled", env={"ASYNCRL_FAULT": DRILL})
+    drilled = Job(tmp_path, *common, "--trainer.max-recoveries", "8", name="drilled", env={"ASYNCRL_FAULT": DRILL})
     jobs.append(drilled)
     assert drilled.finish(timeout=limit(240)) == 0, drilled.tail()
     text, summary = drilled.text(), drilled.summary()
@@ -62,9 +66,12 @@ def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_on
         _, rank, _, version, _, phase = point.split(":")
         assert f"trainer rank {rank} killed at {phase} of version {version}" in text, drilled.tail()
     recoveries = summary["trainer_recoveries"]
-    assert [r["generation"] for r in recoveries] == [1, 2, 3, 4, 5, 6], recoveries
+    assert [r["generation"] for r in recoveries] == [3, 4, 5, 6, 7, 8], recoveries
     assert [r["version"] for r in recoveries] == [1, 2, 3, 4, 5, 7], recoveries  # the counter never went back
     assert all(r["why"].startswith("trainer rank ") and " exited with code 9" in r["why"] for r in recoveries)
+    assert "; then trainer rank 2 exited with code 9" in recoveries[0]["why"], recoveries[0]  # at restore
+    assert recoveries[0]["seconds"] < 600, recoveries[0]  # the member gone before it joined: not waited for until
+    #                                                        --startup-timeout-s (600 s)
     assert "trainer group re-formed at version 5" in text
     assert "trainer failover: training steps " in text  # the steps since the committed one, trained again
     rows = drilled.metrics()
