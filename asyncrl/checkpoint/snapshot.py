@@ -197,7 +197,8 @@ class ShardSnapshot:
         if self._copied is not None:
             self._copied.synchronize()
         return {"version": self.version, "step": self.step, "weights": self._weights, "moments": self._moments,
-                "schedules": self._schedules, "groups": self._groups, "counters": self._counters, "rng": self._rng}
+                "schedules": self._schedules, "groups": self._groups, "counters": self._counters, "rng": self._rng,
+                "sharded": self._sharded}
 
     def load_packed(self, text: str, flat: Tensor) -> None:
         """Take a packed snapshot's contents (one of a learner with this one's shards: the same rank's, or its
@@ -235,7 +236,8 @@ class ShardSnapshot:
             return part
 
         self._copied = None
-        for m, (weights, sharded) in enumerate(zip(self._weights, self._sharded)):
+        # split as the old group split them (a group of one rank, unsharded, may take shards of a larger one)
+        for m, (weights, sharded) in enumerate(zip(self._weights, trees[0].get("sharded", self._sharded))):
             for i, (w, split) in enumerate(zip(weights, sharded)):
                 w.copy_(mine([t["weights"][m][i] for t in trees], split, tuple(w.shape)))
                 held = [t["moments"][m][i] for t in trees]

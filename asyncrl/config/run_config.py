@@ -432,6 +432,9 @@ class RunConfig:
                   "recovers from a trainer follower's fault in a split run on this machine: it needs two or more "
                   "--placement.trainer-devices, --placement.launcher rpc and a split placement (trainer rank 0's own "
                   "death, torchrun jobs and colocated runs resume from a checkpoint instead); leave it at 0")
+        if self.trainer.failover == "shrink" and not self.trainer.max_recoveries:
+            _fail("trainer", "failover", "shrink", "shrinks the trainer group when a rank's fault is recovered from: "
+                  "give --trainer.max-recoveries 1 or more")
         if self.trainer.offload == "params" and self.placement.launcher == "local":
             _fail("trainer", "offload", "params", "FSDP2's CPU offload runs in a trainer process with its process "
                   "group; use --placement.launcher rpc (the default) or torchrun")

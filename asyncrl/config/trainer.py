@@ -207,6 +207,11 @@ class TrainerConfig:
     """Trainer-group faults (a follower rank that dies or hangs) the run recovers from without stopping: every rank
     keeps a restore point of each step in host shared memory, and the launcher starts the followers again
     (`asyncrl.rpc.failover`). 0: such a fault ends the run (resume from a checkpoint)."""
+    failover: Literal["replace", "shrink"] = "replace"
+    """What a recovered fault leaves (with --trainer.max-recoveries): replace: followers started again in the same
+    layout (the run equals an uninterrupted one bitwise); shrink: the group goes on one rank smaller, without the
+    faulty rank's device, every shard re-sliced from the restore points (equal to an uninterrupted run within float
+    rounding)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     off_policy: OffPolicyConfig = dataclasses.field(default_factory=OffPolicyConfig)
 

@@ -22,7 +22,8 @@ of the groups dealt it and the counts it computes the step's deal from): nothing
   {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
   {"cmd": "load", "path"}                     restore this rank's shard from a checkpoint
   {"cmd": "commit"}                           write this rank's restore point and wait for every rank's (failover)
-  {"cmd": "restore", "step", "version"}       back to this rank's restore point of `step` (a re-formed group)
+  {"cmd": "restore", "step", "version", "world"}  back to the restore point of `step` (a re-formed group), from the
+                                              files of a group of `world` ranks (a shrink: larger than this one)
   {"cmd": "stop"}                             leave the loop
 With failover on (`asyncrl.rpc.failover`), every step ends with the ranks agreeing on the committed restore point
 (and starting the next one when all are idle); rank 0 keeps the batches since, and after a trainer-group fault it
@@ -230,7 +231,8 @@ class TrainerGroup:
             try:
                 with self.failover.watching():
                     self.group = self.failover.rebuild(state, commands_group)
-                    self._command("restore", step=self.failover.committed, version=state.version)
+                    self._command("restore", step=self.failover.committed, version=state.version,
+                                  world=self.failover.committed_world)
                     dist.barrier(group=self.group)  # every follower restored its shard
                     self._replay(state)
                 self.failover.recovered(state)
@@ -367,7 +369,7 @@ class FollowerHost:
         elif cmd == "restore":
             kill_point("restore", self.rank, int(header["version"]))
             started = time.monotonic()
-            self.points.restore(state, int(header["step"]))
+            self.points.restore(state, int(header["step"]), world=int(header["world"]))
             log.warning("trainer rank %d: step %d restored in %.1f s", self.rank, int(header["step"]),
                         time.monotonic() - started)
             state.version = int(header["version"])

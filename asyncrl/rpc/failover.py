@@ -18,7 +18,10 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
    learner, restores the committed step, tells the new followers to restore theirs from their files, trains the
    steps since again on their batches, and gives the command again: no group is trained twice, the version counter
    never goes back, and the ledger is unchanged. Each recovery is in the run's metrics (`trainer/recoveries`) and summary.
-4. A fault while the group re-forms (a follower started again that dies or hangs) starts the recovery over with the
+4. `--trainer.failover shrink`: the launcher leaves the faulty rank's device out (the fault's record lists the
+   devices), and every rank of the smaller group re-slices the old group's restore points of the committed step
+   (`RestorePoints.restore` with the old group's size).
+5. A fault while the group re-forms (a follower started again that dies or hangs) starts the recovery over with the
    newer generation (`take_on`, then `rebuild` again); the members assemble before the backend's rendezvous, so rank
    0 never waits for a member that is gone (`asyncrl.rpc.reform`).
 
@@ -75,8 +78,9 @@ class RestorePoints:
     goes on; the ranks agree after every step on the newest step whose file every rank completed (`after_step`),
     which is the committed one. Steps since then are trained again from it on a fault (rank 0 keeps their batches)."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int):
-        self.directory, self.rank = pathlib.Path(directory), rank
+    def __init__(self, directory: str | os.PathLike, rank: int, world: int):
+        self.base, self.rank, self.world = pathlib.Path(directory), rank, world
+        self.directory = self.base / f"world{world}"  # a group of another size (a shrink) writes beside, not over
         self._snapshot: ShardSnapshot | None = None
         self._of: int | None = None  # id() of the policy the snapshot's buffers were built for
         self._writer: threading.Thread | None = None
@@ -142,14 +146,29 @@ class RestorePoints:
         self.wait()
         return _lowest([self._written], group)[0]
 
-    def restore(self, state: LearnerState, step: int) -> None:
-        """Put `state` (this rank's learner, possibly freshly built) back to its shard at `step`."""
+    def regroup(self, world: int) -> None:
+        """This rank now belongs to a group of `world` ranks (a shrink): its next restore points go to that group's
+        directory; the files of the old group's stay for a restore (`restore`'s `world`)."""
+        self._join()  # a write under way finishes first; a failed one no longer matters
+        self.world, self.directory = world, self.base / f"world{world}"
+
+    def restore(self, state: LearnerState, step: int, world: int | None = None) -> None:
+        """Put `state` (this rank's learner, possibly freshly built) back to its shard at `step`, from the files of a
+        group of `world` ranks (None: this rank's group); from a larger group (a shrink), every one of its ranks'
+        files is read and re-sliced for this rank (`ShardSnapshot.load_resharded`)."""
         self._join()  # a write under way finishes first (it may prune older files); a failed one no longer matters
-        path = self.directory / f"rank{self.rank}-s{step}.snap"
-        if not path.exists():
-            raise RunFailed(f"trainer rank {self.rank}: no restore point of step {step} in {self.directory}")
+        world = self.world if world is None else world
+        directory = self.base / f"world{world}"
+        paths = [directory / f"rank{r}-s{step}.snap" for r in ([self.rank] if world == self.world else range(world))]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise RunFailed(f"trainer rank {self.rank}: no restore point of step {step} in {directory} "
+                            f"({', '.join(missing)})")
         snapshot = self._snapshot_of(state)
-        snapshot.load_packed(*read_packed(path))
+        if world == self.world:
+            snapshot.load_packed(*read_packed(paths[0]))
+        else:
+            snapshot.load_resharded([read_packed(p) for p in paths], rank=self.rank, world=self.world)
         snapshot.restore(state)
         self._written = max(self._written, step)
 
@@ -202,6 +221,7 @@ class Failover:
         self.build = build  # (spec, device, group) -> a fresh LearnerState over `group`
         self.generation = 0
         self.committed = -1  # the step every rank's restore point holds (-1: none yet)
+        self.committed_world = spec.num_trainers  # the size of the group whose files hold it
         self.recoveries: list[Recovery] = []
         self.faults = 0  # taken on, each recovered or still being recovered from
         self._last_fault_at: int | None = None
@@ -261,10 +281,12 @@ class Failover:
 
     def after_step(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
         """Rank 0 after each step (the followers do the same): `RestorePoints.after_step`."""
-        self.committed = self.points.after_step(state, group)
+        committed = self.points.after_step(state, group)
+        if committed != self.committed:  # a newer step, in this group's files (after a shrink: the old group's until)
+            self.committed, self.committed_world = committed, self.spec.num_trainers
 
     def commit_now(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
-        self.committed = self.points.commit_now(state, group)
+        self.committed, self.committed_world = self.points.commit_now(state, group), self.spec.num_trainers
 
     def take_on(self, state: LearnerState, fault: dict) -> None:
         """Accept `fault` (RunFailed when it is not recovered from: `refusal`) and move to its generation. A fault
@@ -284,7 +306,11 @@ class Failover:
         self._whys.append(why)
         self.generation = int(fault["generation"])
         enter_generation(self.generation)
-        log.warning("%s: trainer group generation %d re-forms; back to step %d", why, self.generation, self.committed)
+        devices = fault.get("trainer_devices")
+        if devices and list(devices) != self.spec.trainer_devices:  # a shrink: the launcher left a device out
+            self.spec = dataclasses.replace(self.spec, trainer_devices=list(devices))
+        log.warning("%s: trainer group generation %d re-forms with %d rank(s); back to step %d", why, self.generation,
+                    self.spec.num_trainers, self.committed)
 
     def rebuild(self, state: LearnerState, commands) -> dist.ProcessGroup:
         """Join the taken-on generation's group and rebuild `state` in place at the committed step (its version
@@ -303,7 +329,8 @@ class Failover:
         for field in dataclasses.fields(LearnerState):
             setattr(state, field.name, getattr(fresh, field.name))
         built = time.monotonic()
-        self.points.restore(state, self.committed)
+        self.points.regroup(self.spec.num_trainers)
+        self.points.restore(state, self.committed, world=self.committed_world)
         log.warning("trainer rank 0: group joined in %.1f s, learner built in %.1f s, step %d restored in %.1f s",
                     joined - began, built - joined, self.committed, time.monotonic() - built)
         state.version = self._version  # publications since the committed step happened: the counter never goes back

@@ -72,8 +72,8 @@ class _Head:
         phase(f"trainer0: model ready in {time.monotonic() - loading:.1f} s")
         self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
             if spec.colocate else None
-        self.failover = Failover(spec, store, RestorePoints(restore_points, 0), device=self.device,
-                                 build=build_learner_state) if restore_points else None
+        self.failover = Failover(spec, store, RestorePoints(restore_points, 0, spec.num_trainers),
+                                 device=self.device, build=build_learner_state) if restore_points else None
         self.trainers = TrainerGroup(group, hosted=self.hosted, failover=self.failover)
         for rref in followers:
             rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)

@@ -170,7 +170,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
 def _follow(spec: RunSpec, rank: int, store: RunStore, generation: int, restore_points: str | None) -> None:
     """A follower of its own: rank 0's commands over the trainer group, no RPC; its heartbeat goes to the launcher
     through the store until the commands end or the run does."""
-    points = RestorePoints(restore_points, rank) if restore_points else None
+    points = RestorePoints(restore_points, rank, spec.num_trainers) if restore_points else None
     building = time.monotonic()
     follower = FollowerHost(spec, rank, None, points)
     if generation:

@@ -231,13 +231,15 @@ class RunStore:
         """How many heartbeats trainer rank `rank` of generation `generation` sent (0: it has not begun following)."""
         return self.raw.add(f"asyncrl/beat/gen{generation}/{rank}", 0)
 
-    def post_trainer_fault(self, generation: int, why: str) -> None:
-        """The launcher ended the trainer group's followers after `why` and starts generation `generation`'s."""
+    def post_trainer_fault(self, generation: int, why: str, trainer_devices: list[str]) -> None:
+        """The launcher ended the trainer group's followers after `why` and starts generation `generation`'s, of
+        `trainer_devices` (one fewer than before after a shrink)."""
         key = "asyncrl/trainer_fault"
-        self.raw.set(key, self._signed(key, {"generation": generation, "why": why}))
+        self.raw.set(key, self._signed(key, {"generation": generation, "why": why,
+                                             "trainer_devices": list(trainer_devices)}))
 
     def trainer_fault(self) -> dict | None:
-        """The newest trainer-group fault the launcher posted ({"generation", "why"}), or None."""
+        """The newest trainer-group fault the launcher posted ({"generation", "why", "trainer_devices"}), or None."""
         key = "asyncrl/trainer_fault"
         if not self.raw.check([key]):
             return None

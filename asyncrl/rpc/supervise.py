@@ -244,30 +244,34 @@ class Supervisor:
             self._check_trainer_beats()
             self._restart_due()
 
-    def _follower_exit(self) -> str | None:
-        """Which trainer followers exited with an error, if any did. A follower whose collective a dead peer broke
-        exits with code 1 right after it: the others are named first."""
+    def _follower_exit(self) -> tuple[int, str] | None:
+        """The trainer follower that exited with an error first, and what to say of it and the others, if any did.
+        A follower whose collective a dead peer broke exits with code 1 right after it: the others are named first."""
         exited = sorted((c.process.exitcode == 1, c.slot, c.process.exitcode) for c in self.children
                         if c.role.startswith("trainer") and c.slot > 0 and c.process.exitcode not in (None, 0))
         if not exited:
             return None
         (_, slot, code), *others = exited
         also = "".join(f"; rank {s} then exited with code {c}" for _, s, c in others)
-        return f"trainer rank {slot} exited with code {code}{also}"
+        return slot, f"trainer rank {slot} exited with code {code}{also}"
 
     def _ended(self, why: str) -> str:
         spent = self.spec.trainer.max_recoveries
         hint = f" (--trainer.max-recoveries {spent} spent)" if spent else ""
         return f"{why}; the run cannot go on without it{hint} (resume from its last checkpoint with --resume)"
 
-    def _trainer_fault(self, why: str) -> None:
-        """A follower died or hangs (`why`): with a recovery left, end every follower and start the trainer group's
-        next generation (rank 0 re-forms the group with it and restores the committed step); else end the run."""
+    def _trainer_fault(self, slot: int, why: str) -> None:
+        """Follower `slot` died or hangs (`why`): with a recovery left, end every follower and start the trainer
+        group's next generation (rank 0 re-forms the group with it and restores the committed step), without `slot`'s
+        device under --trainer.failover shrink; else end the run."""
         store = self._store()
         if self.recoveries_left <= 0 or self._stopping or self.signals or store is None:
             raise RuntimeError(self._ended(why))
         self.recoveries_left -= 1
         self.generation += 1
+        if self.spec.trainer.failover == "shrink":
+            devices = [d for rank, d in enumerate(self.spec.trainer_devices) if rank != slot]
+            self.spec = dataclasses.replace(self.spec, trainer_devices=devices)
         for c in [c for c in self.children if c.role.startswith("trainer") and c.slot > 0]:
             if c.process.is_alive():
                 c.process.kill()  # on gloo only a peer's exit frees a survivor blocked on it
@@ -275,7 +279,7 @@ class Supervisor:
             self.children.remove(c)
         self._beats.clear()
         try:
-            store.post_trainer_fault(self.generation, why)
+            store.post_trainer_fault(self.generation, why, self.spec.trainer_devices)
         except Exception as err:  # noqa: BLE001 - rank 0 (the store) is gone: so is the run
             raise RuntimeError(self._ended(why)) from err
         log.warning("%s: starting trainer ranks 1..%d as generation %d of the trainer group (%d recoveries left)", why,
@@ -290,18 +294,19 @@ class Supervisor:
         if not isinstance(outcome, BaseException) or isinstance(outcome, RunFailed) or self.spec.num_trainers == 1:
             return outcome  # a RunFailed says why in full (a fault that was not recovered from, among others)
         deadline = time.monotonic() + 2.0  # the follower's exit can reach this process after rank 0's report
-        while (why := self._follower_exit()) is None and time.monotonic() < deadline:
+        while (exited := self._follower_exit()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if why is None:
+        if exited is None:
             return outcome
+        why = exited[1]
         first = (str(outcome).splitlines() or [type(outcome).__name__])[0][:200]
         err = RuntimeError(f"{self._ended(why)} (trainer rank 0 then failed: {first})")
         err.__cause__ = outcome
         return err
 
     def _check_children(self) -> None:
-        if (why := self._follower_exit()) is not None:
-            self._trainer_fault(why)
+        if (exited := self._follower_exit()) is not None:
+            self._trainer_fault(*exited)
         self._end_dead_agents()
         for c in list(self.children):
             if c.role.startswith("agent") and not c.process.is_alive() and not self._stopping:
@@ -336,8 +341,8 @@ class Supervisor:
                 self._beats[c.slot] = (count, now)
             elif now - seen[1] > timeout:
                 how = "is stopped (SIGSTOP)" if _stopped(c.process.pid) else "hangs (its whole process)"
-                self._trainer_fault(f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat for "
-                                    f"{now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g})")
+                self._trainer_fault(c.slot, f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat "
+                                    f"for {now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g})")
                 return
 
     def _end_dead_agents(self) -> None:

@@ -84,6 +84,8 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--trainer.max-recoveries", "1", "--placement.trainer-devices", "cpu", "cpu", "--placement.launcher",
       "torchrun"], ["--trainer.max-recoveries 1 is invalid", "torchrun jobs and colocated runs resume from a checkpoint"]),
     (["--trainer.max-recoveries", "-1"], ["--trainer.max-recoveries -1 is invalid: must be >= 0"]),
+    (["--trainer.failover", "shrink", "--placement.trainer-devices", "cpu", "cpu"],
+     ["--trainer.failover shrink is invalid: shrinks the trainer group", "give --trainer.max-recoveries 1 or more"]),
     (["--trainer.offload", "params", "--placement.launcher", "local"],
      ["--trainer.offload params is invalid: FSDP2's CPU offload runs in a trainer process",
       "use --placement.launcher rpc"]),

@@ -33,7 +33,7 @@ def test_a_fault_is_recovered_from_with_a_committed_step_a_recovery_left_and_a_s
 def test_restore_points_put_a_fresh_learner_back_to_the_committed_step_bitwise(tmp_path):
     first, second, third = (sample_groups(4, seed=0, n=3, first_id=i) for i in (0, 100, 200))
     state, _ = train_step(build("ppo"), first)
-    points = RestorePoints(tmp_path, rank=1)
+    points = RestorePoints(tmp_path, rank=1, world=2)
     points.start(state)  # step 1's restore point, written on a thread of its own
     points.wait()
     state, _ = train_step(state, second)
@@ -41,16 +41,16 @@ def test_restore_points_put_a_fresh_learner_back_to_the_committed_step_bitwise(t
     points.wait()  # step 2's file; step 1's kept too
     state, _ = train_step(state, third)
     expected_policy, expected_critic, expected_step = weights(state.policy), weights(state.critic), state.step
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-s1.snap", "rank1-s2.snap"]
+    assert sorted(p.name for p in (tmp_path / "world2").iterdir()) == ["rank1-s1.snap", "rank1-s2.snap"]
 
     fresh = build("ppo", seed=5)  # a replacement: other initial weights, no optimizer state yet
-    replacement = RestorePoints(tmp_path, rank=1)
+    replacement = RestorePoints(tmp_path, rank=1, world=2)
     replacement.restore(fresh, step=2)
     assert fresh.step == 2
     fresh, _ = train_step(fresh, third)
     assert fresh.step == expected_step
     assert max_diff(weights(fresh.policy), expected_policy) == 0 and max_diff(weights(fresh.critic), expected_critic) == 0
-    with pytest.raises(RunFailed, match=r"trainer rank 1: no restore point of step 7 in "):
+    with pytest.raises(RunFailed, match=r"trainer rank 1: no restore point of step 7 in .*world2 \(rank1-s7.snap\)"):
         replacement.restore(fresh, step=7)
 
 
@@ -59,7 +59,8 @@ def test_a_fault_while_the_group_re_forms_restarts_the_recovery_and_counts_again
     (no step was trained in between), counts as one of --trainer.max-recoveries, and the recovery names both."""
     monkeypatch.setenv(GENERATION_ENV, "0")
     spec = types.SimpleNamespace(trainer=types.SimpleNamespace(max_recoveries=2),
-                                 async_=types.SimpleNamespace(agent_timeout_s=1.0))
+                                 async_=types.SimpleNamespace(agent_timeout_s=1.0), num_trainers=3,
+                                 trainer_devices=["cpu"] * 3)
     failover = Failover(spec, store=None, points=None, device="cpu", build=None)
     failover.committed = 3
     state = types.SimpleNamespace(step=4, version=6)

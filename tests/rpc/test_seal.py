@@ -145,7 +145,7 @@ def test_control_records_count_only_when_signed_with_the_run_token():
     stranger.report_dead("agent0", os.getpid(), "forged")
     stranger.refuse("agent0", "forged")
     stranger.report_exit(os.getpid(), -9)
-    stranger.post_trainer_fault(1, "forged")
+    stranger.post_trainer_fault(1, "forged", ["cpu", "cpu"])
     stranger.raw.set("asyncrl/dead/1", "not json at all")
     stranger.raw.add("asyncrl/dead/count", 1)
     other_run = RunStore("127.0.0.1", port, serve=False, timeout_s=10)
@@ -155,8 +155,9 @@ def test_control_records_count_only_when_signed_with_the_run_token():
     reports = run.dead_reports(0)
     assert reports == [] and reports.consumed == 3  # the reader moves past what it ignored
     assert run.exits(0) == [] and run.trainer_fault() is None
-    run.post_trainer_fault(2, "trainer rank 1 exited with code 9")
-    assert run.trainer_fault() == {"generation": 2, "why": "trainer rank 1 exited with code 9"}
+    run.post_trainer_fault(2, "trainer rank 1 exited with code 9", ["cpu", "cpu"])
+    assert run.trainer_fault() == {"generation": 2, "why": "trainer rank 1 exited with code 9",
+                                   "trainer_devices": ["cpu", "cpu"]}
     run.report_dead("agent2", 7, "missed heartbeats")
     run.refuse("agent3", "no token")
     later = run.dead_reports(reports.consumed)

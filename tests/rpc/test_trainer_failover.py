@@ -7,12 +7,14 @@ tests/checkpoint/; the launcher's other faults in tests/rpc/test_supervision.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import signal
 import time
 
 import pytest
+import torch
 
 from tests.rpc.jobs import TOY, Job, alive, wait_until
 from tests.timing import agent_timeout, detection_margin, limit
@@ -29,6 +31,10 @@ DRILL = ("trainer:2:version:1:phase:forward,trainer:1:version:0:phase:join,train
          "trainer:1:version:2:phase:backward,trainer:2:version:3:phase:norm,trainer:1:version:4:phase:step,"
          "trainer:2:version:5:phase:publish,trainer:1:version:7:phase:checkpoint")
 COMPARED = ("actor/", "critic/", "training/grad_norm")
+# float32 epsilons a shrunk run's learner metrics may differ by: a sum over 2 or 1 ranks' shards instead of 3 is
+# rounded differently, and the AdamW steps after the shrink carry the difference on (measured: at most 14)
+ROUNDING = 100
+LOCKSTEP_RUN = (*TOY, *THREE_TRAINERS, *LOCKSTEP, "--async-training.total-versions", "8", "--checkpoint-every", "1")
 
 
 def _books_balance(summary: dict) -> None:
@@ -47,18 +53,26 @@ def _learning(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k.startswith(COMPARED)} for row in rows]
 
 
-def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_one(tmp_path, jobs):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The uninterrupted lockstep run the drilled runs are compared with."""
+    job = Job(tmp_path_factory.mktemp("plain"), *LOCKSTEP_RUN, name="plain")
+    try:
+        assert job.finish(timeout=limit(180)) == 0, job.tail()
+        yield job
+    finally:
+        job.kill()
+
+
+def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_one(tmp_path, jobs, plain):
     """Six faults, one per phase of a version (forward, backward, gradient norm, optimizer step, publication,
     checkpoint), on ranks 1 and 2 in turn, and two more while the first recovery is under way (a follower dies
     before it joins the re-formed group; another when told to restore): each time the launcher starts the
     followers again, rank 0 re-forms the group (without waiting out a member that is gone) and restores the last
     committed step, and the command the fault broke is given again. The run then trains every version once, in
     order, with its books balanced, and every learner metric equals, exactly, an uninterrupted run's."""
-    common = (*TOY, *THREE_TRAINERS, *LOCKSTEP, "--async-training.total-versions", "8", "--checkpoint-every", "1")
-    plain = Job(tmp_path, *common, name="plain")
-    jobs.append(plain)
-    assert plain.finish(timeout=limit(180)) == 0, plain.tail()
-    drilled = Job(tmp_path, *common, "--trainer.max-recoveries", "8", name="drilled", env={"ASYNCRL_FAULT": DRILL})
+    drilled = Job(tmp_path, *LOCKSTEP_RUN, "--trainer.max-recoveries", "8", name="drilled",
+                  env={"ASYNCRL_FAULT": DRILL})
     jobs.append(drilled)
     assert drilled.finish(timeout=limit(240)) == 0, drilled.tail()
     text, summary = drilled.text(), drilled.summary()
@@ -83,6 +97,32 @@ def test_every_kill_point_is_recovered_and_the_run_trains_as_an_uninterrupted_on
     assert _learning(rows) == _learning(plain.metrics())
     assert (drilled.run_dir / "checkpoints" / "step_00000008").is_dir()
     _no_restore_points_left(drilled)
+
+
+def test_a_shrunk_group_trains_on_as_an_uninterrupted_run_does_within_rounding(tmp_path, jobs, plain):
+    """--trainer.failover shrink: rank 2 dies in a backward, and the group goes on as ranks 0 and 1, each shard
+    re-sliced from the three ranks' restore points; then rank 1 dies at a gradient norm, and rank 0 trains alone.
+    Every version is trained once, the books balance, and every learner metric is within float32 rounding of the
+    uninterrupted three-rank run's (the ranks' partial sums are added in another order)."""
+    drill = "trainer:2:version:2:phase:backward,trainer:1:version:5:phase:norm"
+    job = Job(tmp_path, *LOCKSTEP_RUN, "--trainer.max-recoveries", "2", "--trainer.failover", "shrink", name="shrunk",
+              env={"ASYNCRL_FAULT": drill})
+    jobs.append(job)
+    assert job.finish(timeout=limit(180)) == 0, job.tail()
+    text, summary = job.text(), job.summary()
+    assert "trainer group generation 1 re-forms with 2 rank(s); back to step" in text, job.tail()
+    assert "trainer group generation 2 re-forms with 1 rank(s); back to step" in text, job.tail()
+    assert [(r["generation"], r["version"]) for r in summary["trainer_recoveries"]] == [(1, 2), (2, 5)]
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == list(range(1, 9)), rows
+    _books_balance(summary)
+    ours, theirs = _learning(rows), _learning(plain.metrics())
+    assert [sorted(r) for r in ours] == [sorted(r) for r in theirs]
+    tol = ROUNDING * torch.finfo(torch.float32).eps
+    far = [(i + 1, k, a[k], b[k]) for i, (a, b) in enumerate(zip(ours, theirs)) for k in a
+           if not math.isclose(a[k], b[k], rel_tol=tol, abs_tol=tol)]
+    assert not far, far
+    _no_restore_points_left(job)
 
 
 def test_a_killed_and_a_stopped_follower_are_replaced_and_the_run_goes_on(tmp_path, jobs):
