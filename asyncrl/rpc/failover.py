@@ -25,8 +25,11 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
    newer generation (`take_on`, then `rebuild` again); the members assemble before the backend's rendezvous, so rank
    0 never waits for a member that is gone (`asyncrl.rpc.reform`).
 
-Limits: rank 0's own death still ends the run (resume from a checkpoint); the launcher is this machine's
-(`--placement.launcher rpc`), the placement is split (not colocated); a second fault before another step was
+Under torchrun each follower's torchrun process keeps its rank and does the launcher's part for it
+(`asyncrl.rpc.torchrun.keep_trainer`).
+
+Limits: rank 0's own death still ends the run (resume from a checkpoint); the placement is split (not colocated);
+`--trainer.failover shrink` needs the rpc launcher; a second fault before another step was
 trained, or more than `--trainer.max-recoveries` faults, end the run with the reason. Cost: host memory for two
 files of every rank's shard (16 bytes a trained parameter over the ranks) and pinned buffers of one, the writes'
 bandwidth beside training, and rank 0's batches since the committed step (docs/faults.md).
@@ -46,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.checkpoint.snapshot import ShardSnapshot
-from asyncrl.checkpoint.snapshot_files import read_packed, write_packed
+from asyncrl.checkpoint.snapshot_files import read_packed, snapshot_directory, write_packed
 from asyncrl.learner import LearnerState
 from asyncrl.rpc.reform import abort_communicators, reform_trainer_group
 from asyncrl.rpc.spec import RunSpec
@@ -54,7 +57,8 @@ from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
 from asyncrl.runtime.lifecycle import RunFailed
 
-__all__ = ["RestorePoints", "Failover", "Recovery", "refusal", "trainer_backend", "enter_generation"]
+__all__ = ["RestorePoints", "Failover", "Recovery", "refusal", "trainer_backend", "enter_generation",
+           "restore_points_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,12 @@ log = logging.getLogger(__name__)
 def trainer_backend(spec: RunSpec) -> str:
     """The trainer group's backend: NCCL when every trainer rank is a GPU, else gloo."""
     return "nccl" if all(d.startswith("cuda") for d in spec.trainer_devices) else "gloo"
+
+
+def restore_points_directory(nonce: str) -> pathlib.Path:
+    """A torchrun job's restore points on each of its hosts (named by the run's nonce; the rpc launcher names its
+    own)."""
+    return snapshot_directory(f"run-{nonce}")
 
 
 def enter_generation(generation: int) -> None:

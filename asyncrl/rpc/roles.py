@@ -25,6 +25,7 @@ import logging
 import os
 import pathlib
 import pickle
+import shutil
 import socket
 import sys
 import time
@@ -42,7 +43,7 @@ from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.commands import FollowerHost
-from asyncrl.rpc.failover import RestorePoints, enter_generation, trainer_backend
+from asyncrl.rpc.failover import RestorePoints, enter_generation, restore_points_directory, trainer_backend
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.reform import join_trainer_group
 from asyncrl.rpc.seal import key_check, rpc_key
@@ -109,6 +110,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     else:  # rank 0 drives the shutdown (its checkpoint needs every rank): note the signal, keep following
         on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
     left = None  # rank 0 of a loopback run: the token file it left for this host's user
+    made = False  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
         device = local_device(spec.trainer_devices[rank])
@@ -129,6 +131,9 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             if token is None:
                 raise ValueError(f"{role} needs the run's token (its store's records are signed with it)")
             store.authenticate(token)
+        if restore_points is None and spec.trainer.max_recoveries and spec.placement.launcher == "torchrun":
+            restore_points = str(restore_points_directory(nonce))  # each host's, by the run's nonce (`keep_trainer`)
+            made = rank == 0
         if rank == 0 or spec.colocate:  # a follower joins RPC only to host its colocated engine
             join_rpc(role, rank, host, rpc_port, timeout_s=spec.rpc_timeout_s, key=rpc_key(token.value, nonce))
         if rank == 0 and spec.colocate:  # the followers' role objects are created by rank 0: wait until they joined
@@ -162,6 +167,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             left.unlink(missing_ok=True)
         if run_log is not None:
             run_log.close()
+        if made:
+            shutil.rmtree(restore_points, ignore_errors=True)
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary

@@ -238,6 +238,11 @@ class RunStore:
         self.raw.set(key, self._signed(key, {"generation": generation, "why": why,
                                              "trainer_devices": list(trainer_devices)}))
 
+    def claim_trainer_generation(self, current: int) -> bool:
+        """Claim generation `current` + 1 of the trainer group, atomically: True for the one caller that moves it on
+        from `current` (under torchrun, the keepers that saw a follower's fault race for it; one posts it)."""
+        return self.raw.add(f"asyncrl/trainer_generation/{current}/claims", 1) == 1
+
     def trainer_fault(self) -> dict | None:
         """The newest trainer-group fault the launcher posted ({"generation", "why", "trainer_devices"}), or None."""
         key = "asyncrl/trainer_fault"

@@ -48,7 +48,7 @@ from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback,
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.kill_points import check_kill_point_env
-from asyncrl.runtime.lifecycle import RunFailed, on_signals
+from asyncrl.runtime.lifecycle import RunFailed, is_stopped, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
@@ -95,15 +95,6 @@ class _Child:
     slot: int
     process: RoleProcess
     restarts: int = 0
-
-
-def _stopped(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP, or a debugger): Linux's /proc state T or t."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _listening(host: str, port: int) -> bool:
@@ -340,7 +331,7 @@ class Supervisor:
             if count == 0 or seen is None or count != seen[0]:  # not following yet, or alive
                 self._beats[c.slot] = (count, now)
             elif now - seen[1] > timeout:
-                how = "is stopped (SIGSTOP)" if _stopped(c.process.pid) else "hangs (its whole process)"
+                how = "is stopped (SIGSTOP)" if is_stopped(c.process.pid) else "hangs (its whole process)"
                 self._trainer_fault(c.slot, f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat "
                                     f"for {now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g})")
                 return
@@ -417,7 +408,7 @@ class Supervisor:
         stopped process (SIGSTOP) cannot exit by itself and is killed at once."""
         self._stopping = True
         for c in self.children:
-            if c.process.is_alive() and _stopped(c.process.pid):
+            if c.process.is_alive() and is_stopped(c.process.pid):
                 log.warning("%s (pid %d) is stopped; killing it", c.role, c.process.pid)
                 c.process.kill()
         deadline = time.monotonic() + self.exit_grace_s

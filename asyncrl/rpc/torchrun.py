@@ -11,6 +11,13 @@ nodes: node n's trainers are ranks n·T/N .. (n+1)·T/N − 1 of the trainer gro
 0's local rank 0 is trainer rank 0, which serves the run's store (MASTER_PORT + 1) and RPC (MASTER_PORT + 2).
 A device `cuda` means the node's GPU LOCAL_RANK.
 
+**With `--trainer.max-recoveries`, trainer followers are kept too** (`keep_trainer`): a follower's torchrun process
+starts its trainer rank as a child. When a child exits with an error or its heartbeat stops for
+`--async-training.agent-timeout-s`, its keeper claims the trainer group's next generation in the store (one keeper
+wins it) and posts the fault; every keeper that sees a fault of a newer generation ends its child and starts it
+again in that generation, and trainer rank 0 re-forms the group (`asyncrl.rpc.failover`). Restore points live in
+each host's shared memory, in a directory named by the run's nonce.
+
 **Agents are kept, not run.** torchrun ends every process of a node when one of them fails, so an agent's
 torchrun process does not run the agent itself: it starts it as a child and keeps it. A child that dies (or
 that rank 0 declares dead: a hung one is ended) is reported to rank 0 at once and started again after a
@@ -20,24 +27,28 @@ every node through the store) lasts; the keeper ends when its agent ends with th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 from typing import Literal, Mapping, NoReturn
 
 from asyncrl.rpc.assembly import resolve_resume
+from asyncrl.rpc.failover import restore_points_directory
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_token, outward_address, read_token
 from asyncrl.rpc.roles import run_agent_process, run_trainer
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.controller import RunSummary
-from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, name_process, on_signals
+from asyncrl.runtime.kill_points import check_kill_point_env
+from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, is_stopped, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 
-__all__ = ["TorchrunRole", "torchrun_role", "run_torchrun", "keep_agent"]
+__all__ = ["TorchrunRole", "torchrun_role", "run_torchrun", "keep_agent", "keep_trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +121,7 @@ def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary 
     """Entry point under `torchrun`: rank 0 returns the summary (and logs the metrics to `run_log`), other
     trainer ranks None; an agent's process keeps its agent (`keep_agent`) and ends with it."""
     role = torchrun_role(os.environ, spec.num_trainers, spec.num_agent_processes)
+    check_kill_point_env(spec.num_trainers)  # a failover drill's kill points, refused before any rank starts
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     spec = dataclasses.replace(spec, placement=dataclasses.replace(spec.placement, master_addr=host))
     check_master(host, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
@@ -119,6 +131,8 @@ def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary 
                          f"export {TOKEN_ENV}=<at least 16 random characters> (the same on each node) or give "
                          "--placement.token-file FILE")
     parent = os.getppid()  # torchrun's agent: if it is killed, so is this rank
+    if role.kind == "trainer" and role.index > 0 and spec.trainer.max_recoveries:
+        os._exit(keep_trainer(spec, host, port + 1, port + 2, role.index, token=token, parent_pid=parent))
     if role.kind == "trainer":
         if role.index == 0:
             spec = resolve_resume(spec)  # train() settled it already: then the spec comes back as it is
@@ -132,6 +146,116 @@ def run_torchrun(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary 
 def _agent_entry(host: str, port: int, device: str, slot: int, parent_pid: int, token: RunToken | None,
                  interface: str) -> NoReturn:
     run_agent_process(host, port, device=device, slot=slot, parent_pid=parent_pid, token=token, interface=interface)
+
+
+def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, parent_pid: int,
+                   token: RunToken | None, generation: int) -> None:
+    run_trainer(rank, spec, host, store_port, rpc_port, parent_pid=parent_pid, token=token, generation=generation)
+
+
+def _run_store(spec: RunSpec, host: str, port: int, token: RunToken | None) -> RunStore:
+    """A keeper's view of the run's store, signing with the run's token (on loopback the one rank 0 left)."""
+    store = RunStore(host, port, serve=False, timeout_s=spec.startup_timeout_s)
+    store.info()  # rank 0 has started: on loopback, the token it left is there
+    keys = token or store.left_token()
+    if keys is not None:
+        store.authenticate(keys)
+    return store
+
+
+class _Watch:
+    """A keeper's watch over its trainer child of one generation: a newer fault posted, or a stopped heartbeat."""
+
+    def __init__(self, store: RunStore, rank: int, generation: int, timeout_s: float, devices: list[str]):
+        self.store, self.rank, self.generation, self.timeout_s = store, rank, generation, timeout_s
+        self.devices = devices  # the trainer group's, the same in every generation (torchrun does not shrink)
+        self._count, self._since = 0, time.monotonic()
+
+    def newer_fault(self) -> dict | None:
+        fault = self.store.trainer_fault()
+        return fault if fault is not None and fault["generation"] > self.generation else None
+
+    def silent_for(self) -> float | None:
+        """Seconds since the child's last heartbeat once that passes the timeout (None: alive, or not following
+        yet)."""
+        count, now = self.store.trainer_beats(self.rank, self.generation), time.monotonic()
+        if count == 0 or count != self._count:
+            self._count, self._since = count, now
+            return None
+        return now - self._since if now - self._since > self.timeout_s else None
+
+
+def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank: int, *, token: RunToken | None,
+                 parent_pid: int | None = None, poll_s: float = 0.2) -> int:
+    """Run trainer follower `rank` as a child process, and start it again in the trainer group's next generation
+    after a fault (see the module docstring). Returns 0 when the run ended, 1 when its store is gone."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    name_process(f"asyncrl-keep-trainer{rank}")
+    stop = StopRequest()
+    on_signals(stop.set)
+    ctx = multiprocessing.get_context("spawn")
+    store: RunStore | None = None
+    generation = 0
+    try:
+        while True:
+            child = ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
+                                args=(rank, spec, host, store_port, rpc_port, os.getpid(), token, generation))
+            child.start()
+            store = store or _run_store(spec, host, store_port, token)
+            fault = _keep(child, _Watch(store, rank, generation, spec.async_.agent_timeout_s,
+                                               spec.trainer_devices), stop, poll_s)
+            if fault is None:
+                return 0
+            generation = fault["generation"]
+            log.warning("%s: starting trainer rank %d again as generation %d of the trainer group", fault["why"],
+                        rank, generation)
+    except Exception as err:  # noqa: BLE001 - the store went away with rank 0: so did the run
+        log.warning("keeper of trainer rank %d: %s; ending", rank, err)
+        return 1
+    finally:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                shutil.rmtree(restore_points_directory(store.info()["nonce"]), ignore_errors=True)
+
+
+def _keep(child, watch: _Watch, stop: StopRequest, poll_s: float) -> dict | None:
+    """Until the child's generation ends: the newer fault to start it again for, or None when the run ended (the
+    child then ended too)."""
+    why = None
+    while child.is_alive() and why is None:
+        if stop.is_set():  # torchrun is ending this node: the rank goes with it
+            child.terminate()
+            child.join(10.0)
+            return None
+        if (fault := watch.newer_fault()) is not None:
+            child.kill()
+            child.join(5.0)
+            return fault
+        if (silent := watch.silent_for()) is not None:
+            how = "is stopped (SIGSTOP)" if is_stopped(child.pid) else "hangs (its whole process)"
+            why = (f"trainer rank {watch.rank} (pid {child.pid}) {how}: no heartbeat for {silent:.0f} s "
+                   f"(--async-training.agent-timeout-s {watch.timeout_s:g})")
+            child.kill()
+        child.join(poll_s)
+    child.join(5.0)
+    if why is None:
+        if child.exitcode == 0 or watch.store.is_shut_down():
+            return None
+        why = f"trainer rank {watch.rank} exited with code {child.exitcode}"
+        if child.exitcode == 1:  # its collective broke with a dead peer's: that peer's keeper names the fault first
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if (fault := watch.newer_fault()) is not None:
+                    return fault
+                time.sleep(poll_s)
+    if watch.store.claim_trainer_generation(watch.generation):
+        watch.store.post_trainer_fault(watch.generation + 1, why, watch.devices)
+    while (fault := watch.newer_fault()) is None:
+        if watch.store.is_shut_down():
+            return None
+        time.sleep(poll_s)
+    return fault
 
 
 def keep_agent(spec: RunSpec, host: str, port: int, slot: int, *, token: RunToken | None,
@@ -152,12 +276,7 @@ def keep_agent(spec: RunSpec, host: str, port: int, slot: int, *, token: RunToke
         child = ctx.Process(target=_agent_entry, name=f"asyncrl-agent{slot}", daemon=False,
                             args=(host, port, device, slot, os.getpid(), token, spec.placement.interface))
         child.start()
-        if store is None:
-            store = RunStore(host, port, serve=False, timeout_s=spec.startup_timeout_s)
-            store.info()  # rank 0 has started: on loopback, the token it left is there
-            keys = token or store.left_token()
-            if keys is not None:
-                store.authenticate(keys)
+        store = store or _run_store(spec, host, port, token)
         seen = store.dead_reports(0).consumed
         while child.is_alive():
             if stop.is_set():  # torchrun is ending this node: the agent goes with it

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["StopRequest", "RunFailed", "on_signals", "die_with_parent", "name_process", "STOP_SIGNALS", "exit_code"]
+__all__ = ["StopRequest", "RunFailed", "on_signals", "die_with_parent", "name_process", "STOP_SIGNALS", "exit_code",
+           "is_stopped"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +110,12 @@ def die_with_parent(parent_pid: int, *, poll_s: float = 1.0) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, or a debugger): Linux's /proc state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

@@ -11,12 +11,15 @@ import math
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from tests.rpc.jobs import TOY, Job, alive, wait_until
+from tests.run_helpers import ROOT, torchrun_port
 from tests.timing import agent_timeout, detection_margin, limit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(limit(400))]
@@ -123,6 +126,29 @@ def test_a_shrunk_group_trains_on_as_an_uninterrupted_run_does_within_rounding(t
            if not math.isclose(a[k], b[k], rel_tol=tol, abs_tol=tol)]
     assert not far, far
     _no_restore_points_left(job)
+
+
+def test_under_torchrun_kept_followers_are_started_again_and_the_run_trains_as_an_uninterrupted_one(tmp_path, plain):
+    """The same run under torchrun (one node, four processes: three trainer ranks and an agent): a trainer
+    follower's torchrun process keeps its rank as a child, so a killed rank does not take the node down with it;
+    its keeper posts the fault, every keeper starts its rank again, and the run equals the uninterrupted one
+    exactly."""
+    drill = "trainer:2:version:1:phase:backward,trainer:1:version:3:phase:norm"
+    run_dir = tmp_path / "torchrun"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                          str(torchrun_port()), "-m", "asyncrl.cli", "train", "cpu-demo", *LOCKSTEP_RUN, "--run-dir",
+                          str(run_dir), "--placement.launcher", "torchrun", "--trainer.max-recoveries", "2"],
+                         capture_output=True, text=True, timeout=limit(240), cwd=ROOT,
+                         env={**os.environ, "ASYNCRL_FAULT": drill, "OMP_NUM_THREADS": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(r["generation"], r["version"]) for r in summary["trainer_recoveries"]] == [(1, 1), (2, 3)], text[-6000:]
+    assert "starting trainer rank 2 again as generation 1" in text and "trainer rank 1 exited with code 9" in text
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    _books_balance(summary)
+    assert _learning(rows) == _learning(plain.metrics())
 
 
 def test_a_killed_and_a_stopped_follower_are_replaced_and_the_run_goes_on(tmp_path, jobs):
