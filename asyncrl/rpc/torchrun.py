@@ -196,7 +196,7 @@ def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank:
     on_signals(stop.set)
     ctx = multiprocessing.get_context("spawn")
     store: RunStore | None = None
-    generation = 0
+    generation, child = 0, None
     try:
         while True:
             child = ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
@@ -211,6 +211,10 @@ def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank:
             log.warning("%s: starting trainer rank %d again as generation %d of the trainer group", fault["why"],
                         rank, generation)
     except Exception as err:  # noqa: BLE001 - the store went away with rank 0: so did the run
+        if child is not None:
+            child.join(10.0)
+            if child.exitcode == 0:  # rank 0 ended the run, and its store with it, as this rank ended
+                return 0
         log.warning("keeper of trainer rank %d: %s; ending", rank, err)
         return 1
     finally:

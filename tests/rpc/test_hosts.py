@@ -96,7 +96,8 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
     train = ["-m", "asyncrl.cli", "train", "cpu-demo", *TOY, "--run-dir", str(run_dir),
              "--placement.launcher", "torchrun", "--placement.trainer-devices", "cpu", "cpu",
              "--placement.agent-devices", "cpu", "cpu", "--placement.restart-agents", "1",
-             "--placement.restart-backoff-s", "0.5", "--async-training.total-versions", "1000000"]
+             "--placement.restart-backoff-s", "0.5", "--async-training.total-versions", "1000000",
+             "--trainer.max-recoveries", "1"]
     nodes, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
     for node, host in ((1, "hostb"), (0, "hosta")):  # node 1 first: it waits at the rendezvous for node 0
         with open(logs[node], "w") as out:
@@ -119,7 +120,7 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
         assert node0.poll() is None and node1.poll() is None, (text(0)[-5000:], text(1)[-5000:])
         # the trainer group spans the hosts (rank 1 is a worker of hostb's torchrun) and so do the agents
         assert _children(node0.pid) == ["asyncrl-keep0", "asyncrl-trainer"]
-        assert _children(node1.pid) == ["asyncrl-keep1", "asyncrl-trainer"]
+        assert _children(node1.pid) == ["asyncrl-keep-tr", "asyncrl-keep1"]  # trainer rank 1 is kept (failover)
 
         _assert_listeners(net_hosts, node0.pid, node1.pid)
 
@@ -146,6 +147,14 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
                    "the restarted agent to be admitted (rank 0's log)")
         restarted = versions()
         wait_until(lambda: versions() >= restarted + 5, limit(120), "5 more versions after the restart")
+
+        # trainer rank 1 killed on hostb: its keeper starts it again, and rank 0 on hosta re-forms the group
+        [trainer_keeper] = _named("asyncrl-keep-tr", node1.pid)
+        [trainer1] = _named("asyncrl-trainer", trainer_keeper)
+        os.kill(trainer1, signal.SIGKILL)
+        wait_until(lambda: "trainer group generation 1 ready" in text(0), limit(240), "the trainer group re-formed")
+        reformed = versions()
+        wait_until(lambda: versions() >= reformed + 3, limit(120), "3 more versions after the re-formed group")
         node0.send_signal(signal.SIGTERM)  # hosta preempted: rank 0 checkpoints and ends the run
         node0.wait(limit(120))
         node1.wait(limit(120))  # hostb's ranks follow the end of the run: nothing left to kill
@@ -161,6 +170,8 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
     assert agents["agent1"]["status"] == "dead" and agents["agent1_r1"]["submitted"] > 0, agents
     assert agents["agent0"]["submitted"] > 0
     assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"] is not None
+    [recovery] = summary["trainer_recoveries"]
+    assert recovery["why"].startswith("trainer rank 1 exited with code -9"), recovery
     ledger = summary["ledger"]
     assert ledger["admitted"] == ledger["trained"] + ledger["dropped"] + ledger.get("carried", 0), ledger
 
