@@ -27,7 +27,6 @@ every node through the store) lasts; the keeper ends when its agent ends with th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -196,13 +195,15 @@ def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank:
     on_signals(stop.set)
     ctx = multiprocessing.get_context("spawn")
     store: RunStore | None = None
-    generation, child = 0, None
+    generation, child, nonce = 0, None, None
     try:
         while True:
             child = ctx.Process(target=_trainer_entry, name=f"asyncrl-trainer{rank}", daemon=False,
                                 args=(rank, spec, host, store_port, rpc_port, os.getpid(), token, generation))
             child.start()
-            store = store or _run_store(spec, host, store_port, token)
+            if store is None:
+                store = _run_store(spec, host, store_port, token)
+                nonce = store.info()["nonce"]  # names this host's restore points (removed at the end)
             fault = _keep(child, _Watch(store, rank, generation, spec.async_.agent_timeout_s,
                                                spec.trainer_devices), stop, poll_s)
             if fault is None:
@@ -218,9 +219,8 @@ def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank:
         log.warning("keeper of trainer rank %d: %s; ending", rank, err)
         return 1
     finally:
-        if store is not None:
-            with contextlib.suppress(Exception):
-                shutil.rmtree(restore_points_directory(store.info()["nonce"]), ignore_errors=True)
+        if nonce is not None:
+            shutil.rmtree(restore_points_directory(nonce), ignore_errors=True)
 
 
 def _keep(child, watch: _Watch, stop: StopRequest, poll_s: float) -> dict | None:
