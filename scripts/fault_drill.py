@@ -26,6 +26,8 @@ import time
 
 import tyro
 
+from asyncrl.tracking import read_metrics
+
 
 @dataclasses.dataclass
 class DrillArgs:
@@ -59,8 +61,7 @@ def _wait(predicate, timeout: float, what: str):
 
 
 def _rows(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    return read_metrics(run_dir, live=True)
 
 
 def drill_once(fault: str, run_dir: pathlib.Path, args: DrillArgs, train_args: list[str]) -> dict:

@@ -9,7 +9,6 @@ conversion happens once per file.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -23,12 +22,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from asyncrl.policies.model import CausalLM, TransformerConfig
+from asyncrl.policies.model import CausalLM, TransformerConfig, rope_inv_freq
 from asyncrl.policies.model_configs import ARCH_PRESETS, hf_config
 from asyncrl.policies.model_files import safetensors_files
 
 __all__ = [
-    "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "save_pretrained",
+    "ARCH_PRESETS", "load_model", "load_pretrained", "load_gguf", "random_model", "empty_model", "save_pretrained",
     "named_weights", "hf_config", "smollm2_gguf_path", "gguf_cache_dir", "load_tokenizer", "resolve_model_dir",
 ]
 
@@ -62,6 +61,22 @@ def random_model(config: str | dict, *, seed: int = 0, dtype: torch.dtype = torc
     return model.eval()
 
 
+def empty_model(config: str | dict, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                cast_buffers: bool = True) -> CausalLM:
+    """A model of `config`'s shapes (an HF config dict, a preset, or an HF directory) whose weights are allocated
+    on `device` but not initialised: for a learner whose every weight a restore point overwrites. Its buffers are
+    computed as `random_model` (`cast_buffers`: cast to `dtype`) or `load_pretrained` (fp32) leave them."""
+    cfg = TransformerConfig.from_hf(hf_config(config))
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    inv_freq = rope_inv_freq(cfg)  # computed, as a meta-built model's buffer is not
+    model.model.rope_inv_freq = inv_freq.to(device=device, dtype=dtype if cast_buffers else inv_freq.dtype)
+    return model.eval()
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> CausalLM:
     """Load a Hugging Face model directory (config.json + safetensors)."""
@@ -86,7 +101,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rope_inv_freq = CausalLM(dataclasses.replace(cfg, num_layers=0)).model.rope_inv_freq
+    model.model.rope_inv_freq = rope_inv_freq(cfg)
     return model.to(device=device).eval()
 
 

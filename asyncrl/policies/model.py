@@ -31,7 +31,7 @@ from asyncrl.policies.kv_cache import KVCache
 
 __all__ = [
     "TransformerConfig", "CausalLM", "RMSNorm", "use_fused_kernels", "token_logprobs", "token_entropy",
-    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES", "rope_inv_freq",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -255,7 +255,7 @@ class RMSNorm(_UsesKernels, nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-def _rope_inv_freq(cfg: TransformerConfig) -> Tensor:
+def rope_inv_freq(cfg: TransformerConfig) -> Tensor:
     """Inverse frequencies of the rotary embedding, with linear or llama3 scaling."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -374,7 +374,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("rope_inv_freq", _rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
 
 
 class CausalLM(nn.Module):

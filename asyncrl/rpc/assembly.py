@@ -14,6 +14,7 @@ import pathlib
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from asyncrl.algos.staleness import verl_max_required_samples
@@ -46,22 +47,28 @@ def reference_dtype(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | None = None) -> LearnerState:
+def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | None = None, *,
+                        initial_weights: bool = True, reference: nn.Module | None = None) -> LearnerState:
     """The policy (sharded with FSDP2 over `group` when it has more than one rank or keeps its weights on the
     host, `--trainer.offload params`), the reference model when the algorithm needs one, and the optimizer.
     With LoRA (`spec.lora.rank` > 0) the policy is its base, loaded frozen in the reference's precision (bf16
     on GPUs, fp32 on CPU: no fp32 master copy, no optimizer state), with fp32 adapters on it; it is its own
-    reference (adapters off) and the critic shares its base."""
+    reference (adapters off) and the critic shares its base. `initial_weights` False: a learner a restore point
+    fills (trainer failover), its trained weights left uninitialised where that saves reading or drawing them (a
+    LoRA base and frozen routers, which no restore point holds, are loaded all the same); `reference`: the reference model to use rather than build (rank 0's, kept
+    through a failover: unsharded, never trained)."""
     device = local_device(device)
     lora = spec.lora
     offload = spec.trainer.offload == "params"  # FSDP2 keeps the weights on the host: build them there
     policy = spec.model.build("cpu" if offload else device,
-                              reference_dtype(device) if lora.enabled else spec.trainer.param_dtype)
+                              reference_dtype(device) if lora.enabled else spec.trainer.param_dtype,
+                              weights=initial_weights or lora.enabled or spec.trainer.freeze_router)
     if lora.enabled:
         with torch.random.fork_rng(devices=[torch.device(device).index or 0] if device.startswith("cuda") else []):
             torch.manual_seed(spec.seed)  # every rank of a trainer group draws the same initial adapters
             apply_lora(policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
-    reference = spec.model.build(device, reference_dtype(device)) if spec.reference else None
+    if reference is None and spec.reference:
+        reference = spec.model.build(device, reference_dtype(device))
     if group is not None and (dist.get_world_size(group) > 1 or offload):
         device_type = torch.device(device).type
         shard_model(policy, DeviceMesh.from_group(group, device_type), offload=offload,

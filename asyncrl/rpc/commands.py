@@ -317,14 +317,15 @@ class TrainerGroup:
 class FollowerHost:
     """Trainer rank r ≥ 1: its learner shard (and colocated engine), executing rank 0's commands."""
 
-    def __init__(self, spec: RunSpec, rank: int, roster: rpc.RRef | None, points: RestorePoints | None = None):
+    def __init__(self, spec: RunSpec, rank: int, roster: rpc.RRef | None, points: RestorePoints | None = None,
+                 *, initial_weights: bool = True):
         self.spec, self.rank = spec, rank
         self.points = points  # its restore points (failover on), else None
         self.group = commands_group(spec)
         device = local_device(spec.trainer_devices[rank])
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        self.state = build_learner_state(spec, device, dist.group.WORLD)
+        self.state = build_learner_state(spec, device, dist.group.WORLD, initial_weights=initial_weights)
         self.hosted = None
         if spec.colocate:
             self.hosted = AgentServer(spec, rank, f"agent{rank}", spec.agents[rank].device, roster, hosted=True)

@@ -44,6 +44,7 @@ import os
 import pathlib
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -92,14 +93,15 @@ class RestorePoints:
         self.base, self.rank, self.world = pathlib.Path(directory), rank, world
         self.directory = self.base / f"world{world}"  # a group of another size (a shrink) writes beside, not over
         self._snapshot: ShardSnapshot | None = None
-        self._of: int | None = None  # id() of the policy the snapshot's buffers were built for
+        self._of: weakref.ref | None = None  # the policy the snapshot's buffers were built for (an id() could be
+        #                                      a dropped policy's, reused by the one a recovery built)
         self._writer: threading.Thread | None = None
         self._written = -1  # the newest step whose file this rank completed
         self._failed: BaseException | None = None
 
     def _snapshot_of(self, state: LearnerState) -> ShardSnapshot:
-        if self._snapshot is None or self._of != id(state.policy):
-            self._snapshot, self._of = ShardSnapshot(state), id(state.policy)
+        if self._snapshot is None or self._of is None or self._of() is not state.policy:
+            self._snapshot, self._of = ShardSnapshot(state), weakref.ref(state.policy)
         return self._snapshot
 
     def start(self, state: LearnerState) -> None:
@@ -228,7 +230,7 @@ class Failover:
 
     def __init__(self, spec: RunSpec, store: RunStore, points: RestorePoints, *, device: str, build):
         self.spec, self.store, self.points, self.device = spec, store, points, device
-        self.build = build  # (spec, device, group) -> a fresh LearnerState over `group`
+        self.build = build  # (spec, device, group, initial_weights=, reference=) -> a LearnerState over `group`
         self.generation = 0
         self.committed = -1  # the step every rank's restore point holds (-1: none yet)
         self.committed_world = spec.num_trainers  # the size of the group whose files hold it
@@ -246,9 +248,12 @@ class Failover:
 
     def await_fault(self, err: BaseException) -> dict:
         """After a trainer-group command broke with `err`: the launcher's fault, once posted; `err` is raised when
-        none comes within `wait_s` (a failure of rank 0's own)."""
+        none comes within `wait_s` (a failure of rank 0's own), or at once when no fault is posted yet and `err` is
+        not a collective's error (RuntimeError, OSError) but, say, a ValueError."""
         if isinstance(err, RunFailed):
             raise err  # a reason of rank 0's own, stated in full (a restore point that could not be written)
+        if self.posted() is None and not isinstance(err, (RuntimeError, OSError)):
+            raise err  # not how a peer's death shows (a collective's error): a fault of rank 0's own, said at once
         deadline = time.monotonic() + self.wait_s
         while (fault := self.posted()) is None:
             if time.monotonic() > deadline:
@@ -327,6 +332,7 @@ class Failover:
         kept). `commands(spec)` makes the commands group (every rank in the same order). Returns it, on which the
         caller has the followers restore theirs (a "restore" command), then calls `recovered`. Raises Abandoned when
         a newer generation is called while the group assembles (`asyncrl.rpc.reform`)."""
+        reference = None if self.spec.lora.enabled else state.reference  # unsharded and never trained: kept
         _drop_learner(state)
         began = time.monotonic()
         reform_trainer_group(self.store.raw, generation=self.generation, rank=0, world_size=self.spec.num_trainers,
@@ -335,7 +341,7 @@ class Failover:
                              abandoned=lambda: self.posted() is not None)
         group = commands(self.spec)
         joined = time.monotonic()
-        fresh = self.build(self.spec, self.device, dist.group.WORLD)
+        fresh = self.build(self.spec, self.device, dist.group.WORLD, initial_weights=False, reference=reference)
         for field in dataclasses.fields(LearnerState):
             setattr(state, field.name, getattr(fresh, field.name))
         built = time.monotonic()

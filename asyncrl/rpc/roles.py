@@ -179,7 +179,7 @@ def _follow(spec: RunSpec, rank: int, store: RunStore, generation: int, restore_
     through the store until the commands end or the run does."""
     points = RestorePoints(restore_points, rank, spec.num_trainers) if restore_points else None
     building = time.monotonic()
-    follower = FollowerHost(spec, rank, None, points)
+    follower = FollowerHost(spec, rank, None, points, initial_weights=not generation)  # later: a restore fills it
     if generation:
         log.warning("trainer%d: learner built in %.1f s for trainer group generation %d", rank,
                     time.monotonic() - building, generation)

@@ -7,6 +7,7 @@ builds what its role needs from it (`asyncrl.rpc.assembly`). Nothing here starts
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,8 @@ from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
 from asyncrl.policies.implementations import Impl
-from asyncrl.policies.loading import hf_config, load_model, random_model, resolve_model_dir, smollm2_gguf_path
+from asyncrl.policies.loading import (empty_model, gguf_cache_dir, hf_config, load_model, random_model, resolve_model_dir,
+                                      smollm2_gguf_path)
 from asyncrl.policies.model import CausalLM
 from asyncrl.policies.model_directory import ModelDirectory, random_hf_directory
 from asyncrl.policies.protocol import RolloutEngine
@@ -47,11 +49,30 @@ class ModelSpec:
     impl: Impl = "own"
     """own: asyncrl's `CausalLM`; hf: the `transformers` model of the checkpoint (`asyncrl.policies.hf_model`)."""
 
-    def build(self, device: str | torch.device = "cpu", dtype: str | None = None) -> CausalLM:
+    def build(self, device: str | torch.device = "cpu", dtype: str | None = None, *, weights: bool = True
+              ) -> CausalLM:
+        """The model on `device`; `weights` False: its weights left uninitialised where the shapes are known without
+        them (`empty_model`: a learner a restore point fills, built without reading or drawing them)."""
         torch_dtype = getattr(torch, dtype or self.dtype)
+        if not weights and (shapes := self._shapes()) is not None:
+            config, drawn = shapes
+            return empty_model(config, dtype=torch_dtype, device=device, cast_buffers=drawn)
         if self.config is not None:
             return random_model(self.config, seed=self.seed, dtype=torch_dtype, device=device, impl=self.impl)
         return load_model(self.path, dtype=torch_dtype, device=device, seed=self.seed, impl=self.impl)
+
+    def _shapes(self) -> tuple[str | dict, bool] | None:
+        """Where `empty_model` reads this model's config, and whether its weights are drawn (random: its buffers
+        cast as `random_model` casts them); None when only a full build knows (the transformers implementation, a
+        GGUF file not converted yet)."""
+        if self.impl != "own":
+            return None
+        if self.config is not None or self.path.startswith("random:"):
+            return (self.config if self.config is not None else self.path.removeprefix("random:")), True
+        if self.path == "smollm2" or self.path.endswith(".gguf"):
+            cached = gguf_cache_dir(smollm2_gguf_path() if self.path == "smollm2" else pathlib.Path(self.path))
+            return (str(cached), False) if (cached / "model.safetensors").is_file() else None
+        return str(local_model_path(self.path, "--model.path")), False
 
     def directory(self, device: str = "cpu", dtype: str | None = None) -> ModelDirectory:
         """The model as a Hugging Face directory, for an engine that loads it itself (vLLM, for impl "hf"): a path's

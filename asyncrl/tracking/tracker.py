@@ -142,13 +142,18 @@ class Tracker:
             self._wandb = None
 
 
-def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
-    """The rows of a run's metrics JSONL (raises naming the file when it is missing or malformed)."""
+def read_metrics(run_dir: str | pathlib.Path, *, live: bool = False) -> list[dict]:
+    """The rows of a run's metrics JSONL (raises naming the file when it is missing or malformed). `live`: the run
+    may still be writing it: a last line not yet ended is left out, and a missing file has no rows."""
     path = pathlib.Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
+        if live:
+            return []
         raise ValueError(f"{path}: no metrics file; point at a run directory written by `asyncrl train`")
+    text = path.read_text()
+    lines = text.split("\n")[:-1] if live else text.splitlines()
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))

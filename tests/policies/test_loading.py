@@ -14,7 +14,7 @@ from asyncrl.policies import (
     ARCH_PRESETS, CausalLM, Engine, EngineConfig, SamplingParams, load_gguf, load_model, load_pretrained,
     load_tokenizer, named_weights, random_model, save_pretrained, smollm2_gguf_path,
 )
-from asyncrl.policies.loading import gguf_cache_dir, resolve_model_dir
+from asyncrl.policies.loading import empty_model, gguf_cache_dir, resolve_model_dir
 from tests.policies.helpers import forward_logprobs, logprob_tol, make_prompts, tiny_config, tiny_model
 from tests.tolerances import forward_tol
 
@@ -110,6 +110,29 @@ def test_save_load_round_trip_and_transformers_open_it(tmp_path, tied, transform
     from_bf16 = load_pretrained(half)
     assert from_bf16.dtype == torch.float32
     assert torch.equal(from_bf16.model.norm.weight, model.model.norm.weight.bfloat16().float())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_empty_model_has_the_shapes_and_buffers_of_the_built_one_and_takes_its_weights(tmp_path, tied):
+    """`empty_model` (a failover's learner, which a restore point fills): the loaded or drawn model's parameters,
+    dtypes, tying and buffers, without its weights; given them, it computes what the built model does."""
+    model = tiny_model(seed=1, perturb=True, tie_word_embeddings=tied)
+    out = save_pretrained(model, tmp_path / "m")
+    for built, empty in ((load_pretrained(out), empty_model(str(out), cast_buffers=False)),
+                         (random_model("tiny-qwen2", dtype=torch.bfloat16),
+                          empty_model("tiny-qwen2", dtype=torch.bfloat16))):
+        assert [(n, p.shape, p.dtype) for n, p in empty.named_parameters()] == \
+            [(n, p.shape, p.dtype) for n, p in built.named_parameters()]
+        assert (empty.lm_head.weight is empty.model.embed_tokens.weight) == \
+            (built.lm_head.weight is built.model.embed_tokens.weight)
+        assert all(b.dtype == built.get_buffer(n).dtype and torch.equal(b, built.get_buffer(n))
+                   for n, b in empty.named_buffers())
+        assert not empty.training
+        with torch.no_grad():
+            for name, p in empty.named_parameters():
+                p.copy_(built.get_parameter(name))
+            ids = torch.tensor(make_prompts([12, 12], seed=2))
+            assert torch.equal(empty.logits(empty(ids)), built.logits(built(ids)))
 
 
 def test_llama3_rope_config_round_trips(tmp_path):

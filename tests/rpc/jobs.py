@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+from asyncrl.tracking import read_metrics
 from tests.cli_forks import start
 from tests.run_helpers import NO_EVAL, ROOT
 from tests.timing import limit
@@ -88,10 +89,7 @@ class Job:
         return {row["pid"] for row in json.loads(path.read_text())["processes"]} if path.is_file() else set()
 
     def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.run_dir, live=True)
 
     def wait_versions(self, n: int, timeout: float = limit(120)) -> list[dict]:
         return wait_until(lambda: len(self.metrics()) >= n and self.metrics(), timeout, f"{n} versions logged")

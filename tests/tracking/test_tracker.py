@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from asyncrl.tracking import Tracker, TrackingConfig, read_metrics
 
 
@@ -25,3 +27,13 @@ def test_rows_a_resume_and_closing_twice(tmp_path):
     resumed.close()
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3]
     assert read_metrics(tmp_path)[-1]["wall_s"] >= 50.0
+
+
+def test_a_live_runs_metrics_leave_out_the_line_being_written(tmp_path):
+    """A reader beside a running job (`live=True`) sees the rows written so far: not a half-written last line, and
+    none before the file exists; a finished run's malformed line is named."""
+    assert read_metrics(tmp_path, live=True) == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "actor/pg_l')
+    assert [row["step"] for row in read_metrics(tmp_path, live=True)] == [1, 2]
+    with pytest.raises(ValueError, match=r"metrics.jsonl:3: not a JSON line"):
+        read_metrics(tmp_path)
