@@ -113,24 +113,13 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     made = False  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
-        device = local_device(spec.trainer_devices[rank])
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        if generation:
-            kill_point("join", rank, 0)
-        join_trainer_group(store.raw, generation=generation, rank=rank, world_size=spec.num_trainers,
-                           backend=trainer_backend(spec), timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s),
-                           startup_timeout_s=spec.startup_timeout_s)
+        _join_trainer_group(spec, store, rank, generation)
         if rank == 0:
             if token is None:
                 raise ValueError("trainer rank 0 needs the run token (the launcher passes it)")
             nonce, left = _open_run(store, spec, host, rpc_port, token)
-        else:  # rank 0's nonce; the token from the launcher, else (a loopback torchrun job) the one rank 0 left
-            nonce = store.info()["nonce"]
-            token = token or store.left_token()
-            if token is None:
-                raise ValueError(f"{role} needs the run's token (its store's records are signed with it)")
-            store.authenticate(token)
+        else:
+            nonce, token = _follower_keys(store, token, role)
         if restore_points is None and spec.trainer.max_recoveries and spec.placement.launcher == "torchrun":
             restore_points = str(restore_points_directory(nonce))  # each host's, by the run's nonce (`keep_trainer`)
             made = rank == 0
@@ -172,6 +161,28 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         if rank != 0 and parent_pid is not None:
             os._exit(0)
     return summary
+
+
+def _join_trainer_group(spec: RunSpec, store: RunStore, rank: int, generation: int) -> None:
+    """On this rank's device, join the trainer group of `generation` (`asyncrl.rpc.reform`)."""
+    device = local_device(spec.trainer_devices[rank])
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    if generation:
+        kill_point("join", rank, 0)
+    join_trainer_group(store.raw, generation=generation, rank=rank, world_size=spec.num_trainers,
+                       backend=trainer_backend(spec), timeout=datetime.timedelta(seconds=spec.async_.sync_timeout_s),
+                       startup_timeout_s=spec.startup_timeout_s)
+
+
+def _follower_keys(store: RunStore, token: RunToken | None, role: str) -> tuple[str, RunToken]:
+    """A follower's nonce (rank 0's) and token: the launcher's, else (a loopback torchrun job) the one rank 0 left;
+    the store then signs with it."""
+    nonce, token = store.info()["nonce"], token or store.left_token()
+    if token is None:
+        raise ValueError(f"{role} needs the run's token (its store's records are signed with it)")
+    store.authenticate(token)
+    return nonce, token
 
 
 def _follow(spec: RunSpec, rank: int, store: RunStore, generation: int, restore_points: str | None) -> None:

@@ -89,6 +89,17 @@ def _stranger(net_hosts, cwd: pathlib.Path, *args: str) -> str:
     return out.stdout
 
 
+def _kill_on_hostb_and_train_on(node1: int, keeper_name: str, name: str, versions, more: int, back) -> None:
+    """SIGKILL the process `name` that hostb's keeper `keeper_name` keeps; wait until `back()` (rank 0's log says
+    it is back) and `more` versions were trained after that."""
+    [keeper] = _named(keeper_name, node1)
+    [victim] = wait_until(lambda: _named(name, keeper), limit(60), f"{name}'s process")
+    os.kill(victim, signal.SIGKILL)
+    wait_until(back, limit(240), f"{name} back (rank 0's log)")
+    after = versions()
+    wait_until(lambda: versions() >= after + more, limit(120), f"{more} more versions after {name} came back")
+
+
 @pytest.mark.timeout(limit(720))
 def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_stranger_changes_nothing(tmp_path, net_hosts):
     run_dir = tmp_path / "run"
@@ -140,21 +151,11 @@ def test_a_job_across_two_hosts_trains_listens_only_on_its_network_and_a_strange
         assert "declared dead" not in text(0) and "ignored store entry" in text(0) + text(1)
 
         # an agent killed on hostb is restarted there by its keeper and rejoins
-        [keeper] = _named("asyncrl-keep1", node1.pid)
-        [victim] = wait_until(lambda: _named("asyncrl-agent1", keeper), limit(60), "agent slot 1's process")
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: re.search(r"agent agent1_r1 \(pid \d+, cpu\) admitted", text(0)), limit(240),
-                   "the restarted agent to be admitted (rank 0's log)")
-        restarted = versions()
-        wait_until(lambda: versions() >= restarted + 5, limit(120), "5 more versions after the restart")
-
-        # trainer rank 1 killed on hostb: its keeper starts it again, and rank 0 on hosta re-forms the group
-        [trainer_keeper] = _named("asyncrl-keep-tr", node1.pid)
-        [trainer1] = _named("asyncrl-trainer", trainer_keeper)
-        os.kill(trainer1, signal.SIGKILL)
-        wait_until(lambda: "trainer group generation 1 ready" in text(0), limit(240), "the trainer group re-formed")
-        reformed = versions()
-        wait_until(lambda: versions() >= reformed + 3, limit(120), "3 more versions after the re-formed group")
+        _kill_on_hostb_and_train_on(node1.pid, "asyncrl-keep1", "asyncrl-agent1", versions, 5, lambda: re.search(
+            r"agent agent1_r1 \(pid \d+, cpu\) admitted", text(0)))
+        # so is trainer rank 1 (failover), and rank 0 on hosta re-forms the trainer group with it
+        _kill_on_hostb_and_train_on(node1.pid, "asyncrl-keep-tr", "asyncrl-trainer", versions, 3,
+                                    lambda: "trainer group generation 1 ready" in text(0))
         node0.send_signal(signal.SIGTERM)  # hosta preempted: rank 0 checkpoints and ends the run
         node0.wait(limit(120))
         node1.wait(limit(120))  # hostb's ranks follow the end of the run: nothing left to kill
