@@ -237,7 +237,7 @@ class ShardSnapshot:
 
         self._copied = None
         # split as the old group split them (a group of one rank, unsharded, may take shards of a larger one)
-        for m, (weights, sharded) in enumerate(zip(self._weights, trees[0].get("sharded", self._sharded))):
+        for m, (weights, sharded) in enumerate(zip(self._weights, trees[0]["sharded"])):
             for i, (w, split) in enumerate(zip(weights, sharded)):
                 w.copy_(mine([t["weights"][m][i] for t in trees], split, tuple(w.shape)))
                 held = [t["moments"][m][i] for t in trees]

@@ -55,8 +55,8 @@ def build_learner_state(spec: RunSpec, device: str, group: dist.ProcessGroup | N
     on GPUs, fp32 on CPU: no fp32 master copy, no optimizer state), with fp32 adapters on it; it is its own
     reference (adapters off) and the critic shares its base. `initial_weights` False: a learner a restore point
     fills (trainer failover), its trained weights left uninitialised where that saves reading or drawing them (a
-    LoRA base and frozen routers, which no restore point holds, are loaded all the same); `reference`: the reference model to use rather than build (rank 0's, kept
-    through a failover: unsharded, never trained)."""
+    LoRA base and frozen routers, which no restore point holds, are loaded all the same); `reference`: the
+    reference model to use rather than build (rank 0's, kept through a failover: unsharded, never trained)."""
     device = local_device(device)
     lora = spec.lora
     offload = spec.trainer.offload == "params"  # FSDP2 keeps the weights on the host: build them there

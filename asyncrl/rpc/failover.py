@@ -56,9 +56,9 @@ from asyncrl.rpc.reform import abort_communicators, reform_trainer_group
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
-from asyncrl.runtime.lifecycle import RunFailed
+from asyncrl.runtime.lifecycle import RunFailed, is_stopped
 
-__all__ = ["RestorePoints", "Failover", "Recovery", "refusal", "trainer_backend", "enter_generation",
+__all__ = ["RestorePoints", "Failover", "Recovery", "Silence", "refusal", "trainer_backend", "enter_generation",
            "restore_points_directory"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,29 @@ def restore_points_directory(nonce: str) -> pathlib.Path:
     """A torchrun job's restore points on each of its hosts (named by the run's nonce; the rpc launcher names its
     own)."""
     return snapshot_directory(f"run-{nonce}")
+
+
+class Silence:
+    """A trainer follower's heartbeat count as a watcher reads it (the launcher, or a torchrun keeper): how long it
+    has not moved, once that passes `timeout_s` (--async-training.agent-timeout-s)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._count, self._since = 0, time.monotonic()
+
+    def past_timeout(self, count: int) -> float | None:
+        """Seconds the count has stood at `count`, once past the timeout; None while it moves or is 0 (the
+        follower is not following yet)."""
+        now = time.monotonic()
+        if count == 0 or count != self._count:
+            self._count, self._since = count, now
+            return None
+        return now - self._since if now - self._since > self.timeout_s else None
+
+    def why(self, rank: int, pid: int, silent: float) -> str:
+        how = "is stopped (SIGSTOP)" if is_stopped(pid) else "hangs (its whole process)"
+        return (f"trainer rank {rank} (pid {pid}) {how}: no heartbeat for {silent:.0f} s "
+                f"(--async-training.agent-timeout-s {self.timeout_s:g})")
 
 
 def enter_generation(generation: int) -> None:

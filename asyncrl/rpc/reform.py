@@ -104,8 +104,6 @@ def reform_trainer_group(store: dist.Store, *, generation: int, rank: int, world
     """Leave this process's trainer group (aborted; a replacement has none yet) and join generation
     `generation`'s as `rank` of `world_size` (`join_trainer_group`; `timeout_s`: its collectives', and the
     assembly's unless `startup_timeout_s` is given); returns once every member joined."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"reform_trainer_group: rank {rank} outside a group of {world_size}")
     if dist.is_initialized():
         abort_trainer_groups()
     join_trainer_group(store, generation=generation, rank=rank, world_size=world_size, backend=backend,

@@ -18,8 +18,8 @@ from asyncrl.data.scoring import Scorer
 from asyncrl.data.sources import PromptSource
 from asyncrl.policies.engine import Engine, EngineConfig
 from asyncrl.policies.implementations import Impl
-from asyncrl.policies.loading import (empty_model, gguf_cache_dir, hf_config, load_model, random_model, resolve_model_dir,
-                                      smollm2_gguf_path)
+from asyncrl.policies.loading import (empty_model, gguf_cache_dir, hf_config, load_model, random_model,
+                                      resolve_model_dir, smollm2_gguf_path)
 from asyncrl.policies.model import CausalLM
 from asyncrl.policies.model_directory import ModelDirectory, random_hf_directory
 from asyncrl.policies.protocol import RolloutEngine

@@ -45,6 +45,7 @@ from asyncrl.checkpoint.snapshot_files import snapshot_directory
 from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
+from asyncrl.rpc.failover import Silence
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.kill_points import check_kill_point_env
@@ -130,7 +131,7 @@ class Supervisor:
         self.signals: list[str] = []
         self.store: RunStore | None = None
         self._dead_seen = 0
-        self._beats: dict[int, tuple[int, float]] = {}  # trainer follower -> (heartbeats seen, when they last changed)
+        self._beats: dict[int, Silence] = {}  # trainer follower -> its heartbeat as watched
         self.generation = 0  # the trainer group's: one more after each recovered fault
         self.recoveries_left = spec.trainer.max_recoveries
         self.restore_points = str(snapshot_directory(secrets.token_hex(8))) if spec.trainer.max_recoveries else None
@@ -319,7 +320,6 @@ class Supervisor:
         store = None if self._stopping or self.spec.num_trainers == 1 else self._store()
         if store is None:
             return
-        now, timeout = time.monotonic(), self.spec.async_.agent_timeout_s
         for c in self.children:
             if not c.role.startswith("trainer") or c.slot == 0 or not c.process.is_alive():
                 continue
@@ -327,13 +327,9 @@ class Supervisor:
                 count = store.trainer_beats(c.slot, self.generation)
             except Exception:  # noqa: BLE001 - rank 0 (the store) is going away
                 return
-            seen = self._beats.get(c.slot)
-            if count == 0 or seen is None or count != seen[0]:  # not following yet, or alive
-                self._beats[c.slot] = (count, now)
-            elif now - seen[1] > timeout:
-                how = "is stopped (SIGSTOP)" if is_stopped(c.process.pid) else "hangs (its whole process)"
-                self._trainer_fault(c.slot, f"trainer rank {c.slot} (pid {c.process.pid}) {how}: no heartbeat "
-                                    f"for {now - seen[1]:.0f} s (--async-training.agent-timeout-s {timeout:g})")
+            watch = self._beats.setdefault(c.slot, Silence(self.spec.async_.agent_timeout_s))
+            if (silent := watch.past_timeout(count)) is not None:
+                self._trainer_fault(c.slot, watch.why(c.slot, c.process.pid, silent))
                 return
 
     def _end_dead_agents(self) -> None:

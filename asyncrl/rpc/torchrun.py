@@ -37,14 +37,14 @@ import time
 from typing import Literal, Mapping, NoReturn
 
 from asyncrl.rpc.assembly import resolve_resume
-from asyncrl.rpc.failover import restore_points_directory
+from asyncrl.rpc.failover import Silence, restore_points_directory
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, is_loopback, new_token, outward_address, read_token
 from asyncrl.rpc.roles import run_agent_process, run_trainer
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.runtime.kill_points import check_kill_point_env
-from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, is_stopped, name_process, on_signals
+from asyncrl.runtime.lifecycle import StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 
 __all__ = ["TorchrunRole", "torchrun_role", "run_torchrun", "keep_agent", "keep_trainer"]
@@ -166,22 +166,13 @@ class _Watch:
     """A keeper's watch over its trainer child of one generation: a newer fault posted, or a stopped heartbeat."""
 
     def __init__(self, store: RunStore, rank: int, generation: int, timeout_s: float, devices: list[str]):
-        self.store, self.rank, self.generation, self.timeout_s = store, rank, generation, timeout_s
+        self.store, self.rank, self.generation = store, rank, generation
         self.devices = devices  # the trainer group's, the same in every generation (torchrun does not shrink)
-        self._count, self._since = 0, time.monotonic()
+        self.silence = Silence(timeout_s)
 
     def newer_fault(self) -> dict | None:
         fault = self.store.trainer_fault()
         return fault if fault is not None and fault["generation"] > self.generation else None
-
-    def silent_for(self) -> float | None:
-        """Seconds since the child's last heartbeat once that passes the timeout (None: alive, or not following
-        yet)."""
-        count, now = self.store.trainer_beats(self.rank, self.generation), time.monotonic()
-        if count == 0 or count != self._count:
-            self._count, self._since = count, now
-            return None
-        return now - self._since if now - self._since > self.timeout_s else None
 
 
 def keep_trainer(spec: RunSpec, host: str, store_port: int, rpc_port: int, rank: int, *, token: RunToken | None,
@@ -236,10 +227,9 @@ def _keep(child, watch: _Watch, stop: StopRequest, poll_s: float) -> dict | None
             child.kill()
             child.join(5.0)
             return fault
-        if (silent := watch.silent_for()) is not None:
-            how = "is stopped (SIGSTOP)" if is_stopped(child.pid) else "hangs (its whole process)"
-            why = (f"trainer rank {watch.rank} (pid {child.pid}) {how}: no heartbeat for {silent:.0f} s "
-                   f"(--async-training.agent-timeout-s {watch.timeout_s:g})")
+        silent = watch.silence.past_timeout(watch.store.trainer_beats(watch.rank, watch.generation))
+        if silent is not None:
+            why = watch.silence.why(watch.rank, child.pid, silent)
             child.kill()
         child.join(poll_s)
     child.join(5.0)
