@@ -29,11 +29,9 @@ K/V of every row at the mean context (`step_bytes`) at full HBM bandwidth. vLLM'
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import dataclasses
 import gc
 import json
-import multiprocessing
 import tempfile
 import time
 from typing import Literal
@@ -47,7 +45,7 @@ from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm
 from asyncrl_bench.flops import body_params
 from asyncrl_bench.mismatch import logprob_mismatch
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
-from asyncrl_bench.shared import bench_dtype, device_name, hf_copy, synchronize, write_json
+from asyncrl_bench.shared import bench_dtype, device_name, hf_copy, in_own_process, synchronize, write_json
 from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats, time_finishes
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
@@ -286,12 +284,6 @@ def _time_hf_generate(model, work: Workload, device: str) -> tuple[float, float]
     return sum(lengths) / seconds, sum(lengths) / len(lengths)
 
 
-def _in_own_process(function, *args):
-    """function(*args) in a fresh process: vLLM changes process-wide torch settings and starts children."""
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
-
-
 def _vllm_worker(args: EngineBenchArgs, works: list[Workload]) -> list[tuple[list, float, dict]]:
     """vLLM behind our adapter, one engine for every workload: (outputs, output tok/s, tail fields) of each, timed
     like ours (after a warm-up run)."""
@@ -317,7 +309,8 @@ def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: st
     batches = [(w.prompts, w.params) for w in works] + [(w.prompts, w.prefill_only().params) for w in works]
     runs = vllm_offline_generate(model_dir, batches, dtype=args.torch_dtype(), device=str(_load_device(args)),
                                  max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
-                                 eos_token_ids=works[0].eos_token_ids, options=_vllm_options(args))
+                                 eos_token_ids=works[0].eos_token_ids, options=_vllm_options(args),
+                                 kv_dtype=args.kv_dtype)
     timed = [run[-1] for run in runs]  # (tokens, seconds) of each batch's run after its warm-up
     return [(tokens / seconds, tokens / work.sequences, prefill_s)
             for work, (tokens, seconds), (_, prefill_s) in zip(works, timed, timed[len(works):])]
@@ -336,7 +329,7 @@ def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[
     kv_bytes = None if args.device.startswith("cuda") else kv_cache_bytes(model, config.max_slots, config.max_len)
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-vllm-") as directory:
         save_pretrained(model, directory)
-        return _in_own_process(_vllm_llm_worker, args, works, directory, kv_bytes)
+        return in_own_process(_vllm_llm_worker, args, works, directory, kv_bytes)
 
 
 def _load(args: EngineBenchArgs):
@@ -413,7 +406,7 @@ def bench_engine(args: EngineBenchArgs) -> list[dict]:
     works = _workloads(args, model)
     results = [_in_process_row(args, model, batch, work) for batch, work in zip(args.batch_sizes, works)]
     if "vllm" in args.backends:
-        for row, (vllm_outs, tok_s, tails) in zip(results, _in_own_process(_vllm_worker, args, works)):
+        for row, (vllm_outs, tok_s, tails) in zip(results, in_own_process(_vllm_worker, args, works)):
             row["vllm_tok_s"], row["vllm_mean_len"] = tok_s, _generated(vllm_outs)[0] / row["sequences"]
             row.update(tails)
             vllm_mismatch = logprob_mismatch(model, vllm_outs)

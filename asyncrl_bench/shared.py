@@ -1,17 +1,19 @@
 """What the engine and learner benchmarks share: the device's clock and name, the --dtype, a Hugging Face copy of
-our model, the `--out` JSON file."""
+our model, a call in a process of its own (vLLM's), the `--out` JSON file."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
+import multiprocessing
 import tempfile
 
 import torch
 
 from asyncrl.policies import save_pretrained
 
-__all__ = ["synchronize", "device_name", "hf_copy", "write_json", "bench_dtype"]
+__all__ = ["synchronize", "device_name", "hf_copy", "in_own_process", "write_json", "bench_dtype"]
 
 
 def bench_dtype(dtype: str, device: str) -> torch.dtype:
@@ -44,6 +46,12 @@ def hf_copy(model, dtype: torch.dtype, device: str):
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
         return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device)
+
+
+def in_own_process(function, *args):
+    """function(*args) in a fresh process: vLLM changes process-wide torch settings and starts children."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
 
 
 def write_json(path: str | None, results) -> None:

@@ -18,6 +18,10 @@ in one call, each beside plain decoding.
    step (CUDA graphs, as a run uses them) against a speculative step that checks a k-token draft on every row
    (`cost_ratio` = t_spec / t_plain; the drafts are random, so each step keeps one token a row). Speculation pays
    where the tokens a speculative step gives a row (`tokens_per_spec_row_step` of part 1) exceed that ratio.
+
+With --vllm the end-to-end rows also carry vLLM's n-gram speculation on the same timed prompts (`vllm_*` fields:
+plain and speculative tok/s, acceptance, tokens a speculative step gives a row; `asyncrl_bench.vllm_ngram`), and
+`spec_vs_vllm_spec`, our speculative tok/s over vLLM's.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from asyncrl.data.files import load_prompt_file
 from asyncrl.policies import Engine, EngineConfig, SamplingParams, load_model, load_tokenizer
 from asyncrl_bench.engine import logprob_mismatch
 from asyncrl_bench.shared import bench_dtype, device_name, synchronize, write_json
+from asyncrl_bench.vllm_ngram import vllm_ngram_runs
 
 __all__ = ["SpeculationBenchArgs", "bench_speculation"]
 
@@ -73,6 +78,9 @@ class SpeculationBenchArgs:
     steps: int = 32
     """Step cost: timed steps of each kind."""
     seed: int = RunConfig.seed
+    vllm: bool = False
+    """End to end: also vLLM's `LLM.generate` on the same timed prompts, plain and with its n-gram speculation at
+    each --tokens (lookup window 1-3 tokens, as the drafts'; `asyncrl_bench.vllm_ngram`)."""
     out: str | None = None
     """Write the results as JSON here."""
 
@@ -83,6 +91,8 @@ class SpeculationBenchArgs:
             raise ValueError("--prompts must be >= 0, --n and --steps >= 1, --new-tokens >= 2")
         if min(self.batch_sizes, default=1) < 1:
             raise ValueError("every --batch-sizes value must be >= 1")
+        if self.vllm and not self.prompts:
+            raise ValueError("--vllm compares the end-to-end rows, which --prompts 0 skips: give --prompts >= 1")
 
     def torch_dtype(self) -> torch.dtype:
         """--dtype as a torch dtype (`bench_dtype`)."""
@@ -167,7 +177,24 @@ def end_to_end(args: SpeculationBenchArgs, model) -> list[dict]:
         row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.vllm:
+        _beside_vllm(args, model, rows, warm_up, prompts, params[0], max_len)
     return rows
+
+
+def _beside_vllm(args: SpeculationBenchArgs, model, rows: list[dict], warm_up, prompts, params: SamplingParams,
+                 max_len: int) -> None:
+    """vLLM's plain and n-gram runs of the same prompts, added to each draft length's row."""
+    spec = SpeculationConfig()
+    plain, *runs = vllm_ngram_runs(model, warm_up, prompts, params, tokens=args.tokens, min_match=spec.min_match,
+                                   max_match=spec.max_match, max_len=max_len, dtype=args.torch_dtype(),
+                                   device=args.device)
+    for row, run in zip(rows, runs):
+        row.update(vllm_plain_tok_s=plain.tok_s, vllm_spec_tok_s=run.tok_s, vllm_speedup=run.tok_s / plain.tok_s,
+                   vllm_generated=run.generated, vllm_acceptance=run.acceptance,
+                   vllm_tokens_per_spec_row_step=run.tokens_per_spec_row_step,
+                   spec_vs_vllm_spec=row["spec_tok_s"] / run.tok_s)
+        print(json.dumps({k: v for k, v in row.items() if k.startswith("vllm_") or k == "draft_tokens"}), flush=True)
 
 
 def _per_row_step(stats) -> float | None:

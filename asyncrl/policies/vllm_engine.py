@@ -403,16 +403,17 @@ def _from_directory(directory: ModelDirectory, config: EngineConfig, options: VL
 def vllm_offline_generate(model_dir: str, batches: Sequence[tuple[list[list[int]], SamplingParams]], *,
                           dtype: torch.dtype, device: str, max_len: int, kv_bytes: int | None = None,
                           eos_token_ids: Iterable[int] = (), options: VLLMConfig = VLLMConfig(),
-                          repeats: int = 2) -> list[list[tuple[int, float]]]:
+                          repeats: int = 2, kv_dtype: str = "auto") -> list[list[tuple[int, float]]]:
     """vLLM's own offline path on these batches of prompts, for comparison with `VLLMEngine`: `vllm.LLM.generate`
     (on GPU its engine core in a process of its own, scheduling overlapped with the GPU), the same sampling and
     behaviour log-probs, no per-step control. One `LLM` over the saved model in `model_dir` (sized for the
-    largest batch; `kv_bytes` of KV cache, None: what --rollout.vllm.gpu-memory-utilization leaves) runs every
+    largest batch; `kv_bytes` of KV cache, None: what --rollout.vllm.gpu-memory-utilization leaves; its elements in
+    `kv_dtype`, as --rollout.kv-dtype) runs every
     batch `repeats` times; returns, per batch, (tokens generated, seconds) of each run (the first one warms up).
     Call it in a process that may start children (vLLM starts its engine core)."""
     slots = max(len(prompts) * params.n for prompts, params in batches)
     llm = vllm_llm(model_dir, options, max_slots=slots, max_len=max_len, dtype=dtype, device=device,
-                    kv_bytes=kv_bytes, seed=0)
+                    kv_bytes=kv_bytes, seed=0, kv_dtype=kv_dtype)
     results = []
     for prompts, params in batches:
         stop = sorted(params.stop_ids(eos_token_ids))

@@ -10,6 +10,7 @@ import pytest
 from asyncrl.policies import save_pretrained
 from asyncrl_bench.speculation import SpeculationBenchArgs, bench_speculation
 from tests.policies.helpers import tiny_model
+from tests.run_helpers import needs_vllm
 
 
 def test_a_small_cpu_run_reports_both_parts(tmp_path):
@@ -39,9 +40,25 @@ def test_a_small_cpu_run_reports_both_parts(tmp_path):
     (dict(prompts=-1), "--prompts"),
     (dict(batch_sizes=(0,)), "--batch-sizes"),
     (dict(dtype="float17"), "--dtype float17"),
+    (dict(vllm=True, prompts=0), "--vllm"),
 ])
 def test_bad_flags_are_refused(changes, message):
     args = SpeculationBenchArgs(device="cpu", **changes)
     with pytest.raises(ValueError, match=message):
         args.validate()
         args.torch_dtype()
+
+
+@pytest.mark.e2e
+def test_vllm_ngram_speculation_runs_beside_ours_on_the_same_prompts(smollm2_cache):
+    """--vllm: vLLM (in a process of its own) generates the same timed prompts plain and with its n-gram drafts;
+    its counters give the acceptance and tokens a step, in the same row as ours."""
+    needs_vllm()
+    [row] = bench_speculation(SpeculationBenchArgs(
+        model="smollm2", device="cpu", dtype="float32", prompts=2, n=2, new_tokens=24, prompt_len=16,
+        temperature=0.0, tokens=(3,), batch_sizes=(), vllm=True))
+    assert row["generated"] == row["vllm_generated"] == 2 * 2 * 24  # random prompts: every sample runs its budget
+    assert 0.0 <= row["vllm_acceptance"] <= 1.0  # greedy SmolLM2 on random prompts repeats itself: drafts were made
+    assert 1.0 <= row["vllm_tokens_per_spec_row_step"] <= 1 + 3
+    assert row["vllm_speedup"] == pytest.approx(row["vllm_spec_tok_s"] / row["vllm_plain_tok_s"])
+    assert row["spec_vs_vllm_spec"] == pytest.approx(row["spec_tok_s"] / row["vllm_spec_tok_s"])

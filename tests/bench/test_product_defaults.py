@@ -110,7 +110,7 @@ OWN: dict[str, set[str]] = {
                "parallel", "keep_checkpoints", "out"},
     "ProfileArgs": {"rows", "workload", "warmup_steps", "layer_tokens", "top"},
     "LaunchBenchArgs": {"repeats", "agents", "restart", "timeout_s", "out"},
-    "SpeculationBenchArgs": {"device", "prompts", "prompt_len", "batch_sizes", "steps", "out"},
+    "SpeculationBenchArgs": {"device", "prompts", "prompt_len", "batch_sizes", "steps", "out", "vllm"},
 }
 
 ARGS_CLASSES = [args for name, (args, _, _) in BENCHMARKS.items() if name != "plan"] + [GridArgs, ProfileArgs]

@@ -3,14 +3,13 @@ is mean ± std over seeds, and a tiny grid runs end to end (a run, its checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
-import dataclasses
 
 from asyncrl.algos.staleness import verl_max_required_samples
 from asyncrl.config import AsyncConfig, OffPolicyConfig
@@ -67,6 +66,13 @@ def test_cells_of_several_updates_split_the_same_prompts_per_step_into_mini_batc
         else:
             assert t.off_policy.m2_threshold == 0.04 and t.off_policy.is_level == "none", cell
     assert cell_config(args, "lag-corrected", 0).async_training.require_batches == 1
+    # the fp8 cells: the K/V in float8, with the correction fp8 needs (π_old recomputed), beside their bf16 twins
+    for fp8, twin in (("sync-fp8", "sync-tis"), ("lag-corrected-fp8", "lag-corrected")):
+        a, b = cell_config(args, fp8, 0), cell_config(args, twin, 0)
+        a.validate()
+        assert (a.rollout.kv_dtype, b.rollout.kv_dtype) == ("fp8", "auto"), fp8
+        assert dataclasses.replace(a.rollout, kv_dtype="auto") == b.rollout and a.trainer == b.trainer, fp8
+        assert a.async_training == b.async_training and not a.trainer.off_policy.use_rollout_log_probs, fp8
     with pytest.raises(ValueError, match="--mini-batch-size 6: must be a multiple of lag-dec-m4's updates"):
         cell_config(GridArgs(mini_batch_size=6), "lag-dec-m4", 0)
     with pytest.raises(ValueError, match="--steps 10"):
