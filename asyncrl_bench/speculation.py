@@ -204,11 +204,14 @@ def _per_row_step(stats) -> float | None:
 
 
 def _steady_steps(engine: Engine, rows: int, context: int, steps: int, vocab: int, device: str, seed: int) -> float:
-    """Seconds a step of `rows` rows in steady decode takes (mean of `steps`, after warm-up steps)."""
+    """Seconds a step of `rows` rows in steady decode takes (mean of `steps`, after every row's prefill and four
+    decode steps)."""
     gen = torch.Generator().manual_seed(seed)
     for i in range(rows):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_new_tokens=8 * steps + 16, ignore_eos=True, seed=seed + i))
+    while engine.num_waiting:  # every row admitted and prefilled (a step prefills --max-prefill-tokens at most)
+        engine.step()
     for _ in range(4):
         engine.step()
     synchronize(device)
