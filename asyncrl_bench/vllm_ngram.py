@@ -92,6 +92,8 @@ def vllm_ngram_runs(model, warm_up: list[list[int]], prompts: list[list[int]], p
         warm_up, prompts = ([p for p in batch for _ in range(params.n)] for batch in (warm_up, prompts))
         params = dataclasses.replace(params, n=1)
     slots = len(prompts) * params.n
+    if device == "cuda":  # vLLM sets its device by index
+        device = f"cuda:{torch.cuda.current_device()}"
     settings = dict(tokens=tuple(tokens), min_match=min_match, max_match=max_match, slots=slots, max_len=max_len,
                     dtype=dtype, device=device,
                     kv_bytes=None if device.startswith("cuda") else kv_cache_bytes(model, slots, max_len))
