@@ -4,16 +4,17 @@ in one call, each beside plain decoding.
     asyncrl bench speculation --model smollm2 --device cpu --dtype float32 --data gsm8k.parquet --n 8   # acceptance
     asyncrl bench speculation --model random:qwen3-1.7b --batch-sizes 8 32 256                         # step cost
 
-1. **End to end** (`end_to_end` rows): the same seeded requests through the engine without and with speculation
-   (each draft length of --tokens), each timed after a warm-up run: output tok/s and the ratio, the acceptance
-   (drafted tokens kept / drafted), the tokens a speculative step gives a row, the share of samples whose tokens
-   equal plain decoding's and the first divergences per 1,000 tokens (each kept token is drawn from the verifying
-   forward's distribution with the row's own uniform number, so they differ only where that forward's rounding,
-   not plain decoding's, moves a CDF boundary past the uniform: with a large vocabulary's tail of tiny
-   probabilities this happens now and then, also in fp32), and each side's mean |Δ log-prob| against a training
-   forward of its tokens (what the learner sees). The warm-up runs other prompts, so no draft comes from it.
-   With real weights on a prompt file (--data, --n samples per prompt, real EOS) the acceptance is what the drafts
-   are worth; random weights accept almost nothing.
+1. **End to end** (`end_to_end` rows): the same seeded requests through the engine without and with speculation (each
+   draft length of --tokens), each timed after a warm-up run: output tok/s and the ratio, the acceptance (drafted
+   tokens kept / drafted), the share of the generated tokens that were kept drafts (`accepted_share`, the measure
+   that compares with vLLM's, whose counters see only the rows that drafted), the tokens a speculative step gives a
+   row, the share of samples whose tokens equal plain decoding's and the first divergences per 1,000 tokens (each
+   kept token is drawn from the verifying forward's distribution with the row's own uniform number, so they differ
+   only where that forward's rounding, not plain decoding's, moves a CDF boundary past the uniform: with a large
+   vocabulary's tail of tiny probabilities this happens now and then, also in fp32), and each side's mean
+   |Δ log-prob| against a training forward of its tokens (what the learner sees). The warm-up runs other prompts, so no
+   draft comes from it. With real weights on a prompt file (--data, --n samples per prompt, real EOS) the acceptance
+   is what the drafts are worth; random weights accept almost nothing.
 2. **The verifying step's cost** (`step_cost` rows): at each --batch-sizes, rows in steady decode, a plain decode
    step (CUDA graphs, as a run uses them) against a speculative step that checks a k-token draft on every row
    (`cost_ratio` = t_spec / t_plain; the drafts are random, so each step keeps one token a row). Speculation pays
@@ -170,6 +171,7 @@ def end_to_end(args: SpeculationBenchArgs, model) -> list[dict]:
                "plain_tok_s": generated / plain_s,
                "spec_tok_s": sum(len(c.token_ids) for o in outs for c in o.completions) / seconds,
                "acceptance": stats["spec_accepted_tokens"] / max(stats["spec_drafted_tokens"], 1),
+               "accepted_share": stats["spec_accepted_tokens"] / max(generated, 1),
                "spec_steps": stats["spec_steps"], "decode_steps": stats["decode_steps"],
                "identical_share": identical, "divergences_per_1k_tokens": per_1k,
                "tokens_per_spec_row_step": _per_row_step(stats), "plain_mean_abs_dlogp": mismatch,
@@ -192,6 +194,7 @@ def _beside_vllm(args: SpeculationBenchArgs, model, rows: list[dict], warm_up, p
     for row, run in zip(rows, runs):
         row.update(vllm_plain_tok_s=plain.tok_s, vllm_spec_tok_s=run.tok_s, vllm_speedup=run.tok_s / plain.tok_s,
                    vllm_generated=run.generated, vllm_acceptance=run.acceptance,
+                   vllm_accepted_share=run.accepted / max(run.generated, 1),
                    vllm_tokens_per_spec_row_step=run.tokens_per_spec_row_step,
                    spec_vs_vllm_spec=row["spec_tok_s"] / run.tok_s)
         print(json.dumps({k: v for k, v in row.items() if k.startswith("vllm_") or k == "draft_tokens"}), flush=True)

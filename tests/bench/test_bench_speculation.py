@@ -29,6 +29,7 @@ def test_a_small_cpu_run_reports_both_parts(tmp_path):
         assert r["divergences_per_1k_tokens"] == 0.0 and r["spec_mean_abs_dlogp"] < 1e-4
         assert 1.0 <= r["tokens_per_spec_row_step"] <= 1 + r["draft_tokens"]
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+        assert 0.0 < r["accepted_share"] < 1.0  # kept drafts' share of the generated tokens
     for r in costs:
         assert r["plain_step_ms"] > 0 and r["spec_step_ms"] > 0
         assert r["cost_ratio"] == pytest.approx(r["spec_step_ms"] / r["plain_step_ms"])
@@ -59,6 +60,6 @@ def test_vllm_ngram_speculation_runs_beside_ours_on_the_same_prompts(smollm2_cac
         temperature=0.0, tokens=(3,), batch_sizes=(), vllm=True))
     assert row["generated"] == row["vllm_generated"] == 2 * 2 * 24  # random prompts: every sample runs its budget
     assert 0.0 <= row["vllm_acceptance"] <= 1.0  # greedy SmolLM2 on random prompts repeats itself: drafts were made
-    assert 1.0 <= row["vllm_tokens_per_spec_row_step"] <= 1 + 3
+    assert 1.0 <= row["vllm_tokens_per_spec_row_step"] <= 1 + 3 and 0.0 <= row["vllm_accepted_share"] < 1.0
     assert row["vllm_speedup"] == pytest.approx(row["vllm_spec_tok_s"] / row["vllm_plain_tok_s"])
     assert row["spec_vs_vllm_spec"] == pytest.approx(row["spec_tok_s"] / row["vllm_spec_tok_s"])
