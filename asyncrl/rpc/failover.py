@@ -9,7 +9,8 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
    the newest step every rank's file holds: the committed one. A rank keeps its newest two files, so a death while
    writing leaves the committed one whole (`RestorePoints`); rank 0 keeps the batches trained since.
 2. Detection (the launcher, `asyncrl.rpc.supervise`). A follower's exit is seen at once; a stopped or hung one when
-   its heartbeat has been silent for `--async-training.agent-timeout-s`. The launcher then ends every other follower
+   its heartbeat (`Heartbeat`: a thread of its own, from when the process reaches the store, so also while it
+   builds its learner or joins a re-formed group) has been silent for `--async-training.agent-timeout-s`. The launcher then ends every other follower
    as well (on gloo a survivor blocked in a collective with a live peer is freed only by that peer's exit), posts the
    fault to the run's store with the trainer group's next generation, and starts followers 1..T−1 again.
 3. Rank 0 (the head: queue, roster, agents and their weight channels stay up) finds its command broken or the fault
@@ -58,7 +59,7 @@ from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
 from asyncrl.runtime.lifecycle import RunFailed, is_stopped
 
-__all__ = ["RestorePoints", "Failover", "Recovery", "Silence", "refusal", "trainer_backend", "enter_generation",
+__all__ = ["RestorePoints", "Failover", "Heartbeat", "Recovery", "Silence", "refusal", "trainer_backend", "enter_generation",
            "restore_points_directory"]
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Silence:
 
     def past_timeout(self, count: int) -> float | None:
         """Seconds the count has stood at `count`, once past the timeout; None while it moves or is 0 (the
-        follower is not following yet)."""
+        follower's process has not reached the store yet)."""
         now = time.monotonic()
         if count == 0 or count != self._count:
             self._count, self._since = count, now
@@ -96,6 +97,34 @@ class Silence:
         how = "is stopped (SIGSTOP)" if is_stopped(pid) else "hangs (its whole process)"
         return (f"trainer rank {rank} (pid {pid}) {how}: no heartbeat for {silent:.0f} s "
                 f"(--async-training.agent-timeout-s {self.timeout_s:g})")
+
+
+class Heartbeat:
+    """A trainer follower's heartbeat (`RunStore.trainer_beat`, every `period_s`), from a thread of its own over a
+    store connection of its own, from the moment the process reaches the store until `stop()` or the run's end:
+    a follower stopped or hung as a whole while it builds its learner, joins a re-formed group or follows is named
+    by its watcher (`Silence`) within the timeout, not by rank 0's assembly or collective timeout."""
+
+    def __init__(self, host: str, port: int, rank: int, generation: int, *, timeout_s: float, period_s: float = 0.5):
+        self._store = RunStore(host, port, serve=False, timeout_s=timeout_s)
+        self._rank, self._generation, self._period_s = rank, generation, period_s
+        self._stopped = threading.Event()
+        self._store.trainer_beat(rank, generation)  # the first before the constructor returns: counted from here on
+        self._thread = threading.Thread(target=self._beat, name=f"trainer{rank}-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            try:
+                if self._store.is_shut_down():
+                    return
+                self._store.trainer_beat(self._rank, self._generation)
+            except Exception:  # noqa: BLE001 - rank 0 (the store) is gone: so is the run
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def enter_generation(generation: int) -> None:

@@ -43,7 +43,9 @@ from asyncrl.rpc.head import run_head
 from asyncrl.runtime.lifecycle import RunFailed, StopRequest, die_with_parent, name_process, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.commands import FollowerHost
-from asyncrl.rpc.failover import RestorePoints, enter_generation, restore_points_directory, trainer_backend
+from asyncrl.rpc.failover import (
+    Heartbeat, RestorePoints, enter_generation, restore_points_directory, trainer_backend,
+)
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.reform import join_trainer_group
 from asyncrl.rpc.seal import key_check, rpc_key
@@ -111,8 +113,11 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
     left = None  # rank 0 of a loopback run: the token file it left for this host's user
     made = False  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
+    heartbeat = None  # a follower's, from before it joins the group until it ends
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
+        if rank != 0 and not spec.colocate:
+            heartbeat = Heartbeat(host, store_port, rank, generation, timeout_s=spec.startup_timeout_s)
         _join_trainer_group(spec, store, rank, generation)
         if rank == 0:
             if token is None:
@@ -152,6 +157,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         raise
     finally:
         leave_rpc()
+        if heartbeat is not None:
+            heartbeat.stop()
         if left is not None:
             left.unlink(missing_ok=True)
         if run_log is not None:
@@ -186,16 +193,17 @@ def _follower_keys(store: RunStore, token: RunToken | None, role: str) -> tuple[
 
 
 def _follow(spec: RunSpec, rank: int, store: RunStore, generation: int, restore_points: str | None) -> None:
-    """A follower of its own: rank 0's commands over the trainer group, no RPC; its heartbeat goes to the launcher
-    through the store until the commands end or the run does."""
+    """A follower of its own: rank 0's commands over the trainer group, no RPC, until the commands end or the run
+    does (its heartbeat, `Heartbeat`, beats meanwhile)."""
     points = RestorePoints(restore_points, rank, spec.num_trainers) if restore_points else None
     building = time.monotonic()
     follower = FollowerHost(spec, rank, None, points, initial_weights=not generation)  # later: a restore fills it
     if generation:
         log.warning("trainer%d: learner built in %.1f s for trainer group generation %d", rank,
                     time.monotonic() - building, generation)
-    while not follower.done.wait(0.5) and not store.is_shut_down():
-        store.trainer_beat(rank, generation)
+    while not follower.done.wait(0.5):
+        if store.is_shut_down():
+            return
 
 
 def _open_run(store: RunStore, spec: RunSpec, host: str, rpc_port: int, token: RunToken

@@ -8,7 +8,8 @@ run reaches at `master_addr:join_port`. It is the run's control plane for what R
   exits           the launcher saw an agent's process end: rank 0 declares it dead at once;
   dead reports    rank 0 names the agents it declared dead (pid included), so the launcher can end and restart
                   them;
-  heartbeats      each trainer follower counts up while it follows; the launcher names one whose count stops;
+  heartbeats      each trainer follower counts up from when it reaches the store; the launcher names one whose count
+                  stops;
   shutdown        rank 0 marks the end of the run; every other process exits when it sees it;
   refusals        rank 0 names an agent it refused (no valid run token); that process exits when it sees it.
 
@@ -224,11 +225,12 @@ class RunStore:
 
     def trainer_beat(self, rank: int, generation: int = 0) -> None:
         """Trainer rank `rank` (a follower) of the trainer group's generation `generation` is alive: its count goes
-        up (every half second while it follows)."""
+        up (every half second from when its process reaches the store: `asyncrl.rpc.failover.Heartbeat`)."""
         self.raw.add(f"asyncrl/beat/gen{generation}/{rank}", 1)
 
     def trainer_beats(self, rank: int, generation: int = 0) -> int:
-        """How many heartbeats trainer rank `rank` of generation `generation` sent (0: it has not begun following)."""
+        """How many heartbeats trainer rank `rank` of generation `generation` sent (0: its process has not reached
+        the store yet)."""
         return self.raw.add(f"asyncrl/beat/gen{generation}/{rank}", 0)
 
     def post_trainer_fault(self, generation: int, why: str, trainer_devices: list[str]) -> None:

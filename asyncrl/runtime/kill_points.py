@@ -1,6 +1,7 @@
 """Deterministic kill points for failover drills: `ASYNCRL_FAULT=trainer:R:version:V:phase:P` ends trainer rank R's
 process at once (`os._exit(9)`, as a crash would: no cleanup, no message to its peers) when it reaches phase P with
-its learner's version counter at V. A comma-separated list drills one fault per trainer-group generation: its k-th
+its learner's version counter at V; `...:phase:P:hang` stops it there instead (SIGSTOP, as a process hung as a
+whole: it neither exits nor beats). A comma-separated list drills one fault per trainer-group generation: its k-th
 point (from 0) applies after k recoveries (`--trainer.max-recoveries`), in the group the launcher formed then.
 
     ASYNCRL_FAULT=trainer:1:version:2:phase:backward asyncrl train cpu-demo --placement.trainer-devices cpu cpu
@@ -24,6 +25,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 
 __all__ = ["ENV", "GENERATION_ENV", "PHASES", "KillPoint", "parse_kill_point", "parse_kill_points",
            "check_kill_point_env", "kill_point"]
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 ENV = "ASYNCRL_FAULT"
 GENERATION_ENV = "ASYNCRL_TRAINER_GENERATION"
 PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint", "join", "restore")
-_FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)")
+_FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)(:hang)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +43,16 @@ class KillPoint:
     rank: int
     version: int
     phase: str
+    hang: bool = False
+    """Stop the process there (SIGSTOP) rather than end it."""
 
 
 def parse_kill_point(text: str) -> KillPoint:
     match = _FORMAT.fullmatch(text.strip())
     if match is None or match.group(3) not in PHASES:
-        raise ValueError(f"{ENV}={text!r}: expected trainer:RANK:version:VERSION:phase:PHASE with PHASE one of "
+        raise ValueError(f"{ENV}={text!r}: expected trainer:RANK:version:VERSION:phase:PHASE[:hang] with PHASE one of "
                          f"{', '.join(PHASES)} (e.g. trainer:1:version:2:phase:backward)")
-    return KillPoint(int(match.group(1)), int(match.group(2)), match.group(3))
+    return KillPoint(int(match.group(1)), int(match.group(2)), match.group(3), hang=match.group(4) is not None)
 
 
 def parse_kill_points(text: str) -> list[KillPoint]:
@@ -79,7 +83,10 @@ def kill_point(phase: str, rank: int, version: int) -> None:
     generation = int(os.environ.get(GENERATION_ENV) or 0)
     point = points[generation] if generation < len(points) else None
     if point is not None and (point.rank, point.version, point.phase) == (rank, version, phase):
-        log.error("%s: trainer rank %d killed at %s of version %d (trainer group generation %d)", ENV, rank, phase,
-                  version, generation)
+        log.error("%s: trainer rank %d %s at %s of version %d (trainer group generation %d)", ENV, rank,
+                  "stopped" if point.hang else "killed", phase, version, generation)
+        if point.hang:
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread: the heartbeat too
+            return
         logging.shutdown()
         os._exit(9)

@@ -5,6 +5,9 @@ the learner's version; a publication and a checkpoint reach theirs; another rank
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -31,8 +34,9 @@ def drill(monkeypatch):
 
 def test_the_format_and_its_refusals(monkeypatch):
     assert parse_kill_point(" trainer:2:version:15:phase:norm ") == KillPoint(2, 15, "norm")
+    assert parse_kill_point("trainer:1:version:0:phase:join:hang") == KillPoint(1, 0, "join", hang=True)
     for bad in ("trainer:1:version:2", "trainer:1:version:2:phase:sleep", "agent:1:version:2:phase:step",
-                "trainer:-1:version:2:phase:step"):
+                "trainer:-1:version:2:phase:step", "trainer:1:version:2:phase:step:stall"):
         with pytest.raises(ValueError, match=r"ASYNCRL_FAULT=.*expected trainer:RANK:version:VERSION:phase:PHASE"):
             parse_kill_point(bad)
     monkeypatch.delenv(ENV, raising=False)
@@ -53,6 +57,14 @@ def test_the_kth_point_of_a_list_applies_to_the_trainer_groups_kth_generation(dr
         kill_points.kill_point("publish", 0, 5)
     monkeypatch.setenv(GENERATION_ENV, "2")  # no point for generation 2
     kill_points.kill_point("publish", 0, 5)
+
+
+def test_a_hang_point_stops_the_process_instead_of_ending_it(drill, monkeypatch):
+    drill("trainer:1:version:0:phase:join:hang")
+    sent = []
+    monkeypatch.setattr(kill_points.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    kill_points.kill_point("join", 1, 0)  # returns once the process is continued (here: at once)
+    assert sent == [(os.getpid(), signal.SIGSTOP)]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "norm", "step"])
