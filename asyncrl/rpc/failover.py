@@ -10,9 +10,10 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
    writing leaves the committed one whole (`RestorePoints`); rank 0 keeps the batches trained since.
 2. Detection (the launcher, `asyncrl.rpc.supervise`). A follower's exit is seen at once; a stopped or hung one when
    its heartbeat (`Heartbeat`: a thread of its own, from when the process reaches the store, so also while it
-   builds its learner or joins a re-formed group) has been silent for `--async-training.agent-timeout-s`. The launcher then ends every other follower
-   as well (on gloo a survivor blocked in a collective with a live peer is freed only by that peer's exit), posts the
-   fault to the run's store with the trainer group's next generation, and starts followers 1..T−1 again.
+   builds its learner or joins a re-formed group) has been silent for `--async-training.agent-timeout-s`. The
+   launcher then ends every other follower as well (on gloo a survivor blocked in a collective with a live peer is
+   freed only by that peer's exit), posts the fault to the run's store with the trainer group's next generation,
+   and starts followers 1..T−1 again.
 3. Rank 0 (the head: queue, roster, agents and their weight channels stay up) finds its command broken or the fault
    posted (on NCCL a watcher aborts its communicators when the fault is posted), and recovers (`Failover`): it leaves
    the broken group, joins the new generation's over a store prefix of its own (`asyncrl.rpc.reform`), rebuilds its
@@ -59,8 +60,8 @@ from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
 from asyncrl.runtime.lifecycle import RunFailed, is_stopped
 
-__all__ = ["RestorePoints", "Failover", "Heartbeat", "Recovery", "Silence", "refusal", "trainer_backend", "enter_generation",
-           "restore_points_directory"]
+__all__ = ["RestorePoints", "Failover", "Heartbeat", "Recovery", "Silence", "refusal", "trainer_backend",
+           "enter_generation", "restore_points_directory"]
 
 log = logging.getLogger(__name__)
 

@@ -113,11 +113,10 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
         on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
     left = None  # rank 0 of a loopback run: the token file it left for this host's user
     made = False  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
-    heartbeat = None  # a follower's, from before it joins the group until it ends
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
-        if rank != 0 and not spec.colocate:
-            heartbeat = Heartbeat(host, store_port, rank, generation, timeout_s=spec.startup_timeout_s)
+        heartbeat = None if rank == 0 or spec.colocate else Heartbeat(  # a follower's, from before it joins
+            host, store_port, rank, generation, timeout_s=spec.startup_timeout_s)
         _join_trainer_group(spec, store, rank, generation)
         if rank == 0:
             if token is None:

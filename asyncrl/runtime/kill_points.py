@@ -50,8 +50,8 @@ class KillPoint:
 def parse_kill_point(text: str) -> KillPoint:
     match = _FORMAT.fullmatch(text.strip())
     if match is None or match.group(3) not in PHASES:
-        raise ValueError(f"{ENV}={text!r}: expected trainer:RANK:version:VERSION:phase:PHASE[:hang] with PHASE one of "
-                         f"{', '.join(PHASES)} (e.g. trainer:1:version:2:phase:backward)")
+        raise ValueError(f"{ENV}={text!r}: expected trainer:RANK:version:VERSION:phase:PHASE[:hang] with PHASE one "
+                         f"of {', '.join(PHASES)} (e.g. trainer:1:version:2:phase:backward)")
     return KillPoint(int(match.group(1)), int(match.group(2)), match.group(3), hang=match.group(4) is not None)
 
 
