@@ -5,16 +5,19 @@ what a missing restore point says. Launched runs that recover are in tests/rpc/t
 from __future__ import annotations
 
 import datetime
+import time
 import types
 
 import pytest
 import torch.distributed as dist
 
 from asyncrl.learner import train_step
-from asyncrl.rpc.failover import Failover, RestorePoints, refusal
+from asyncrl.rpc.failover import Failover, Heartbeat, RestorePoints, Silence, refusal
 from asyncrl.rpc.reform import Abandoned, join_trainer_group
+from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
 from asyncrl.runtime.lifecycle import RunFailed
+from tests.run_helpers import free_ports
 from tests.timing import limit
 from tests.dist_helpers import build, max_diff, sample_groups, weights
 
@@ -91,3 +94,32 @@ def test_a_re_formed_group_waits_for_its_members_only_while_no_newer_generation_
         join_trainer_group(store, generation=2, rank=0, world_size=3, backend="gloo",
                            timeout=datetime.timedelta(seconds=5), startup_timeout_s=0.3)
     assert not dist.is_initialized()
+
+
+def test_a_followers_heartbeat_counts_from_its_start_on_its_own_thread_until_stopped_or_the_run_ends():
+    """The first beat is in before the constructor returns (a process stopped right after it is still judged by
+    its watcher: a count of 0 never is); the rest come from a thread; `stop()` ends them, as does the run's end."""
+    port = free_ports()
+    store = RunStore("127.0.0.1", port, serve=True, timeout_s=limit(30))
+    beat = Heartbeat("127.0.0.1", port, rank=2, generation=3, timeout_s=limit(30), period_s=0.01)
+    first = store.trainer_beats(2, 3)
+    assert first >= 1 and store.trainer_beats(2, 0) == 0  # its generation's count only
+    _until(lambda: store.trainer_beats(2, 3) >= first + 3)  # the thread beats on
+    beat.stop()
+    _stands_still(store, rank=2, generation=3)
+    Heartbeat("127.0.0.1", port, rank=1, generation=0, timeout_s=limit(30), period_s=0.01)
+    store.shut_down()  # the run's end: its thread sees it and stops
+    _stands_still(store, rank=1, generation=0)
+
+
+def _stands_still(store: RunStore, rank: int, generation: int) -> None:
+    """The count stops moving (`Silence` finds it unmoved for a tenth of a second)."""
+    watch = Silence(timeout_s=0.1)
+    _until(lambda: watch.past_timeout(store.trainer_beats(rank, generation)) is not None)
+
+
+def _until(predicate, timeout_s: float = limit(10)) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
