@@ -45,7 +45,9 @@ from asyncrl.policies.vllm_engine import build_vllm_engine, kv_cache_bytes, vllm
 from asyncrl_bench.flops import body_params
 from asyncrl_bench.mismatch import logprob_mismatch
 from asyncrl_bench.roofline import peak_bandwidth, peak_flops
-from asyncrl_bench.shared import bench_dtype, device_name, hf_copy, in_own_process, synchronize, write_json
+from asyncrl_bench.shared import (
+    bench_dtype, device_name, hf_copy, in_own_process, indexed_device, synchronize, write_json,
+)
 from asyncrl_bench.tails import lognormal_budgets, quantile, tail_stats, time_finishes
 
 __all__ = ["EngineBenchArgs", "bench_engine", "peak_bandwidth", "step_bytes", "prefill_flops", "logprob_mismatch"]
@@ -307,19 +309,13 @@ def _vllm_llm_worker(args: EngineBenchArgs, works: list[Workload], model_dir: st
     """vLLM's own `LLM.generate` over the model saved in `model_dir`, one `LLM` for every workload: (output tok/s,
     mean sample length, seconds of the prompts' prefill alone) of each, from the runs after the warm-up."""
     batches = [(w.prompts, w.params) for w in works] + [(w.prompts, w.prefill_only().params) for w in works]
-    runs = vllm_offline_generate(model_dir, batches, dtype=args.torch_dtype(), device=str(_load_device(args)),
+    runs = vllm_offline_generate(model_dir, batches, dtype=args.torch_dtype(), device=indexed_device(args.device),
                                  max_len=_engine_config(args, *works).max_len, kv_bytes=kv_bytes,
                                  eos_token_ids=works[0].eos_token_ids, options=_vllm_options(args),
                                  kv_dtype=args.kv_dtype)
     timed = [run[-1] for run in runs]  # (tokens, seconds) of each batch's run after its warm-up
     return [(tokens / seconds, tokens / work.sequences, prefill_s)
             for work, (tokens, seconds), (_, prefill_s) in zip(works, timed, timed[len(works):])]
-
-
-def _load_device(args: EngineBenchArgs) -> torch.device:
-    """The device models load on, with its index ("cuda" is the current CUDA device)."""
-    device = torch.device(args.device)
-    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
 
 
 def _vllm_llm_rows(args: EngineBenchArgs, model, works: list[Workload]) -> list[tuple[float, float, float]]:

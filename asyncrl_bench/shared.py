@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.policies import save_pretrained
 
-__all__ = ["synchronize", "device_name", "hf_copy", "in_own_process", "write_json", "bench_dtype"]
+__all__ = ["synchronize", "device_name", "indexed_device", "hf_copy", "in_own_process", "write_json", "bench_dtype"]
 
 
 def bench_dtype(dtype: str, device: str) -> torch.dtype:
@@ -30,6 +30,13 @@ def synchronize(device: str) -> None:
     """Wait for the GPU's queued work (nothing to wait for on CPU), so a timer reads finished work."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def indexed_device(device: str) -> str:
+    """`device` with its index ("cuda" is the current CUDA device): vLLM sets its device by index."""
+    if torch.device(device) == torch.device("cuda"):
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
 
 
 def device_name(device: str) -> str:

@@ -194,7 +194,7 @@ def _beside_vllm(args: SpeculationBenchArgs, model, rows: list[dict], warm_up, p
     for row, run in zip(rows, runs):
         row.update(vllm_plain_tok_s=plain.tok_s, vllm_spec_tok_s=run.tok_s, vllm_speedup=run.tok_s / plain.tok_s,
                    vllm_generated=run.generated, vllm_acceptance=run.acceptance,
-                   vllm_accepted_share=run.accepted / max(run.generated, 1),
+                   vllm_accepted_share=run.accepted_share,
                    vllm_tokens_per_spec_row_step=run.tokens_per_spec_row_step,
                    spec_vs_vllm_spec=row["spec_tok_s"] / run.tok_s)
         print(json.dumps({k: v for k, v in row.items() if k.startswith("vllm_") or k == "draft_tokens"}), flush=True)

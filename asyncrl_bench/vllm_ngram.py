@@ -20,7 +20,7 @@ from asyncrl.config import VLLMConfig
 from asyncrl.policies import SamplingParams, save_pretrained
 from asyncrl.policies.vllm_calls import vllm_generate, vllm_llm
 from asyncrl.policies.vllm_engine import kv_cache_bytes
-from asyncrl_bench.shared import in_own_process, synchronize
+from asyncrl_bench.shared import in_own_process, indexed_device, synchronize
 
 __all__ = ["NgramRun", "vllm_ngram_runs"]
 
@@ -47,6 +47,11 @@ class NgramRun:
     def acceptance(self) -> float | None:
         """Drafted tokens kept / drafted (None: nothing drafted)."""
         return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def accepted_share(self) -> float:
+        """Kept draft tokens / tokens generated."""
+        return self.accepted / max(self.generated, 1)
 
     @property
     def tokens_per_spec_row_step(self) -> float | None:
@@ -92,10 +97,8 @@ def vllm_ngram_runs(model, warm_up: list[list[int]], prompts: list[list[int]], p
         warm_up, prompts = ([p for p in batch for _ in range(params.n)] for batch in (warm_up, prompts))
         params = dataclasses.replace(params, n=1)
     slots = len(prompts) * params.n
-    if device == "cuda":  # vLLM sets its device by index
-        device = f"cuda:{torch.cuda.current_device()}"
     settings = dict(tokens=tuple(tokens), min_match=min_match, max_match=max_match, slots=slots, max_len=max_len,
-                    dtype=dtype, device=device,
+                    dtype=dtype, device=indexed_device(device),
                     kv_bytes=None if device.startswith("cuda") else kv_cache_bytes(model, slots, max_len))
     stop_ids = sorted(params.stop_ids(model.config.eos_token_ids))
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-vllm-") as directory:

