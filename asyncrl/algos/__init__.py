@@ -27,7 +27,7 @@ from asyncrl.algos.losses import (
 from asyncrl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, seq_lengths
 from asyncrl.algos.moe import LoadBalance, load_balancing
 from asyncrl.algos.staleness import (
-    VerlBudget, VersionLag, areal_capacity, lag_by_length, length_bucket, staleness_mask, verl_admit,
+    LengthBucket, VerlBudget, VersionLag, areal_capacity, lag_by_length, length_bucket, staleness_mask, verl_admit,
     verl_max_required_samples, verl_on_new_version, verl_release, version_lag,
 )
 
@@ -49,7 +49,7 @@ __all__ = [
     "DriftRate", "drift_rate_update", "drift_lag_cap",
     # staleness
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
-    "verl_release", "verl_on_new_version", "areal_capacity", "length_bucket", "lag_by_length",
+    "verl_release", "verl_on_new_version", "areal_capacity", "length_bucket", "lag_by_length", "LengthBucket",
     # masked reductions
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "seq_lengths",
     # mixture-of-experts routers

@@ -26,7 +26,7 @@ from asyncrl.algos._checks import check_choice, check_mask, check_token_tensor
 
 __all__ = [
     "VersionLag", "version_lag", "staleness_mask", "verl_max_required_samples", "VerlBudget", "verl_admit",
-    "verl_release", "verl_on_new_version", "areal_capacity", "length_bucket", "lag_by_length",
+    "verl_release", "verl_on_new_version", "areal_capacity", "length_bucket", "lag_by_length", "LengthBucket",
 ]
 
 
@@ -171,17 +171,31 @@ def length_bucket(length: int) -> int:
     return 1 << max(length - 1, 0).bit_length()
 
 
-def lag_by_length(samples: Iterable[tuple[int, int]]) -> dict[int, tuple[int, int]]:
-    """Version lag against response length: for (response length, lag) pairs, per length bucket
-    (`length_bucket`) the number of samples and the sum of their lags (so that windows and runs add up, and a mean
-    is sum / count). Long responses span more publications: this is where staleness lives.
+class LengthBucket(NamedTuple):
+    """One bucket of `lag_by_length`: sums over its samples, so that windows and runs add up (a mean is sum / count)."""
+    count: int
+    lag_sum: int
+    length_sum: int  # the samples' response lengths
+    group_length_sum: int  # the longest response of each sample's group (what an agent waits for to deliver it)
 
-      lag_by_length([(3, 0), (4, 2), (100, 5)])  ->  {4: (2, 2), 128: (1, 5)}
+
+def lag_by_length(samples: Iterable[tuple[int, int, int]]) -> dict[int, LengthBucket]:
+    """Version lag against response length: for (response length, the longest response length of its group, lag)
+    triples, per length bucket (`length_bucket`) the samples and the sums of their lags, lengths and group lengths.
+    Long responses span more publications: this is where staleness lives. An agent delivers a GRPO group when its
+    last sibling ends, so a sample's lag follows its group's longest response more closely than its own length
+    (docs/staleness.md, "Lag and response length").
+
+      lag_by_length([(3, 4, 0), (4, 4, 2), (100, 120, 5)])
+        ->  {4: LengthBucket(2, 2, 7, 8), 128: LengthBucket(1, 5, 100, 120)}
     """
-    out: dict[int, tuple[int, int]] = {}
-    for length, lag in samples:
+    out: dict[int, LengthBucket] = {}
+    for length, group_length, lag in samples:
         if lag < 0:
             raise ValueError(f"lag_by_length: a lag must be >= 0, got {lag} (length {length})")
-        count, total = out.get(bucket := length_bucket(length), (0, 0))
-        out[bucket] = (count + 1, total + lag)
+        if group_length < length:
+            raise ValueError(f"lag_by_length: a group's longest response ({group_length}) cannot be shorter than "
+                             f"one of its samples ({length})")
+        count, total, lengths, groups = out.get(bucket := length_bucket(length), (0, 0, 0, 0))
+        out[bucket] = LengthBucket(count + 1, total + lag, lengths + length, groups + group_length)
     return dict(sorted(out.items()))

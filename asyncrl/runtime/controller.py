@@ -49,8 +49,10 @@ from asyncrl.runtime.run_log import QuietLog, RunLog
 from asyncrl.types import Group
 
 LAG_BY_LENGTH = "training/version_lag/by_length/"
-"""Per response-length bucket (`asyncrl.algos.length_bucket`), `<bucket>/count` trained samples and `<bucket>/lag_sum`
-their summed version lag (oldest token): summed over a window, so a run's mean lag at a length is sum / count."""
+"""Per response-length bucket (`asyncrl.algos.length_bucket`), `<bucket>/count` trained samples, `<bucket>/lag_sum`
+their summed version lag (oldest token), `<bucket>/length_sum` their summed response lengths and
+`<bucket>/group_length_sum` the summed longest response of each one's group: summed over a window, so a run's mean
+at a length is sum / count."""
 
 __all__ = ["LAG_BY_LENGTH", "Controller", "RunParts", "CheckpointPolicy", "RunSummary", "TrainingEnd", "Interrupted",
            "WeightPublisher", "Trainers", "BatchTimeout", "batch_timeout_message"]
@@ -270,11 +272,12 @@ class Controller:
         lags = [self.state.version - lo for lo, _ in versions]
         for lag in set(lags):  # histogram of trained groups' version lag (summed over a window, then a run)
             metrics[f"training/version_lag/hist/{lag}"] = lags.count(lag)
-        by_length = lag_by_length((len(c.token_ids), self.state.version - c.min_version)
-                                  for g in groups for c in g.completions if c.versions)
-        for bucket, (count, lag_sum) in by_length.items():  # samples' lag by response length (summed likewise)
-            metrics[f"{LAG_BY_LENGTH}{bucket}/count"] = count
-            metrics[f"{LAG_BY_LENGTH}{bucket}/lag_sum"] = lag_sum
+        by_length = lag_by_length((len(c.token_ids), longest, self.state.version - c.min_version)
+                                  for g in groups for longest in [max(len(c.token_ids) for c in g.completions)]
+                                  for c in g.completions if c.versions)
+        for bucket, sums in by_length.items():  # samples' lag by response length (summed likewise)
+            for field, value in sums._asdict().items():
+                metrics[f"{LAG_BY_LENGTH}{bucket}/{field}"] = value
         metrics.update({
             "timing_s/gen": waited, "timing_s/update_actor": time.monotonic() - start,
             "fully_async/partial/partial_ratio": sum(lo != hi for lo, hi in versions) / len(versions),

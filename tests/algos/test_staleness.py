@@ -406,20 +406,26 @@ def test_areal_capacity_rejects(kwargs):
 
 def test_lag_by_length_golden_values():
     assert [algos.length_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 8, 16, 1024, 2048]
-    assert algos.lag_by_length([(3, 0), (4, 2), (100, 5), (0, 1)]) == {1: (1, 1), 4: (2, 2), 128: (1, 5)}
+    assert algos.lag_by_length([(3, 4, 0), (4, 4, 2), (100, 120, 5), (0, 7, 1)]) == {
+        1: (1, 1, 0, 7), 4: (2, 2, 7, 8), 128: (1, 5, 100, 120)}
+    assert algos.lag_by_length([(3, 4, 0)])[4].group_length_sum == 4
     assert algos.lag_by_length([]) == {}
     with pytest.raises(ValueError, match="lag must be >= 0"):
-        algos.lag_by_length([(3, -1)])
+        algos.lag_by_length([(3, 3, -1)])
+    with pytest.raises(ValueError, match="cannot be shorter"):
+        algos.lag_by_length([(5, 4, 0)])
     with pytest.raises(ValueError, match="length must be >= 0"):
         algos.length_bucket(-1)
 
 
-@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 50)), max_size=40))
-def test_lag_by_length_counts_every_sample_once_in_the_bucket_that_holds_it(samples):
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 500), st.integers(0, 50)), max_size=40))
+def test_lag_by_length_counts_every_sample_once_in_the_bucket_that_holds_it(raw):
+    samples = [(length, length + extra, lag) for length, extra, lag in raw]
     out = algos.lag_by_length(samples)
-    assert sum(count for count, _ in out.values()) == len(samples)
-    assert sum(total for _, total in out.values()) == sum(lag for _, lag in samples)
-    for length, _ in samples:
+    for field, index in (("count", None), ("lag_sum", 2), ("length_sum", 0), ("group_length_sum", 1)):
+        want = len(samples) if index is None else sum(s[index] for s in samples)
+        assert sum(getattr(b, field) for b in out.values()) == want, field
+    for length, _, _ in samples:
         bucket = algos.length_bucket(length)
         assert bucket in out and (bucket == 1 or bucket // 2 < length <= bucket)
     assert list(out) == sorted(out)

@@ -63,10 +63,12 @@ def run_and_check(config: AsyncConfig, **kw):
     # every trained sample counted once in the lag-by-length view, at the lag it was trained at
     by_length = {k: sum(m.get(k, 0) for m in summary.history) for m in summary.history for k in m
                  if k.startswith(LAG_BY_LENGTH)}
-    samples = [(len(c.token_ids), version - c.min_version) for version, groups in rec.steps for g in groups
-               for c in g.completions if c.versions]
-    assert sum(v for k, v in by_length.items() if k.endswith("/count")) == len(samples)
-    assert sum(v for k, v in by_length.items() if k.endswith("/lag_sum")) == sum(lag for _, lag in samples)
+    samples = [(len(c.token_ids), max(len(s.token_ids) for s in g.completions), version - c.min_version)
+               for version, groups in rec.steps for g in groups for c in g.completions if c.versions]
+    totals = {field: sum(v for k, v in by_length.items() if k.rsplit("/", 1)[1] == field)
+              for field in ("count", "lag_sum", "length_sum", "group_length_sum")}
+    assert totals == {"count": len(samples), "lag_sum": sum(s[2] for s in samples),
+                      "length_sum": sum(s[0] for s in samples), "group_length_sum": sum(s[1] for s in samples)}
     return run, summary, rec
 
 

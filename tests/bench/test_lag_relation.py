@@ -1,0 +1,74 @@
+"""Which length a sample's version lag follows (asyncrl_bench/lag_relation.py, scripts/lag_relation.py): golden values
+of the two relations, the sums read off metrics rows, and a real fully-async run (in this process) whose lags follow
+each group's longest response, not each sample's own length."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from asyncrl.algos.staleness import LengthBucket
+from asyncrl_bench.lag_relation import BY_LENGTH, bucket_sums, lag_relation
+from scripts import lag_relation as script
+from tests.run_helpers import NO_EVAL, train_here
+
+BUCKETS = {4: LengthBucket(2, 2, 7, 8), 128: LengthBucket(1, 5, 100, 120)}
+
+
+def test_lag_relation_golden_values():
+    rel = lag_relation(BUCKETS, rows_in_flight=32, samples_per_version=16)
+    assert (rel.level, rel.mean_lag) == (2.0, pytest.approx(7 / 3))
+    assert (rel.mean_length, rel.mean_group_length) == (pytest.approx(107 / 3), pytest.approx(128 / 3))
+    small, large = rel.buckets
+    assert small[:5] == (4, 2, 3.5, 4.0, 1.0) and large[:5] == (128, 1, 100.0, 120.0, 5.0)
+    assert small.group_prediction == pytest.approx(0.1875) and large.group_prediction == pytest.approx(5.625)
+    assert small.row_prediction == pytest.approx(2 * 3.5 * 3 / 107) and large.row_prediction == pytest.approx(600 / 107)
+    assert rel.group_rms == pytest.approx(math.sqrt((2 * 0.8125 ** 2 + 0.625 ** 2) / 3))
+    # scaled to fit: k = Σ w·lag·p / Σ w·p²
+    p = [0.1875, 5.625]
+    k = (2 * 1 * p[0] + 5 * p[1]) / (2 * p[0] ** 2 + p[1] ** 2)
+    assert rel.group_shape_rms == pytest.approx(math.sqrt((2 * (1 - k * p[0]) ** 2 + (5 - k * p[1]) ** 2) / 3))
+    assert rel.group_shape_rms <= rel.group_rms
+
+
+def test_lag_relation_refuses_what_it_cannot_relate():
+    with pytest.raises(ValueError, match="rows_in_flight 0"):
+        lag_relation(BUCKETS, rows_in_flight=0, samples_per_version=16)
+    with pytest.raises(ValueError, match="no trained samples"):
+        lag_relation({}, rows_in_flight=8, samples_per_version=4)
+    with pytest.raises(ValueError, match="every response is empty"):
+        lag_relation({1: LengthBucket(3, 1, 0, 0)}, rows_in_flight=8, samples_per_version=4)
+
+
+def test_bucket_sums_add_the_windows_after_the_skipped_ones():
+    def row(bucket, count, lag, length, group):
+        return {f"{BY_LENGTH}{bucket}/count": count, f"{BY_LENGTH}{bucket}/lag_sum": lag,
+                f"{BY_LENGTH}{bucket}/length_sum": length, f"{BY_LENGTH}{bucket}/group_length_sum": group,
+                "training/version_lag/mean": 9.0}
+    rows = [row(4, 9, 9, 9, 9), row(4, 2, 2, 7, 8), {**row(4, 1, 0, 3, 3), **row(128, 1, 5, 100, 120)}]
+    assert bucket_sums(rows, skip=1) == {4: (3, 2, 10, 11), 128: (1, 5, 100, 120)}
+    assert bucket_sums(rows[:1]) == {4: (9, 9, 9, 9)}
+
+
+def test_a_fully_async_run_lags_by_its_groups_longest_response(tmp_path, capsys):
+    """Groups of 4 with geometric lengths (random weights, a 256-token vocabulary: the end token 1 in ~256, up to 512
+    tokens): a sample's lag follows the longest response of its group, which the agent waits for to deliver it."""
+    run = tmp_path / "run"
+    train_here("cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--rollout.n", "4",
+               "--rollout.max-new-tokens", "512", "--rollout.max-slots", "32", "--trainer.mini-batch-size", "4",
+               "--trainer.max-response-length", "512", "--async-training.staleness-threshold", "4",
+               "--async-training.total-versions", "20", "--checkpoint-every", "0", "--wandb", "off", *NO_EVAL,
+               "--run-dir", str(run))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rel = lag_relation(bucket_sums(rows, skip=5), rows_in_flight=32, samples_per_version=16)
+    assert len(rel.buckets) >= 5 and rel.mean_group_length > 1.3 * rel.mean_length, rel  # lengths spread
+    assert rel.group_shape_rms < rel.row_shape_rms / 3, rel
+    assert rel.group_rms < rel.row_rms, rel
+    script.main([str(run)])
+    out = capsys.readouterr().out
+    assert "R 32 rows (bound by --rollout.max-slots), S 16 samples a version: R / S = 2.00" in out
+    assert out.count("\n| ≤ ") == len(rel.buckets)
+    with pytest.raises(SystemExit, match="metrics.jsonl is missing"):
+        script.main([str(tmp_path)])
