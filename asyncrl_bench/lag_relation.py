@@ -1,15 +1,16 @@
 """Which response length a sample's version lag follows, read off a finished async run's metrics.
 
-In a rollout-bound run with R rows generating and S samples trained per version, samples finish at R / E[L] a decode
-step, so a response of L tokens spans about (L / E[L]) · (R / S) versions: the *row* relation. But an agent delivers
-a GRPO group only when its last sibling ends, and keeps `--rollout.max-slots` / n groups in flight: groups finish at
-(R / n) / E[Lmax] a step and S / n of them make a version, so every sample of a group is trained
-(Lmax / E[Lmax]) · (R / S) versions after its group started, whatever its own length: the *group* relation. The run
-logs, per response-length bucket, each sample's length, its group's longest length and its lag
-(`training/version_lag/by_length/<bucket>/...`); `lag_relation` sets both predictions beside the measured lag.
+In a rollout-bound run every generating row gains one token a decode step, so with R rows generating (on average)
+samples finish at R / E[L] a step, and with S samples trained a learner step the version advances every
+E[L] · S / R steps. A response of L tokens therefore spans about (L / E[L]) · (R / S) versions: the *row* relation.
+But an agent delivers a GRPO group only when its last sibling ends, so every sample of a group is trained about
+(Lmax / E[L]) · (R / S) versions after its group started, Lmax being the group's longest response, whatever the
+sample's own length: the *group* relation. The run logs, per response-length bucket, each sample's length, its
+group's longest length and its lag (`training/version_lag/by_length/<bucket>/...`), and the rows generating
+(`rollouter/running_rows`); `lag_relation` sets both predictions beside the measured lag.
 
     buckets = bucket_sums(rows, skip=5)              # {bucket: LengthBucket} summed over the run's rows
-    rel = lag_relation(buckets, rows_in_flight=64, samples_per_version=16)
+    rel = lag_relation(buckets, rows_generating=28.0, samples_per_version=16)
     rel.group_rms, rel.row_rms                       # how far each prediction is from the measured lags
     rel.group_shape_rms, rel.row_shape_rms           # ... each scaled to fit best: which length the lag follows
 """
@@ -33,7 +34,7 @@ class BucketLag(NamedTuple):
     mean_length: float
     mean_group_length: float  # the mean of its samples' groups' longest response
     lag: float  # measured: the mean version lag of its samples
-    group_prediction: float  # (mean_group_length / E[Lmax]) · R / S
+    group_prediction: float  # (mean_group_length / E[L]) · R / S
     row_prediction: float  # (mean_length / E[L]) · R / S
 
 
@@ -42,7 +43,7 @@ class LagRelation(NamedTuple):
     mean_length: float  # E[L] over every sample
     mean_group_length: float  # E[Lmax] over every sample
     mean_lag: float
-    level: float  # R / S: the mean lag both relations predict
+    level: float  # R / S: the mean lag the row relation predicts (the group relation: E[Lmax] / E[L] times it)
     group_rms: float  # sample-weighted RMS of measured − group prediction over the buckets
     row_rms: float  # ... − row prediction
     group_shape_rms: float  # the same with each prediction scaled to fit best (least squares): which length the lag
@@ -63,26 +64,26 @@ def bucket_sums(rows: list[dict], *, skip: int = 0) -> dict[int, LengthBucket]:
     return {bucket: LengthBucket(*(int(v) for v in values)) for bucket, values in sorted(sums.items()) if values[0]}
 
 
-def lag_relation(buckets: dict[int, LengthBucket], *, rows_in_flight: int, samples_per_version: int) -> LagRelation:
+def lag_relation(buckets: dict[int, LengthBucket], *, rows_generating: float, samples_per_version: int) -> LagRelation:
     """Measured mean lag per length bucket beside the group and row relations' predictions (module docstring), with
-    R = `rows_in_flight` and S = `samples_per_version`."""
-    if rows_in_flight < 1 or samples_per_version < 1:
-        raise ValueError(f"lag_relation: rows_in_flight {rows_in_flight} and samples_per_version "
-                         f"{samples_per_version} must be >= 1")
+    R = `rows_generating` (the mean over the run) and S = `samples_per_version`."""
+    if not rows_generating > 0 or samples_per_version < 1:
+        raise ValueError(f"lag_relation: rows_generating {rows_generating} must be > 0 and samples_per_version "
+                         f"{samples_per_version} >= 1")
     total = sum(b.count for b in buckets.values())
     if not total:
         raise ValueError("lag_relation: no trained samples in the buckets (did the run log "
                          f"{BY_LENGTH}<bucket>/length_sum? runs before it was added did not)")
     mean_length = sum(b.length_sum for b in buckets.values()) / total
     mean_group = sum(b.group_length_sum for b in buckets.values()) / total
-    if not mean_group:
+    if not mean_length:
         raise ValueError("lag_relation: every response is empty: no length to relate the lag to")
-    level = rows_in_flight / samples_per_version
+    level = rows_generating / samples_per_version
     out = []
     for bucket, b in buckets.items():
         length, group = b.length_sum / b.count, b.group_length_sum / b.count
-        out.append(BucketLag(bucket, b.count, length, group, b.lag_sum / b.count, level * group / mean_group,
-                             level * length / mean_length if mean_length else 0.0))
+        out.append(BucketLag(bucket, b.count, length, group, b.lag_sum / b.count, level * group / mean_length,
+                             level * length / mean_length))
 
     def rms(predicted: str, fit: bool = False) -> float:
         pred = [getattr(r, predicted) for r in out]

@@ -42,6 +42,10 @@ class RolloutEngine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    @property
+    def num_running(self) -> int:
+        """Sequences generating now."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = ...
                  ) -> list[GenerationOutput]: ...
 

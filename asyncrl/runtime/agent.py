@@ -129,6 +129,7 @@ class RolloutAgent:
         self._pause_wanted = threading.Event()  # a weight sync waits for the engine: the loop takes no step
         self._thread: threading.Thread | None = None
         self._busy_s = 0.0
+        self._steps = self._rows = 0  # engine steps and their running rows in this window
         self._window_start = time.monotonic()
         self._last_beat = 0.0
         self.submitted = 0
@@ -203,6 +204,8 @@ class RolloutAgent:
         start = time.monotonic()
         outputs = self.engine.step()
         self._busy_s += time.monotonic() - start
+        self._steps += 1
+        self._rows += self.engine.num_running
         for out in outputs:
             if self.episodes is not None and self.episodes.owns(out.request_id):
                 self.episodes.on_output(out)
@@ -348,6 +351,8 @@ class RolloutAgent:
         now = time.monotonic()
         span = max(now - self._window_start, 1e-9)
         out = {"rollouter/idle_ratio": 1.0 - min(self._busy_s / span, 1.0), "rollouter/active_time": self._busy_s,
-               "rollouter/version_time": span}
-        self._busy_s, self._window_start = 0.0, now
+               "rollouter/version_time": span,
+               # rows still generating after each engine step, on average (0 without a step): how full the slots are
+               "rollouter/running_rows": self._rows / self._steps if self._steps else 0.0}
+        self._busy_s, self._window_start, self._steps, self._rows = 0.0, now, 0, 0
         return out

@@ -18,28 +18,27 @@ BUCKETS = {4: LengthBucket(2, 2, 7, 8), 128: LengthBucket(1, 5, 100, 120)}
 
 
 def test_lag_relation_golden_values():
-    rel = lag_relation(BUCKETS, rows_in_flight=32, samples_per_version=16)
+    rel = lag_relation(BUCKETS, rows_generating=32.0, samples_per_version=16)
     assert (rel.level, rel.mean_lag) == (2.0, pytest.approx(7 / 3))
     assert (rel.mean_length, rel.mean_group_length) == (pytest.approx(107 / 3), pytest.approx(128 / 3))
     small, large = rel.buckets
     assert small[:5] == (4, 2, 3.5, 4.0, 1.0) and large[:5] == (128, 1, 100.0, 120.0, 5.0)
-    assert small.group_prediction == pytest.approx(0.1875) and large.group_prediction == pytest.approx(5.625)
+    g = [2 * 4 * 3 / 107, 2 * 120 * 3 / 107]  # (mean group longest / E[L]) · R / S
+    assert (small.group_prediction, large.group_prediction) == (pytest.approx(g[0]), pytest.approx(g[1]))
     assert small.row_prediction == pytest.approx(2 * 3.5 * 3 / 107) and large.row_prediction == pytest.approx(600 / 107)
-    assert rel.group_rms == pytest.approx(math.sqrt((2 * 0.8125 ** 2 + 0.625 ** 2) / 3))
-    # scaled to fit: k = Σ w·lag·p / Σ w·p²
-    p = [0.1875, 5.625]
-    k = (2 * 1 * p[0] + 5 * p[1]) / (2 * p[0] ** 2 + p[1] ** 2)
-    assert rel.group_shape_rms == pytest.approx(math.sqrt((2 * (1 - k * p[0]) ** 2 + (5 - k * p[1]) ** 2) / 3))
+    assert rel.group_rms == pytest.approx(math.sqrt((2 * (1 - g[0]) ** 2 + (5 - g[1]) ** 2) / 3))
+    k = (2 * 1 * g[0] + 5 * g[1]) / (2 * g[0] ** 2 + g[1] ** 2)  # scaled to fit: Σ w·lag·p / Σ w·p²
+    assert rel.group_shape_rms == pytest.approx(math.sqrt((2 * (1 - k * g[0]) ** 2 + (5 - k * g[1]) ** 2) / 3))
     assert rel.group_shape_rms <= rel.group_rms
 
 
 def test_lag_relation_refuses_what_it_cannot_relate():
-    with pytest.raises(ValueError, match="rows_in_flight 0"):
-        lag_relation(BUCKETS, rows_in_flight=0, samples_per_version=16)
+    with pytest.raises(ValueError, match="rows_generating 0"):
+        lag_relation(BUCKETS, rows_generating=0, samples_per_version=16)
     with pytest.raises(ValueError, match="no trained samples"):
-        lag_relation({}, rows_in_flight=8, samples_per_version=4)
+        lag_relation({}, rows_generating=8, samples_per_version=4)
     with pytest.raises(ValueError, match="every response is empty"):
-        lag_relation({1: LengthBucket(3, 1, 0, 0)}, rows_in_flight=8, samples_per_version=4)
+        lag_relation({1: LengthBucket(3, 1, 0, 0)}, rows_generating=8, samples_per_version=4)
 
 
 def test_bucket_sums_add_the_windows_after_the_skipped_ones():
@@ -62,13 +61,15 @@ def test_a_fully_async_run_lags_by_its_groups_longest_response(tmp_path, capsys)
                "--async-training.total-versions", "20", "--checkpoint-every", "0", "--wandb", "off", *NO_EVAL,
                "--run-dir", str(run))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rel = lag_relation(bucket_sums(rows, skip=5), rows_in_flight=32, samples_per_version=16)
+    running = [r["rollouter/running_rows"] for r in rows[5:]]
+    assert all(0 <= x <= 32 for x in running) and sum(running) > 0  # 0: a window without an engine step
+    rel = lag_relation(bucket_sums(rows, skip=5), rows_generating=sum(running) / len(running), samples_per_version=16)
     assert len(rel.buckets) >= 5 and rel.mean_group_length > 1.3 * rel.mean_length, rel  # lengths spread
     assert rel.group_shape_rms < rel.row_shape_rms / 3, rel
     assert rel.group_rms < rel.row_rms, rel
     script.main([str(run)])
     out = capsys.readouterr().out
-    assert "R 32 rows (bound by --rollout.max-slots), S 16 samples a version: R / S = 2.00" in out
+    assert f"rows generating of 32 slots, S 16 samples a version: R / S = {rel.level:.2f}" in out
     assert out.count("\n| ≤ ") == len(rel.buckets)
     with pytest.raises(SystemExit, match="metrics.jsonl is missing"):
         script.main([str(tmp_path)])

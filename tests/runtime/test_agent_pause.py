@@ -19,6 +19,7 @@ from tests.timing import limit
 class BusyEngine:
     version = 0
     is_sleeping = False
+    num_running = 1
 
     def __init__(self):
         self.lock = threading.RLock()
