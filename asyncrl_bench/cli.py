@@ -1,4 +1,4 @@
-"""`asyncrl bench engine|learner|async|attention|plan|launch|speculation [...]`: picks the benchmark and parses its flags.
+"""`asyncrl bench engine|learner|async|attention|plan|launch|speculation|admission [...]`: picks the benchmark and parses its flags.
 The `bench` command reaches `asyncrl`'s command line through the `asyncrl.commands` entry point this package
 declares (pyproject.toml): the library never names this package.
 
@@ -8,6 +8,7 @@ declares (pyproject.toml): the library never names this package.
 
 from __future__ import annotations
 
+from asyncrl_bench.admission import AdmissionBenchArgs, bench_admission
 from asyncrl_bench.async_runs import AsyncBenchArgs, bench_async
 from asyncrl_bench.attention import AttentionBenchArgs, bench_attention
 from asyncrl_bench.engine import EngineBenchArgs, bench_engine
@@ -27,6 +28,8 @@ BENCHMARKS = {
     "launch": (LaunchBenchArgs, bench_launch, "a tiny job's launch to first version and exit, spawn vs forkserver"),
     "speculation": (SpeculationBenchArgs, bench_speculation,
                     "speculative vs plain decoding: acceptance, tok/s, and the verifying step's cost"),
+    "admission": (AdmissionBenchArgs, bench_admission,
+                  "prompts an agent keeps in flight vs the rows a decode step gets, on heavy-tailed lengths"),
 }
 
 
@@ -38,7 +41,7 @@ def _usage() -> str:
 
 
 def bench_main(args: list[str]) -> None:
-    """`asyncrl bench engine|learner|async|attention|plan|launch|speculation [...]`."""
+    """`asyncrl bench engine|learner|async|attention|plan|launch|speculation|admission [...]`."""
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         raise SystemExit(0 if args else 2)

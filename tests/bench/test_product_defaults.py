@@ -68,6 +68,10 @@ MIRRORS: dict[str, dict[str, str]] = {
         "compile_scope": "run.trainer.compile_scope",
     },
     "LaunchBenchArgs": {},
+    "AdmissionBenchArgs": {
+        "dtype": "run.model.engine_dtype", "slots": "run.rollout.max_slots", "n": "run.rollout.n",
+        "cuda_graphs": "run.rollout.cuda_graphs", "seed": "run.seed",
+    },
 }
 
 DIFFERENT: dict[str, dict[str, tuple[str, str]]] = {
@@ -97,6 +101,10 @@ DIFFERENT: dict[str, dict[str, tuple[str, str]]] = {
     },
     "ProfileArgs": {"model": ("run.model.path", GPU_SHAPE)},
     "LaunchBenchArgs": {"versions": ("run.async_training.total_versions", "a tiny job: its launch is what is timed")},
+    "AdmissionBenchArgs": {
+        "model": ("run.model.path", GPU_SHAPE),
+        "new_tokens": ("run.rollout.max_new_tokens", "the heavy-tailed budgets' maximum, as the tail bench's rows"),
+    },
 }
 
 OWN: dict[str, set[str]] = {
@@ -111,6 +119,7 @@ OWN: dict[str, set[str]] = {
     "ProfileArgs": {"rows", "workload", "warmup_steps", "layer_tokens", "top"},
     "LaunchBenchArgs": {"repeats", "agents", "restart", "timeout_s", "out"},
     "SpeculationBenchArgs": {"device", "prompts", "prompt_len", "batch_sizes", "steps", "out", "vllm"},
+    "AdmissionBenchArgs": {"device", "in_flight", "groups", "prompt_len", "tail_ratio", "out"},
 }
 
 ARGS_CLASSES = [args for name, (args, _, _) in BENCHMARKS.items() if name != "plan"] + [GridArgs, ProfileArgs]
