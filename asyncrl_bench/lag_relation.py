@@ -9,7 +9,7 @@ sample's own length: the *group* relation. The run logs, per response-length buc
 group's longest length and its lag (`training/version_lag/by_length/<bucket>/...`), and the rows generating
 (`rollouter/running_rows`); `lag_relation` sets both predictions beside the measured lag.
 
-    buckets = bucket_sums(rows, skip=5)              # {bucket: LengthBucket} summed over the run's rows
+    buckets = length_bucket_sums(rows[5:])           # {bucket: LengthBucket}, asyncrl.tracking.report
     rel = lag_relation(buckets, rows_generating=28.0, samples_per_version=16)
     rel.group_rms, rel.row_rms                       # how far each prediction is from the measured lags
     rel.group_shape_rms, rel.row_shape_rms           # ... each scaled to fit best: which length the lag follows
@@ -22,11 +22,7 @@ from typing import NamedTuple
 
 from asyncrl.algos.staleness import LengthBucket
 
-__all__ = ["BucketLag", "LagRelation", "bucket_sums", "lag_relation", "BY_LENGTH"]
-
-BY_LENGTH = "training/version_lag/by_length/"
-"""The run's per-bucket metrics (`asyncrl.runtime.controller.LAG_BY_LENGTH`)."""
-
+__all__ = ["BucketLag", "LagRelation", "lag_relation"]
 
 class BucketLag(NamedTuple):
     bucket: int  # the bucket's upper length (a power of two)
@@ -50,20 +46,6 @@ class LagRelation(NamedTuple):
     row_shape_rms: float  # follows, whatever its level (a slow trainer or a binding window shifts the level)
 
 
-def bucket_sums(rows: list[dict], *, skip: int = 0) -> dict[int, LengthBucket]:
-    """The per-bucket sums of a run's metrics rows (one a logged window), after the first `skip` rows (the pipeline
-    filling: the first groups start together)."""
-    sums: dict[int, list[int]] = {}
-    for row in rows[skip:]:
-        for key, value in row.items():
-            if not key.startswith(BY_LENGTH):
-                continue
-            bucket, _, field = key[len(BY_LENGTH):].partition("/")
-            if bucket.isdigit() and field in LengthBucket._fields:
-                sums.setdefault(int(bucket), [0] * len(LengthBucket._fields))[LengthBucket._fields.index(field)] += value
-    return {bucket: LengthBucket(*(int(v) for v in values)) for bucket, values in sorted(sums.items()) if values[0]}
-
-
 def lag_relation(buckets: dict[int, LengthBucket], *, rows_generating: float, samples_per_version: int) -> LagRelation:
     """Measured mean lag per length bucket beside the group and row relations' predictions (module docstring), with
     R = `rows_generating` (the mean over the run) and S = `samples_per_version`."""
@@ -72,12 +54,12 @@ def lag_relation(buckets: dict[int, LengthBucket], *, rows_generating: float, sa
                          f"{samples_per_version} >= 1")
     total = sum(b.count for b in buckets.values())
     if not total:
-        raise ValueError("lag_relation: no trained samples in the buckets (did the run log "
-                         f"{BY_LENGTH}<bucket>/length_sum? runs before it was added did not)")
+        raise ValueError("lag_relation: no trained samples in the buckets")
     mean_length = sum(b.length_sum for b in buckets.values()) / total
     mean_group = sum(b.group_length_sum for b in buckets.values()) / total
     if not mean_length:
-        raise ValueError("lag_relation: every response is empty: no length to relate the lag to")
+        raise ValueError("lag_relation: no response length in the buckets (runs before 2026-11-29 did not log "
+                         "length_sum), or every response is empty")
     level = rows_generating / samples_per_version
     out = []
     for bucket, b in buckets.items():

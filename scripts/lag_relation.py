@@ -16,13 +16,14 @@ import pathlib
 import statistics
 import sys
 
-from asyncrl_bench.lag_relation import bucket_sums, lag_relation
+from asyncrl.tracking.report import length_bucket_sums
+from asyncrl_bench.lag_relation import lag_relation
 
 
 def run_shape(config: dict, rows: list[dict]) -> tuple[float, int]:
     """(R, S) of a run: its rows generating, measured, and its samples a learner step, from its config.json."""
     rollout, trainer, asyn = config["rollout"], config["trainer"], config["async_training"]
-    agents = max(len(config["placement"].get("agent_devices") or ["one"]), 1)
+    agents = len(config["placement"]["agent_devices"])
     running = [r["rollouter/running_rows"] for r in rows if "rollouter/running_rows" in r]
     if not running:
         raise ValueError("no rollouter/running_rows in its metrics (runs before it was logged lack it)")
@@ -37,7 +38,7 @@ def report(run_dir: pathlib.Path, skip: int) -> str:
     config = json.loads((run_dir / "config.json").read_text())
     try:
         r, s = run_shape(config, rows[skip:])
-        rel = lag_relation(bucket_sums(rows, skip=skip), rows_generating=r, samples_per_version=s)
+        rel = lag_relation(length_bucket_sums(rows[skip:]), rows_generating=r, samples_per_version=s)
     except ValueError as err:
         raise SystemExit(f"lag_relation: {run_dir}: {err}") from None
     lines = [f"## {run_dir}", "",

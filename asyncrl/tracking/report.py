@@ -25,9 +25,10 @@ from typing import Annotated
 
 import tyro
 
+from asyncrl.algos.staleness import LengthBucket
 from asyncrl.tracking.tracker import read_metrics
 
-__all__ = ["write_report", "summarize", "lag_by_length", "report_main"]
+__all__ = ["write_report", "summarize", "lag_by_length", "length_bucket_sums", "report_main"]
 
 REWARD_KEYS = ("critic/score/mean", "reward/accuracy")
 HELD_OUT_PREFIX = "val-core/"
@@ -66,20 +67,25 @@ def _lag_histogram(rows: list[dict]) -> dict[int, float]:
     return dict(sorted(hist.items()))
 
 
-def lag_by_length(rows: list[dict]) -> dict[int, tuple[int, float]]:
-    """Per response-length bucket (tokens, a power of two): trained samples and their mean version lag, over the
-    run's rows."""
+def length_bucket_sums(rows: list[dict]) -> dict[int, LengthBucket]:
+    """Per response-length bucket (tokens, a power of two): the trained samples and the sums of their lags, lengths
+    and groups' longest lengths, over the rows (`asyncrl.algos.lag_by_length`; a field a run did not log is 0)."""
     sums: dict[int, list[float]] = {}
     for row in rows:
         for key, value in row.items():
             if not key.startswith(BY_LENGTH_PREFIX) or _number(value) is None:
                 continue
             bucket, _, field = key[len(BY_LENGTH_PREFIX):].partition("/")
-            if not bucket.isdigit() or field not in ("count", "lag_sum"):
-                continue
-            totals = sums.setdefault(int(bucket), [0.0, 0.0])
-            totals[field == "lag_sum"] += float(value)
-    return {bucket: (int(count), lag_sum / count) for bucket, (count, lag_sum) in sorted(sums.items()) if count}
+            if bucket.isdigit() and field in LengthBucket._fields:
+                totals = sums.setdefault(int(bucket), [0.0] * len(LengthBucket._fields))
+                totals[LengthBucket._fields.index(field)] += float(value)
+    return {bucket: LengthBucket(*map(int, totals)) for bucket, totals in sorted(sums.items()) if totals[0]}
+
+
+def lag_by_length(rows: list[dict]) -> dict[int, tuple[int, float]]:
+    """Per response-length bucket (tokens, a power of two): trained samples and their mean version lag, over the
+    run's rows."""
+    return {bucket: (s.count, s.lag_sum / s.count) for bucket, s in length_bucket_sums(rows).items()}
 
 
 def _mean(values: list[float]) -> float | None:

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from asyncrl.algos.staleness import LengthBucket
-from asyncrl_bench.lag_relation import BY_LENGTH, bucket_sums, lag_relation
+from asyncrl.tracking.report import BY_LENGTH_PREFIX as BY_LENGTH, length_bucket_sums
+from asyncrl_bench.lag_relation import lag_relation
 from scripts import lag_relation as script
 from tests.run_helpers import NO_EVAL, train_here
 
@@ -37,18 +38,19 @@ def test_lag_relation_refuses_what_it_cannot_relate():
         lag_relation(BUCKETS, rows_generating=0, samples_per_version=16)
     with pytest.raises(ValueError, match="no trained samples"):
         lag_relation({}, rows_generating=8, samples_per_version=4)
-    with pytest.raises(ValueError, match="every response is empty"):
+    with pytest.raises(ValueError, match="no response length"):
         lag_relation({1: LengthBucket(3, 1, 0, 0)}, rows_generating=8, samples_per_version=4)
 
 
-def test_bucket_sums_add_the_windows_after_the_skipped_ones():
+def test_the_bucket_sums_add_every_window_and_field():
     def row(bucket, count, lag, length, group):
         return {f"{BY_LENGTH}{bucket}/count": count, f"{BY_LENGTH}{bucket}/lag_sum": lag,
                 f"{BY_LENGTH}{bucket}/length_sum": length, f"{BY_LENGTH}{bucket}/group_length_sum": group,
                 "training/version_lag/mean": 9.0}
     rows = [row(4, 9, 9, 9, 9), row(4, 2, 2, 7, 8), {**row(4, 1, 0, 3, 3), **row(128, 1, 5, 100, 120)}]
-    assert bucket_sums(rows, skip=1) == {4: (3, 2, 10, 11), 128: (1, 5, 100, 120)}
-    assert bucket_sums(rows[:1]) == {4: (9, 9, 9, 9)}
+    assert length_bucket_sums(rows[1:]) == {4: (3, 2, 10, 11), 128: (1, 5, 100, 120)}
+    assert length_bucket_sums(rows[:1]) == {4: (9, 9, 9, 9)}
+    assert length_bucket_sums([{f"{BY_LENGTH}8/count": 2, f"{BY_LENGTH}8/lag_sum": 3}]) == {8: (2, 3, 0, 0)}
 
 
 def test_a_fully_async_run_lags_by_its_groups_longest_response(tmp_path, capsys):
@@ -67,7 +69,7 @@ def test_a_fully_async_run_lags_by_its_groups_longest_response(tmp_path, capsys)
     # 2 × slots / n prompts in flight (the default): waiting groups take the slots finished samples free, so most
     # slots generate (0.92-0.95 measured; with slots / n prompts about E[L] / E[Lmax], 0.49)
     assert sum(running) / len(running) > 0.6 * 32, running
-    rel = lag_relation(bucket_sums(rows, skip=5), rows_generating=sum(running) / len(running), samples_per_version=16)
+    rel = lag_relation(length_bucket_sums(rows[5:]), rows_generating=sum(running) / len(running), samples_per_version=16)
     assert len(rel.buckets) >= 5 and rel.mean_group_length > 1.3 * rel.mean_length, rel  # lengths spread
     assert rel.group_shape_rms < rel.row_shape_rms / 3, rel
     assert rel.group_rms < rel.row_rms, rel
