@@ -117,17 +117,19 @@ def summarize(rows: list[dict], run_dir: str | pathlib.Path | None = None) -> di
             pass
     for name, key in (("trainer_idle_ratio", "trainer/idle_ratio"), ("rollouter_idle_ratio", "rollouter/idle_ratio"),
                       ("param_sync_s", "timing_s/param_sync"), ("throughput", "perf/throughput"),
-                      ("behaviour_k1", "actor/behaviour_k1"), ("behaviour_ess", "actor/behaviour_ess")):
+                      ("behaviour_k1", "actor/behaviour_k1"), ("behaviour_ess", "actor/behaviour_ess"),
+                      ("running_rows", "rollouter/running_rows")):
         out[f"mean_{name}"] = _mean(_series(rows, key)[1])
     hist = _lag_histogram(rows)
     if hist:
         total = sum(hist.values())
         out["trained_groups"] = int(total)
         out["mean_version_lag"] = sum(k * v for k, v in hist.items()) / total if total else None
-    by_length = lag_by_length(rows)
-    if by_length:
-        out["lag_by_length"] = {str(bucket): {"samples": count, "mean_lag": mean}
-                                for bucket, (count, mean) in by_length.items()}
+    by_length = length_bucket_sums(rows)
+    if by_length:  # the mean lengths where the run logged them (since 2026-11-29)
+        out["lag_by_length"] = {str(bucket): {"samples": s.count, "mean_lag": s.lag_sum / s.count, **(
+            {"mean_length": s.length_sum / s.count, "mean_group_length": s.group_length_sum / s.count}
+            if s.length_sum else {})} for bucket, s in by_length.items()}
     return out
 
 
@@ -290,15 +292,20 @@ def _markdown(run_dir: pathlib.Path, figures: list[tuple[str, pathlib.Path]], su
               f"| mean timing_s/param_sync (s) | {_fmt(summary.get('mean_param_sync_s'), 3)} |",
               f"| mean perf/throughput (tok/s) | {_fmt(summary.get('mean_throughput'), 4)} |",
               f"| mean actor/behaviour_k1, KL(μ‖π) | {_fmt(summary.get('mean_behaviour_k1'), 3)} |",
-              f"| mean actor/behaviour_ess | {_fmt(summary.get('mean_behaviour_ess'), 3)} |"]
+              f"| mean actor/behaviour_ess | {_fmt(summary.get('mean_behaviour_ess'), 3)} |",
+              f"| mean rollouter/running_rows (rows generating a decode step, per agent) | "
+              f"{_fmt(summary.get('mean_running_rows'), 3)} |"]
     if "trained_groups" in summary:
         lines += [f"| trained groups (lag histogram) | {summary['trained_groups']} |",
                   f"| mean version lag | {_fmt(summary.get('mean_version_lag'), 3)} |"]
     if summary.get("lag_by_length"):
-        lines += ["", "## Version lag by response length", "", "| response tokens | trained samples | mean version lag |",
-                  "|---|---|---|"]
-        lines += [f"| ≤ {bucket} | {cell['samples']} | {cell['mean_lag']:.2f} |"
-                  for bucket, cell in summary["lag_by_length"].items()]
+        lines += ["", "## Version lag by response length", "",
+                  "A sample's lag follows its group's longest response, which its agent waits for to deliver the group "
+                  "(docs/staleness.md, \"Lag and response length\").", "",
+                  "| response tokens | trained samples | mean version lag | mean length | mean group longest |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| ≤ {bucket} | {cell['samples']} | {cell['mean_lag']:.2f} | {_fmt(cell.get('mean_length'), 4)} | "
+                  f"{_fmt(cell.get('mean_group_length'), 4)} |" for bucket, cell in summary["lag_by_length"].items()]
     lines += ["", "## Figures", ""]
     if not figures:
         lines.append("No figure: the run logged none of the plotted metrics.")

@@ -44,8 +44,12 @@ def synthetic_rows(versions: int = 4) -> list[dict]:
                      "actor/behaviour_ess": [1.0, 0.99, 0.95, 0.9][v - 1],
                      # 3 short samples at lag 0 a version; a long one at lag 2 every other version
                      "training/version_lag/by_length/8/count": 3, "training/version_lag/by_length/8/lag_sum": 0,
-                     **({"training/version_lag/by_length/512/count": 1,
-                         "training/version_lag/by_length/512/lag_sum": 2} if v % 2 else {})})
+                     "training/version_lag/by_length/8/length_sum": 18,
+                     "training/version_lag/by_length/8/group_length_sum": 24 + (500 if v % 2 else 0),
+                     "rollouter/running_rows": 10.0 * v,
+                     **({"training/version_lag/by_length/512/count": 1, "training/version_lag/by_length/512/lag_sum": 2,
+                         "training/version_lag/by_length/512/length_sum": 500,
+                         "training/version_lag/by_length/512/group_length_sum": 500} if v % 2 else {})})
     return rows
 
 
@@ -94,14 +98,18 @@ def test_synthetic_summary_numbers(tmp_path):
     assert s["trained_groups"] == 14  # 4 × 3 at lag 0 + 2 × 1 at lag 2
     assert s["mean_version_lag"] == pytest.approx(4 / 14)
     assert s["mean_behaviour_k1"] == pytest.approx(1.39e-3 / 4) and s["mean_behaviour_ess"] == pytest.approx(0.96)
-    assert s["lag_by_length"] == {"8": {"samples": 12, "mean_lag": 0.0}, "512": {"samples": 2, "mean_lag": 2.0}}
+    assert s["mean_running_rows"] == pytest.approx(25.0)
+    assert s["lag_by_length"] == {  # the long sample's group lends its length to two short ones' (lag 0 here)
+        "8": {"samples": 12, "mean_lag": 0.0, "mean_length": 6.0, "mean_group_length": (4 * 24 + 2 * 500) / 12},
+        "512": {"samples": 2, "mean_lag": 2.0, "mean_length": 500.0, "mean_group_length": 500.0}}
     paths = write_report(write_rows(tmp_path / "run", rows))
     assert {p.name for p in paths[:-1]} == ALL_FIGURES
     text = paths[-1].read_text()
     assert "| critic/score/mean best | 0.9 (version 4) |" in text
     assert "| trained groups (lag histogram) | 14 |" in text
     assert "| mean actor/behaviour_ess | 0.96 |" in text
-    assert "| ≤ 8 | 12 | 0.00 |" in text and "| ≤ 512 | 2 | 2.00 |" in text
+    assert "| ≤ 8 | 12 | 0.00 | 6 | 91.33 |" in text and "| ≤ 512 | 2 | 2.00 | 500 | 500 |" in text
+    assert "| mean rollouter/running_rows (rows generating a decode step, per agent) | 25 |" in text
 
 
 def test_missing_metrics_are_skipped(tmp_path):
