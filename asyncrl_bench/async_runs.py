@@ -15,7 +15,8 @@ data and hyperparameters; only the mode and the placement differ:
     stale-partial  split: fully async (staleness 0.5, trigger 4, partial rollout)
 
 A variant may override knobs after a colon: `stale-partial:staleness=0.1,trigger=1,partial=0,slots=128,
-lag=2,split=2+2` (split = trainer devices + rollout devices, taken in order from --devices). Each mode trains the
+prompts=16,lag=2,split=2+2` (prompts = --rollout.max-concurrent-prompts, the prompts an agent keeps in flight;
+split = trainer devices + rollout devices, taken in order from --devices). Each mode trains the
 same number of learner steps (`--steps`, or until `--time-budget-s`); the first version is a warm-up (model
 build, CUDA-graph capture, pipeline fill) and is left out of the rates. Per variant: trained tokens/s, time
 per learner step, samples/s, steps/s, trainer and rollouter idle ratios, version lag, weight-sync time
@@ -78,7 +79,7 @@ class AsyncBenchArgs:
 
     variants: tuple[str, ...] = ("sync", "one-step-off", "stream", "stale-partial")
     """Modes to run, each optionally with overrides: `mode:key=value,...` (keys: staleness, trigger, partial,
-    slots, split, sleep)."""
+    slots, prompts, lag, split, sleep)."""
     devices: tuple[str, ...] = ("cuda:0", "cuda:1")
     """The devices every variant gets (sync: all of them colocated; the others: split, default 1 trainer)."""
     model: str = "random:qwen2.5-0.5b"
@@ -137,7 +138,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key in ("staleness",):
             knobs[key] = float(value)
-        elif key in ("trigger", "slots", "lag"):
+        elif key in ("trigger", "slots", "lag", "prompts"):
             knobs[key] = int(value)
         elif key in ("partial", "sleep"):
             knobs[key] = value.lower() in ("1", "true", "on", "yes")
@@ -146,7 +147,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
             knobs["split"] = (int(t), int(r))
         else:
             raise ValueError(f"variant {text!r}: unknown key {key!r}; use staleness, trigger, partial, slots, "
-                             "lag, split (e.g. split=1+1) or sleep")
+                             "prompts, lag, split (e.g. split=1+1) or sleep")
     return mode, knobs
 
 
@@ -176,7 +177,8 @@ def variant_config(args: AsyncBenchArgs, text: str) -> RunConfig:
                         else "arithmetic", digits=args.digits, system_prompt=args.system_prompt, seed=args.seed),
         algorithm=GRPO(clip_ratio_low=0.2, clip_ratio_high=0.28),
         rollout=RolloutConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                              max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots)),
+                              max_prompt_length=args.max_prompt_length, max_slots=k.get("slots", args.slots),
+                              max_concurrent_prompts=k.get("prompts")),
         trainer=TrainerConfig(mini_batch_size=args.mini_batch_size, temperature=args.temperature,
                               max_response_length=args.max_new_tokens, param_dtype=args.trainer_dtype,
                               gradient_checkpointing=args.gradient_checkpointing,

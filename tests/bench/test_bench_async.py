@@ -61,6 +61,8 @@ def test_variants_parse_and_bad_ones_name_the_key():
     sync = variant_config(args, "sync").async_training  # a run's default: colocated engines sleep while training
     assert sync.colocated and sync.colocated_sleep is AsyncConfig.colocated_sleep is True
     assert variant_config(args, "sync:sleep=0").async_training.colocated_sleep is False
+    assert variant_config(args, "stale-partial:split=2+1").rollout.max_concurrent_prompts is None  # a run's default
+    assert variant_config(args, "stale-partial:split=2+1,prompts=3").rollout.concurrent_prompts == 3
 
 
 def test_summarize_counts_only_versions_after_the_warm_up(tmp_path):
