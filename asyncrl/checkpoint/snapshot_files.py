@@ -44,10 +44,11 @@ def snapshot_directory(run_id: str) -> pathlib.Path:
 
 
 def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: tuple[str, Tensor | list[Tensor]],
-                 keep: int = 2) -> pathlib.Path:
+                 keep: int = 2, pinned: int | None = None) -> pathlib.Path:
     """Write rank `rank`'s packed snapshot at learner step `step` (renamed into place once complete), then delete
-    its files older than its newest `keep` steps. `packed`: (text, flat) or (text, parts), the flat bytes as the
-    parts that concatenate to them (`ShardSnapshot.packed_parts`, written without a copy). Returns the file."""
+    its files older than its newest `keep` steps, except the file of step `pinned` (None: none). `packed`: (text,
+    flat) or (text, parts), the flat bytes as the parts that concatenate to them (`ShardSnapshot.packed_parts`,
+    written without a copy). Returns the file."""
     if keep < 1:
         raise ValueError(f"write_packed: keep {keep} must be >= 1")
     directory = pathlib.Path(directory)
@@ -62,8 +63,9 @@ def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: 
             f.write(memoryview(part.contiguous().numpy()))
     os.replace(tmp, final)
     mine = sorted((v, p) for r, v, p in held_snapshots(directory) if r == rank)
-    for _, old in mine[:-keep]:
-        old.unlink(missing_ok=True)
+    for held, old in mine[:-keep]:
+        if held != pinned:
+            old.unlink(missing_ok=True)
     return final
 
 

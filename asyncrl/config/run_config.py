@@ -435,12 +435,13 @@ class RunConfig:
             _fail("trainer", "cuda_graphs", True, f"a group of {trainers} trainer ranks (FSDP2) gathers each layer's "
                   "weights into fresh memory every micro-batch, which a recorded CUDA graph cannot follow; its "
                   "layers are compiled without graphs: leave --trainer.cuda-graphs off")
-        if self.trainer.max_recoveries and (trainers < 2 or self.placement.launcher == "local"
-                                            or self.async_training.colocated):
+        if self.trainer.max_recoveries and (self.placement.launcher == "local" or self.async_training.colocated
+                                            or (trainers < 2 and self.placement.launcher == "torchrun")):
             _fail("trainer", "max_recoveries", self.trainer.max_recoveries,
-                  "recovers from a trainer follower's fault in a split run: it needs two or more "
-                  "--placement.trainer-devices, --placement.launcher rpc or torchrun and a split placement (trainer "
-                  "rank 0's own death and colocated runs resume from a checkpoint instead); leave it at 0")
+                  "recovers from a trainer rank's fault in a split run: it needs --placement.launcher rpc (which "
+                  "also starts the run again from its restore points when trainer rank 0 dies) or torchrun with two "
+                  "or more --placement.trainer-devices (a follower's fault only), and a split placement (colocated "
+                  "runs resume from a checkpoint instead); leave it at 0")
         if self.trainer.failover == "shrink" and self.placement.launcher == "torchrun":
             _fail("trainer", "failover", "shrink", "leaves the faulty rank's device out, but torchrun keeps one "
                   "process a device; use --trainer.failover replace, or --placement.launcher rpc")

@@ -22,6 +22,7 @@ of the groups dealt it and the counts it computes the step's deal from): nothing
   {"cmd": "checkpoint", "run_dir", "version", "keep"}   take part in saving a checkpoint (rank 0 writes)
   {"cmd": "load", "path"}                     restore this rank's shard from a checkpoint
   {"cmd": "commit"}                           write this rank's restore point and wait for every rank's (failover)
+  {"cmd": "pin", "step"}                      keep the restore point of `step` (a version boundary) past newer ones
   {"cmd": "restore", "step", "version", "world"}  back to the restore point of `step` (a re-formed group), from the
                                               files of a group of `world` ranks (a shrink: larger than this one)
   {"cmd": "stop"}                             leave the loop
@@ -50,6 +51,7 @@ from asyncrl.learner.share import Deal, Share, group_counts, take_share
 from asyncrl.rpc.agent_server import AgentServer
 from asyncrl.rpc.assembly import build_learner_state, local_device
 from asyncrl.rpc.failover import Failover, RestorePoints
+from asyncrl.rpc.restart import Restart
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.runtime.kill_points import kill_point
 
@@ -266,9 +268,39 @@ class TrainerGroup:
         self.failover.commit_now(state, self.group)
         self._since = []
 
+    def keep_books(self, state: LearnerState, books) -> float | None:
+        """At a version boundary (failover on) whose step the ranks took a restore point of: every rank keeps that
+        file (`RestorePoints.pin`) and rank 0 writes `books()` beside them, so that a restart after rank 0's death
+        goes on from here (`asyncrl.rpc.restart`). A boundary the ranks were still writing an older restore point at
+        is skipped (the restart goes back to an earlier one: a snapshot is never waited for). Returns the seconds it
+        took (None: nothing kept)."""
+        if self.failover is None or self.failover.points.latest != state.step:
+            return None
+        started = time.monotonic()
+
+        def pin() -> bool:
+            if self.failover.points.latest != state.step:  # a recovery meanwhile took the group back and on again
+                return False
+            self._command("pin", step=state.step)
+            self.failover.points.pin(state.step)
+            return True
+        if not self._guarded(state, pin):
+            return None
+        self.failover.keep_books(state, books())
+        return time.monotonic() - started
+
+    def restore(self, state: LearnerState, restart: Restart, version: int) -> None:
+        """A restarted group (every rank started again after rank 0 died): every rank back to its restore point of
+        the restart's step, at `version` (`asyncrl.rpc.restart`)."""
+        self.failover.points.restore(state, restart.step)
+        self._command("restore", step=restart.step, version=version, world=self.failover.points.world)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # every follower restored its shard
+        state.version = version
+
     def step(self, state: LearnerState, groups):
         """A training step: each follower is sent only its share of the collated batch (`asyncrl.learner.share`)."""
-        if self.group is None:
+        if self.group is None and self.failover is None:
             return train_step(state, groups)
         batch = collate_step(state, groups)
         return self._guarded(state, lambda: self._step(state, batch))
@@ -367,6 +399,8 @@ class FollowerHost:
                 self.points.after_step(self.state, self.group)
         elif cmd == "commit":
             self.points.commit_now(state, self.group)
+        elif cmd == "pin":
+            self.points.pin(int(header["step"]))
         elif cmd == "restore":
             kill_point("restore", self.rank, int(header["version"]))
             started = time.monotonic()

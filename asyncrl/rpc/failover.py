@@ -55,6 +55,7 @@ from asyncrl.checkpoint.snapshot import ShardSnapshot
 from asyncrl.checkpoint.snapshot_files import read_packed, snapshot_directory, write_packed
 from asyncrl.learner import LearnerState
 from asyncrl.rpc.reform import abort_communicators, reform_trainer_group
+from asyncrl.rpc.restart import Restart, write_books
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.kill_points import GENERATION_ENV
@@ -151,6 +152,8 @@ class RestorePoints:
         self._writer: threading.Thread | None = None
         self._written = -1  # the newest step whose file this rank completed
         self._failed: BaseException | None = None
+        self.latest = -1  # the newest step whose snapshot was taken (its file written or being written)
+        self.pinned: int | None = None  # a step whose file is kept past the newest two (`pin`)
 
     def _snapshot_of(self, state: LearnerState) -> ShardSnapshot:
         if self._snapshot is None or self._of is None or self._of() is not state.policy:
@@ -163,7 +166,7 @@ class RestorePoints:
         snapshot = self._snapshot_of(state)
         copied = snapshot.take(state)
         snapshot.settle()  # the next step's updates come after the copies on the device
-        step = state.step
+        step = self.latest = state.step
         self._writer = threading.Thread(target=self._write, args=(snapshot, copied, step), daemon=True,
                                         name=f"restore-point-{step}")
         self._writer.start()
@@ -172,7 +175,7 @@ class RestorePoints:
         try:
             if copied is not None:
                 copied.synchronize()
-            write_packed(self.directory, rank=self.rank, step=step, packed=snapshot.packed_parts())
+            write_packed(self.directory, rank=self.rank, step=step, packed=snapshot.packed_parts(), pinned=self.pinned)
             self._written = step
         except BaseException as err:  # noqa: BLE001 - raised on the training thread by `wait`
             self._failed = err
@@ -211,6 +214,15 @@ class RestorePoints:
         self.wait()
         return _lowest([self._written], group)[0]
 
+    def pin(self, step: int) -> None:
+        """Keep the file of `step` (taken already) until another step is pinned, however many are written after it:
+        trainer rank 0's books are kept for that step (a version boundary), so that a restart of the whole trainer
+        group finds every rank's file of it (`asyncrl.rpc.restart`)."""
+        if step != self.latest:
+            raise ValueError(f"trainer rank {self.rank}: step {step} pinned, but the newest restore point taken is of "
+                             f"step {self.latest}")
+        self.pinned = step
+
     def regroup(self, world: int) -> None:
         """This rank now belongs to a group of `world` ranks (a shrink): its next restore points go to that group's
         directory; the files of the old group's stay for a restore (`restore`'s `world`)."""
@@ -236,6 +248,8 @@ class RestorePoints:
             snapshot.load_resharded([read_packed(p) for p in paths], rank=self.rank, world=self.world)
         snapshot.restore(state)
         self._written = max(self._written, step)
+        if world == self.world:  # this group's file of `step` exists: it can be pinned as it is
+            self.latest = max(self.latest, step)
 
 
 def _lowest(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -269,6 +283,9 @@ class Recovery:
     step: int
     version: int
     seconds: float
+    restarted: bool = False
+    """Every process of the run was started again (trainer rank 0 died: `asyncrl.rpc.restart`), rather than the
+    trainer group re-formed around rank 0."""
 
 
 def _drop_learner(state: LearnerState) -> None:
@@ -355,6 +372,31 @@ class Failover:
 
     def commit_now(self, state: LearnerState, group: dist.ProcessGroup | None) -> None:
         self.committed, self.committed_world = self.points.commit_now(state, group), self.spec.num_trainers
+
+    def keep_books(self, state: LearnerState, books: dict) -> None:
+        """Rank 0 at a version boundary whose restore point every rank took and pinned: its `books` beside them
+        (`asyncrl.rpc.restart`)."""
+        write_books(self.points.directory, step=state.step, version=state.version, books=books,
+                    recoveries=[dataclasses.asdict(r) for r in self.recoveries])
+
+    def restarted(self, restart: Restart, record: dict) -> None:
+        """A restarted rank 0 (`asyncrl.rpc.restart`): the run's recoveries so far, from the books `record`, and the
+        restart's generation; its step is the committed one (every rank restored it)."""
+        known = {f.name for f in dataclasses.fields(Recovery)}
+        self.recoveries = [Recovery(**{k: v for k, v in r.items() if k in known}) for r in record["recoveries"]]
+        self.faults = len(self.recoveries) + 1
+        self.generation = restart.generation
+        self.committed, self.committed_world = restart.step, self.spec.num_trainers
+        self._last_fault_at = restart.step  # a follower's fault before another step is trained is not recovered
+
+    def record_restart(self, restart: Restart, state: LearnerState) -> Recovery:
+        """The restart is over (every rank restored, the agents live): recorded as a recovery."""
+        done = Recovery(restart.generation, restart.why, state.step, state.version,
+                        time.monotonic() - restart.detected_at, restarted=True)
+        self.recoveries.append(done)
+        log.warning("trainer rank 0 restarted as generation %d in %.1f s (step %d, version %d): %s", done.generation,
+                    done.seconds, done.step, done.version, restart.why)
+        return done
 
     def take_on(self, state: LearnerState, fault: dict) -> None:
         """Accept `fault` (RunFailed when it is not recovered from: `refusal`) and move to its generation. A fault

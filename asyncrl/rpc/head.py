@@ -28,6 +28,7 @@ from asyncrl.rpc.failover import Failover, RestorePoints
 from asyncrl.rpc.fleet import Admissions, Fleet
 from asyncrl.rpc.membership import RpcMembership
 from asyncrl.rpc.param_server import CollectivePublisher, ColocatedPublisher
+from asyncrl.rpc.restart import Restart, read_books
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore
 from asyncrl.runtime.agent import mean_windows
@@ -47,8 +48,8 @@ class _Head:
     own learner shard, the resume, then agents and the publisher."""
 
     def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str,
-                 run_log: RunLog | None, restore_points: str | None):
-        self.spec, self.store, self.stop, self.run_log = spec, store, stop, run_log
+                 run_log: RunLog | None, restore_points: str | None, restart: Restart | None):
+        self.spec, self.store, self.stop, self.run_log, self.restart = spec, store, stop, run_log, restart
         self.token, self.nonce = token, nonce
         self.queue = build_queue(spec)
         self.fleet = Fleet(store, RpcMembership(spec.rpc_timeout_s))
@@ -68,7 +69,7 @@ class _Head:
             torch.cuda.set_device(torch.device(self.device))
         phase(f"trainer0: loading the model on {self.device}")
         loading = time.monotonic()
-        self.state = build_learner_state(spec, self.device, dist.group.WORLD)
+        self.state = build_learner_state(spec, self.device, dist.group.WORLD, initial_weights=restart is None)
         phase(f"trainer0: model ready in {time.monotonic() - loading:.1f} s")
         self.hosted = AgentServer(spec, 0, "agent0", spec.agents[0].device, self.roster_rref, hosted=True) \
             if spec.colocate else None
@@ -79,9 +80,12 @@ class _Head:
             rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)
         self.followers = followers
         self.resumed_extra: dict = {}
-        self.resumed = self._resume()
-        if self.failover is not None:  # the first restore point: a fault before the first step goes back here
-            self.trainers.commit(self.state)
+        if restart is not None:
+            self.resumed = self._restarted(restart)
+        else:
+            self.resumed = self._resume()
+            if self.failover is not None:  # the first restore point: a fault before the first step goes back here
+                self.trainers.commit(self.state)
         self.admissions: Admissions | None = None
         self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
         schedule = None if evals is None else EvalSchedule(evals, self.roster, resumed=self.resumed_extra.get("evals"),
@@ -104,6 +108,28 @@ class _Head:
         info = resume_info(path, self.state, extra)
         log.info(info.line())
         print(f"[asyncrl] {info.line()}", flush=True)
+        if self.run_log is not None:
+            self.run_log.resume(info.version, info.wall_s)
+        return info
+
+    def _restarted(self, restart: Restart):
+        """Trainer rank 0 died and the launcher started every process again (`asyncrl.rpc.restart`): every rank back
+        to the restore point of the restart's version boundary, and the queue, ledger and counters to its books."""
+        if self.failover is None:
+            raise RuntimeError("a restart needs the run's restore points (--trainer.max-recoveries)")
+        record = read_books(restart.books)
+        version, extra = int(record["version"]), record["books"]
+        self.trainers.restore(self.state, restart, version)
+        self.failover.restarted(restart, record)
+        self.resumed_extra = extra
+        self.queue.load_state_dict(extra["queue"])
+        self.queue.version = version
+        info = resume_info(pathlib.Path(restart.books), self.state, extra)
+        line = (f"trainer rank 0 started again ({restart.why}): every rank back to step {info.step}, version "
+                f"{info.version} ({info.queued} groups queued, {info.unfinished} prompts to generate again); the "
+                "versions after it are trained again")
+        log.warning(line)
+        print(f"[asyncrl] {line}", flush=True)
         if self.run_log is not None:
             self.run_log.resume(info.version, info.wall_s)
         return info
@@ -171,6 +197,8 @@ class _Head:
 
     def run(self) -> RunSummary:
         self._start_agents()
+        if self.restart is not None:
+            self.failover.record_restart(self.restart, self.state)
         self.roster.start()
         try:
             end = self.controller.train()
@@ -213,8 +241,10 @@ class _Head:
 
 
 def run_head(spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str, *,
-             run_log: RunLog | None = None, restore_points: str | None = None) -> RunSummary:
+             run_log: RunLog | None = None, restore_points: str | None = None,
+             restart: Restart | None = None) -> RunSummary:
     """Rank 0's run; agents are admitted when they prove `token` over `nonce` (the nonce of the store's info).
     `run_log` takes each version's metrics (None: the run logs nowhere). `restore_points`: the directory of the
-    trainer ranks' restore points (failover on, `asyncrl.rpc.failover`), else None."""
-    return _Head(spec, store, stop, token, nonce, run_log, restore_points).run()
+    trainer ranks' restore points (failover on, `asyncrl.rpc.failover`), else None. `restart`: the run goes on from
+    a version boundary's restore points after the previous rank 0 died (`asyncrl.rpc.restart`), else None."""
+    return _Head(spec, store, stop, token, nonce, run_log, restore_points, restart).run()

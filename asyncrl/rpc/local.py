@@ -50,6 +50,9 @@ class LocalTrainer:
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int):
         return save_checkpoint(run_dir, state, extra=extra, keep_last=keep)
 
+    def keep_books(self, state: LearnerState, books) -> None:
+        """One process keeps no restore points: its death ends the run (resume from a checkpoint)."""
+
 
 class LocalRun:
     """Wire a learner, engines and a prompt source into a run; `run()` trains and returns the summary."""

@@ -48,6 +48,7 @@ from asyncrl.rpc.failover import (
 )
 from asyncrl.rpc.membership import join_rpc, leave_rpc
 from asyncrl.rpc.reform import join_trainer_group
+from asyncrl.rpc.restart import Restart
 from asyncrl.rpc.seal import key_check, rpc_key
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.store import RunStore, agent_name
@@ -89,14 +90,17 @@ def _setup_logging(role: str) -> None:
 # -------------------------------------------------------------------------------------- trainer ranks
 def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results=None, *,
                 parent_pid: int | None = None, token: RunToken | None = None, run_log: RunLog | None = None,
-                generation: int = 0, restore_points: str | None = None) -> RunSummary | None:
+                generation: int = 0, restore_points: str | None = None,
+                restart: Restart | None = None) -> RunSummary | None:
     """The body of trainer rank `rank`: the trainer group, then rank 0 joins RPC and runs the head; a follower
     builds its `FollowerHost` and follows rank 0's commands over the trainer group until "stop", outside RPC (a
     colocated follower joins RPC instead and rank 0 creates its role object there: rank 0's roster drives the
     engine it hosts). Returns the summary on rank 0 (also put on `results` when given). `token`: the run's (rank 0
     needs it: agents must prove it). `run_log`: where rank 0 logs the metrics; closed when the rank ends.
     `restore_points`: the run's directory of restore points (failover on: `asyncrl.rpc.failover`), else None;
-    `generation`: the trainer group's generation a follower joins (> 0: started again after a fault)."""
+    `generation`: the trainer group's generation a follower joins (> 0: started again after a fault); `restart`
+    (rank 0): the run goes on from a version boundary's restore points after the previous rank 0 died
+    (`asyncrl.rpc.restart`; every rank is then of the restart's generation)."""
     role = f"trainer{rank}"
     _setup_logging(role)
     pin_interface(host, spec.placement.interface)
@@ -142,7 +146,8 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     summary = None
     try:
         if rank == 0:
-            summary = run_head(spec, store, stop, token, nonce, run_log=run_log, restore_points=restore_points)
+            summary = run_head(spec, store, stop, token, nonce, run_log=run_log, restore_points=restore_points,
+                               restart=restart)
             _report(results, summary)
         elif spec.colocate:  # its role object is rank 0's to create, over RPC
             _wait_for_end(store, poll_s=0.5, beat=rank)

@@ -47,6 +47,7 @@ from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
 from asyncrl.rpc.failover import Silence
 from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
+from asyncrl.rpc.restart import Restart, newest_restorable
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.kill_points import check_kill_point_env
 from asyncrl.runtime.lifecycle import RunFailed, is_stopped, on_signals
@@ -82,10 +83,10 @@ fork ends at once when its body returns (a fresh interpreter's teardown used to 
 
 def _trainer_entry(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results,
                    parent_pid: int, token: RunToken, run_log: RunLog | None, generation: int,
-                   restore_points: str | None) -> None:
+                   restore_points: str | None, restart: Restart | None) -> None:
     os.setpgid(0, 0)
     run_trainer(rank, spec, host, store_port, rpc_port, results, parent_pid=parent_pid, token=token, run_log=run_log,
-                generation=generation, restore_points=restore_points)
+                generation=generation, restore_points=restore_points, restart=restart)
     if rank == 0:
         time.sleep(END_LINGER_S)
 
@@ -140,11 +141,11 @@ class Supervisor:
         self.starter = _starter(spec, self.results)  # last: a fork server is a process, ended by run()
 
     # ------------------------------------------------------------------------------------ processes
-    def _spawn_trainer(self, rank: int) -> None:
+    def _spawn_trainer(self, rank: int, restart: Restart | None = None) -> None:
         p = self.starter.start(_trainer_entry, (rank, self.spec, self.host, self.store_port, self.rpc_port,
                                                 self.results if rank == 0 else None, self.starter.parent_pid,
                                                 self.token, self.run_log if rank == 0 else None, self.generation,
-                                                self.restore_points),
+                                                self.restore_points, restart),
                                name=f"asyncrl-trainer{rank}")
         self.children.append(_Child(f"trainer{rank}", rank, p))
 
@@ -214,8 +215,10 @@ class Supervisor:
             return dataclasses.replace(outcome, interrupted=self.stop_reason)  # a stop the launcher decided
         return outcome
 
+    def _rank0(self) -> RoleProcess:
+        return next(c.process for c in self.children if c.role == "trainer0")
+
     def _supervise(self, start: float):
-        rank0 = self.children[0].process
         while True:
             if len(self.signals) > 1:
                 raise RunKilled(self.signals[-1])
@@ -223,12 +226,18 @@ class Supervisor:
                 return self._blamed(pickle.loads(self.results.get(timeout=self.poll_s)))
             except queue_mod.Empty:
                 pass
+            rank0 = self._rank0()
             if not rank0.is_alive():
+                found = time.monotonic()
                 try:  # its last message may still be in the pipe
                     return pickle.loads(self.results.get(timeout=2.0))
                 except queue_mod.Empty:
-                    raise RuntimeError(f"trainer rank 0 exited with code {rank0.exitcode} before reporting a result; "
-                                       "see its log above") from None
+                    pass
+                why = f"trainer rank 0 exited with code {rank0.exitcode}"
+                refused = self._restart_run(why, found)
+                if refused is not None:
+                    raise RuntimeError(f"{why} before reporting a result ({refused}); see its log above")
+                continue
             cap = self.spec.placement.max_run_time_s
             if cap is not None and time.monotonic() - start > cap:
                 self._stop_for(f"max_run_time_s={cap:g} reached")
@@ -252,10 +261,46 @@ class Supervisor:
         hint = f" (--trainer.max-recoveries {spent} spent)" if spent else ""
         return f"{why}; the run cannot go on without it{hint} (resume from its last checkpoint with --resume)"
 
+    def _restart_run(self, why: str, detected_at: float) -> str | None:
+        """Trainer rank 0 died (`why`) without a result: with a recovery left and a version boundary every rank holds
+        a restore point of, end every other process and start the run's processes again from it (`asyncrl.rpc.restart`).
+        Returns why not (the run then ends), or None."""
+        spent = self.spec.trainer.max_recoveries
+        if not spent or self.restore_points is None:
+            return "trainer rank 0's death ends a run without --trainer.max-recoveries: resume from its last checkpoint"
+        if self.recoveries_left <= 0:
+            return f"--trainer.max-recoveries {spent} spent: resume from its last checkpoint with --resume"
+        if self._stopping or self.signals:
+            return "the run was stopping"
+        point = newest_restorable(self.restore_points, self.spec.num_trainers)
+        if point is None:
+            return "no version boundary has a restore point on every trainer rank yet: resume from its last checkpoint"
+        for c in self.children:
+            if c.process.is_alive():
+                c.process.kill()
+        for c in self.children:
+            c.process.join(5.0)
+        self.children = []
+        self.recoveries_left -= 1
+        self.generation += 1
+        self.store, self._dead_seen, self._declared, self.pending_restarts = None, 0, set(), []
+        self._beats.clear()
+        log.warning("%s: starting the run's processes again as generation %d from step %d (%d recoveries left)", why,
+                    self.generation, point.step, self.recoveries_left)
+        restart = Restart(self.generation, why, point.step, str(point.books), detected_at)
+        for rank in range(self.spec.num_trainers):
+            self._spawn_trainer(rank, restart if rank == 0 else None)
+        for slot in range(self.spec.num_agent_processes):
+            self._spawn_agent(slot)
+        return None
+
     def _trainer_fault(self, slot: int, why: str) -> None:
         """Follower `slot` died or hangs (`why`): with a recovery left, end every follower and start the trainer
         group's next generation (rank 0 re-forms the group with it and restores the committed step), without `slot`'s
-        device under --trainer.failover shrink; else end the run."""
+        device under --trainer.failover shrink; else end the run. While rank 0 is dead, its death is what the
+        launcher acts on (`_restart_run`): a follower's collective with it broke."""
+        if not self._rank0().is_alive():
+            return
         store = self._store()
         if self.recoveries_left <= 0 or self._stopping or self.signals or store is None:
             raise RuntimeError(self._ended(why))
@@ -297,6 +342,8 @@ class Supervisor:
         return err
 
     def _check_children(self) -> None:
+        if not self._rank0().is_alive():
+            return  # the processes exiting now follow rank 0's death, which the next check acts on
         if (exited := self._follower_exit()) is not None:
             self._trainer_fault(*exited)
         self._end_dead_agents()

@@ -76,6 +76,11 @@ class Trainers(Protocol):
     def checkpoint(self, run_dir: str, state: LearnerState, extra: dict, keep: int) -> pathlib.Path:
         """Write a checkpoint of every rank's shard (and `extra`, rank 0's books); keep the newest `keep`."""
 
+    def keep_books(self, state: LearnerState, books: Callable[[], dict]) -> float | None:
+        """At a version boundary: where the trainer ranks keep restore points, keep `books()` (a checkpoint's extra)
+        beside this step's, for a restart after rank 0's death (`asyncrl.rpc.restart`), and return the seconds it
+        took; elsewhere nothing (None)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RunParts:
@@ -172,8 +177,8 @@ class RunSummary:
         if self.dead_agents:
             lines.append(f"dead agents: {', '.join(self.dead_agents)}")
         for r in self.trainer_recoveries:
-            lines.append(f"trainer group re-formed at version {r['version']} (step {r['step']}) in {r['seconds']:.1f} s: "
-                         f"{r['why']}")
+            how = "run's processes started again" if r.get("restarted") else "trainer group re-formed"
+            lines.append(f"{how} at version {r['version']} (step {r['step']}) in {r['seconds']:.1f} s: {r['why']}")
         return "\n".join(lines)
 
     def interrupted_line(self) -> str:
@@ -207,6 +212,7 @@ class Controller:
         self.saved_at_step = -1  # the learner step of the last checkpoint this run wrote
         self.started_at_step = state.step
         self.drift = DriftRate()  # the drift budget's estimate (re-learnt after a resume)
+        self.kept_books_s: float | None = None  # the last version boundary's restart point, when the ranks keep one
 
     def request_stop(self, reason: str) -> None:
         self.stop.set(reason)
@@ -333,6 +339,8 @@ class Controller:
                         "trainer/idle_ratio": sum(m["timing_s/gen"] for m in steps) / total,
                         "timing_s/param_sync_total": time.monotonic() - sync_start,
                         "time/wall_s": self.run_log.wall_s()})
+        if self.kept_books_s is not None:  # the boundary before this window's (`_keep_books`)
+            metrics["timing_s/restart_point"] = self.kept_books_s
         if self.plan is not None:
             metrics.update(self.plan.view(metrics, self.state.version))
         metrics.update(evaluated)
@@ -367,6 +375,7 @@ class Controller:
         interrupted = checkpoint = None
         if self.evals is not None:
             self.evals.start(self.state.version)
+        self._keep_books()
         while self.state.version < self.config.total_versions:
             if self.stop.is_set():
                 interrupted = self.stop.reason
@@ -381,6 +390,7 @@ class Controller:
                 break
             self.history.append({"version": self.state.version, **metrics})
             self.run_log(metrics, self.state.version)
+            self._keep_books()
             if self.checkpoints.due(self.state.version):
                 if self.state.version >= self.config.total_versions:
                     self.queue.close()  # the last checkpoint is the end of admissions: it carries what is left
@@ -404,11 +414,22 @@ class Controller:
         return self.checkpoints.run_dir is not None and self.state.step > max(self.started_at_step,
                                                                               self.saved_at_step)
 
-    def checkpoint(self) -> pathlib.Path:
-        queue = self.queue.state_dict()
-        extra = {"queue": queue, "run": {"window_steps": self.window_steps, "wall_s": self.run_log.wall_s()}}
+    def _keep_books(self) -> None:
+        """A version boundary's restart point (`Trainers.keep_books`); its seconds go into the next version's row."""
+        self.kept_books_s = self.trainers.keep_books(self.state, self._books)
+
+    def _books(self) -> dict:
+        """What a checkpoint keeps beside the learner (JSON-able): the queue and its ledger, the run's counters and
+        clock, the evaluations' state."""
+        extra = {"queue": self.queue.state_dict(),
+                 "run": {"window_steps": self.window_steps, "wall_s": self.run_log.wall_s()}}
         if self.evals is not None:
             extra["evals"] = self.evals.state_dict()
+        return extra
+
+    def checkpoint(self) -> pathlib.Path:
+        extra = self._books()
+        queue = extra["queue"]
         path = self.trainers.checkpoint(str(self.checkpoints.run_dir), self.state, extra, self.checkpoints.keep)
         self.final_books, self.saved_at_step = queue, self.state.step
         log.info("checkpoint %s written (version %d, step %d, %d queued, %d in flight)", pathlib.Path(path).name,

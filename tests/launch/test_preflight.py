@@ -78,9 +78,11 @@ def row(prompt="What is 2 + 2?", source="mine", truth="4"):
     (["--trainer.offload", "optimizer", "--placement.trainer-devices", "cpu", "cpu"],
      ["--trainer.offload optimizer is invalid: a group of 2 trainer ranks already splits the optimizer state",
       "--trainer.offload params keeps each rank's shards in host memory"]),
-    (["--trainer.max-recoveries", "2"],
-     ["--trainer.max-recoveries 2 is invalid: recovers from a trainer follower's fault in a split run: it needs two "
-      "or more --placement.trainer-devices"]),
+    (["--trainer.max-recoveries", "2", "--placement.launcher", "local"],
+     ["--trainer.max-recoveries 2 is invalid: recovers from a trainer rank's fault in a split run: it needs "
+      "--placement.launcher rpc"]),
+    (["--trainer.max-recoveries", "1", "--placement.launcher", "torchrun"],
+     ["--trainer.max-recoveries 1 is invalid", "or torchrun with two or more --placement.trainer-devices"]),
     (["--trainer.max-recoveries", "1", "--trainer.failover", "shrink", "--placement.trainer-devices", "cpu", "cpu",
       "--placement.launcher", "torchrun"], ["--trainer.failover shrink is invalid", "torchrun keeps one process a "
                                             "device; use --trainer.failover replace"]),

@@ -95,6 +95,9 @@ class TrainRecorder:
     def checkpoint(self, *args):
         return self.inner.checkpoint(*args)
 
+    def keep_books(self, *args):
+        return self.inner.keep_books(*args)
+
     @property
     def groups(self) -> list[Group]:
         return [g for _, groups in self.steps for g in groups]

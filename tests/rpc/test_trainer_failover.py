@@ -189,3 +189,67 @@ def test_a_killed_and_a_stopped_follower_are_replaced_and_the_run_goes_on(tmp_pa
     _books_balance(summary)
     wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20), "every process of the run gone")
     _no_restore_points_left(job)
+
+
+def test_trainer_rank_0_killed_twice_the_run_starts_again_from_its_restore_points_as_an_uninterrupted_one(
+        tmp_path, jobs, plain):
+    """Trainer rank 0 (the head: queue, roster, agents, the run's store) killed in a backward; then, in the run
+    started again, a follower killed at a gradient norm; then rank 0 again while it gathers a publication. Each time
+    rank 0 dies the launcher ends every other process and starts them all again from the newest version boundary
+    every rank holds a restore point of (`asyncrl.rpc.restart`); the follower's fault is recovered as usual in
+    between. The run trains every version once, in order, with its books balanced, and every learner metric equals
+    an uninterrupted run's, exactly."""
+    drill = "trainer:0:version:2:phase:backward,trainer:2:version:4:phase:norm,trainer:0:version:6:phase:publish"
+    job = Job(tmp_path, *LOCKSTEP_RUN, "--trainer.max-recoveries", "3", name="rank0", env={"ASYNCRL_FAULT": drill})
+    jobs.append(job)
+    assert job.finish(timeout=limit(240)) == 0, job.tail()
+    text, summary = job.text(), job.summary()
+    assert "trainer rank 0 killed at backward of version 2" in text and "trainer rank 0 killed at publish of version " \
+        "6" in text, job.tail()
+    assert "trainer rank 0 started again (trainer rank 0 exited with code 9): every rank back to step 2, version 2" \
+        in text, job.tail()
+    recoveries = summary["trainer_recoveries"]
+    assert [(r["generation"], r["version"], r["restarted"]) for r in recoveries] == \
+        [(1, 2, True), (2, 4, False), (3, 6, True)], recoveries
+    assert recoveries[0]["why"] == recoveries[2]["why"] == "trainer rank 0 exited with code 9"
+    assert "run's processes started again at version 2 (step 2) in " in text
+    rows = job.metrics()
+    assert [r["step"] for r in rows] == list(range(1, 9)), rows
+    # version V's kill points fall in the step that makes version V + 1, a publication's after it
+    assert [r["trainer/recoveries"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 3]
+    _books_balance(summary)
+    assert summary["versions"] == summary["steps"] == 8
+    assert _learning(rows) == _learning(plain.metrics())
+    _no_restore_points_left(job)
+
+
+def test_a_launched_run_survives_a_sigkill_of_trainer_rank_2_and_then_of_trainer_rank_0(tmp_path, jobs):
+    """Real signals in a running asynchronous job: SIGKILL of trainer rank 2 (the group re-forms around rank 0),
+    then SIGKILL of trainer rank 0 (every process of the run starts again from the newest version boundary). The run
+    keeps training after each, and SIGTERM ends it as usual: a checkpoint, balanced books, versions in order, no
+    process and no restore point left."""
+    job = Job(tmp_path, *TOY, *THREE_TRAINERS, "--async-training.total-versions", "1000000",
+              "--trainer.max-recoveries", "2")
+    jobs.append(job)
+    job.wait_versions(3)
+    os.kill(job.processes()["trainer2"], signal.SIGKILL)
+    job.wait_for(r"trainer group generation 1 ready")
+    job.wait_versions(len(job.metrics()) + 2)
+    rank0 = job.processes()["trainer0"]
+    os.kill(rank0, signal.SIGKILL)
+    restarted = job.wait_for(r"every rank back to step \d+, version (\d+)")
+    job.wait_for(r"trainer rank 0 restarted as generation 2 in")
+    assert not alive(rank0) and job.processes()["trainer0"] != rank0
+    job.wait_versions(int(restarted.group(1)) + 2)  # trained on
+    job.signal(signal.SIGTERM)
+    assert job.finish(timeout=limit(120)) == 128 + signal.SIGTERM, job.tail()
+    summary = job.summary()
+    assert summary["interrupted"] == "SIGTERM" and summary["checkpoint"]
+    follower, head = summary["trainer_recoveries"]
+    assert follower["why"].startswith("trainer rank 2 exited with code -9") and not follower["restarted"], follower
+    assert head["why"] == "trainer rank 0 exited with code -9" and head["restarted"], head
+    versions = [r["step"] for r in job.metrics()]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= int(restarted.group(1)) + 2
+    _books_balance(summary)
+    wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20), "every process of the run gone")
+    _no_restore_points_left(job)
