@@ -410,6 +410,11 @@ class Supervisor:
                 self._spawn_agent(slot, restarts)
 
     def _store(self) -> RunStore | None:
+        """A client of the run's store, or None while rank 0 does not serve it (not yet, or no longer: a client
+        call to a store that went away retries its connection for about 15 s, which would hold up the launcher's
+        loop, and with it the restart, that long)."""
+        if not self._rank0().is_alive():
+            return None
         if self.store is None:
             if not _listening(self.host, self.store_port):
                 return None  # rank 0 has not served it yet (a failed client connect logs a C++ traceback)
