@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 class _Head:
     """What rank 0 builds, in the order it must: followers and the command group (collective with them), its
-    own learner shard, the resume, then agents and the publisher."""
+    own learner shard; then admitting agents (in the background), the resume or restart meanwhile, and the
+    publisher once the agents are in."""
 
     def __init__(self, spec: RunSpec, store: RunStore, stop: StopRequest, token: RunToken, nonce: str,
                  run_log: RunLog | None, restore_points: str | None, restart: Restart | None):
@@ -79,6 +80,11 @@ class _Head:
         for rref in followers:
             rref.rpc_sync(timeout=spec.startup_timeout_s).status()  # built (raises the follower's error)
         self.followers = followers
+        self.admissions: Admissions | None = None
+        if not spec.colocate:  # agents build their engines while this rank resumes or restores its learner
+            self.admissions = Admissions(spec, store, self.fleet, self.roster, self.roster_rref, self.device,
+                                         token=token, nonce=nonce)
+            self.admissions.start()
         self.resumed_extra: dict = {}
         if restart is not None:
             self.resumed = self._restarted(restart)
@@ -86,7 +92,6 @@ class _Head:
             self.resumed = self._resume()
             if self.failover is not None:  # the first restore point: a fault before the first step goes back here
                 self.trainers.commit(self.state)
-        self.admissions: Admissions | None = None
         self.publisher = self._colocated_publisher() if spec.colocate else self._collective_publisher()
         schedule = None if evals is None else EvalSchedule(evals, self.roster, resumed=self.resumed_extra.get("evals"),
                                                             version=self.state.version)
@@ -150,9 +155,6 @@ class _Head:
                                                                                            version))
 
     def _collective_publisher(self) -> CollectivePublisher:
-        self.admissions = Admissions(self.spec, self.store, self.fleet, self.roster, self.roster_rref, self.device,
-                                     token=self.token, nonce=self.nonce)
-        self.admissions.start()
         self.admissions.wait_for(self.spec.num_agent_processes, self.spec.startup_timeout_s, self.stop)
         return CollectivePublisher(self.fleet, self.roster, partial_rollout=self.spec.async_.partial_rollout,
                                    timeout=self.spec.async_.sync_timeout_s, bucket_mb=self.spec.bucket_mb,
