@@ -2,15 +2,14 @@
 output tok/s, when a GRPO group is delivered only once its longest sample ends.
 
 An agent keeps G prompts in flight and asks for a new one when a whole group has been delivered. With G = slots // n
-(the default until 2026-11-29) a group's finished samples leave their slots empty until its longest sample ends, so
-only about E[length] / E[longest of a group] of the slots generate; with more prompts in flight, waiting groups
-take the freed slots (`RolloutConfig.max_concurrent_prompts`: 2 × slots // n by default). This bench drives our
+(the default) a group's finished samples leave their slots empty until its longest sample ends, so only about
+E[length] / E[longest of a group] of the slots generate; with more prompts in flight
+(`RolloutConfig.max_concurrent_prompts`), waiting groups take the freed slots. This bench drives our
 engine as an agent does: groups of n samples, each sample with its own heavy-tailed budget (log-normal, 99th
 percentile --new-tokens, median --new-tokens / --tail-ratio; random weights never stop early, so the budgets are the
 lengths), the same budgets for every setting, and a new group admitted when one has finished. For each
 --in-flight multiple m, G = m × (slots // n): over the steady part (while groups still wait for admission, as in a
-run) the mean rows generating a step and their tok/s, with the ratio to m = 1's, the former default, from the same
-call; and the whole's tok/s and decode steps (its end drains the last groups' tails).
+run) the mean rows generating a step and their tok/s, with the ratio to m = 1's, the default, from the same call; and the whole's tok/s and decode steps (its end drains the last groups' tails).
 
     asyncrl bench admission --model random:qwen2.5-0.5b --slots 256 --n 8 --in-flight 1 2 3
 """
@@ -46,7 +45,7 @@ class AdmissionBenchArgs:
     n: int = RolloutConfig.n
     """Samples a group (--rollout.n)."""
     in_flight: tuple[float, ...] = (1.0, 2.0)
-    """Prompts in flight, as multiples of slots // n (1: the former default; 2: today's)."""
+    """Prompts in flight, as multiples of slots // n (1: the default)."""
     groups: int = 128
     """Groups generated in each setting, twice: the second pass is timed (the first meets every shape it steps
     through, so no CUDA graph is captured while timing)."""

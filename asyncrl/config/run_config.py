@@ -90,12 +90,12 @@ class RolloutConfig:
     max_slots: int = 64
     """Sequences the engine decodes together."""
     max_concurrent_prompts: int | None = None
-    """Prompts an agent keeps in flight. Default: twice the groups the slots hold (2 × max_slots // n), so that a
-    waiting group takes the slots its predecessors' finished samples free while their longest sample runs on
-    (with max_slots // n about E[length] / E[longest of a group] of the slots generate: 49 % in a heavy-tailed CPU
-    workload, 95 % with twice as many, `rollouter/running_rows`); with the shared-prompt layout max_slots // n, one
-    prompt slot each. More rows generating means more lag at the same slots (docs/staleness.md, "Lag and response
-    length"); the staleness window (--async-training.staleness-threshold) admits no more than it allows either way."""
+    """Prompts an agent keeps in flight. Default: the groups the slots hold (max_slots // n). A group is delivered
+    when its longest sample ends, so only about E[length] / E[longest of a group] of the slots generate (37 % in a
+    heavy-tailed workload on an H200); twice as many prompts fill 73–75 % of them, but on the H200 that bought 1.04×
+    the output tok/s at the Qwen2.5-0.5B shape and cost 0.72× at Qwen3-1.7B (1.25× on a CPU), with more version lag
+    at the same slots (`asyncrl bench admission`; docs/staleness.md, "Lag and response length"). The staleness
+    window (--async-training.staleness-threshold) admits no more than it allows either way."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (GPU)."""
     decode_attention: Literal["auto", "sdpa", "triton"] = "auto"
@@ -172,8 +172,7 @@ class RolloutConfig:
         """Prompts an agent keeps in flight (`max_concurrent_prompts` and its default)."""
         if self.max_concurrent_prompts:
             return self.max_concurrent_prompts
-        groups = max(self.max_slots // self.n, 1)
-        return groups if self.kv_layout == "shared-prompt" else 2 * groups
+        return max(self.max_slots // self.n, 1)
 
 
 @dataclasses.dataclass

@@ -30,7 +30,8 @@ steps since the last checkpoint (`--trainer.max-recoveries N`; 0, the default, e
 Under torchrun each follower's torchrun process keeps its rank and does the launcher's part for it
 (`asyncrl.rpc.torchrun.keep_trainer`).
 
-Limits: rank 0's own death still ends the run (resume from a checkpoint); the placement is split (not colocated);
+Rank 0's own death: the launcher starts every process again from the newest version boundary every rank holds
+(`asyncrl.rpc.restart`). Limits: the placement is split (not colocated);
 `--trainer.failover shrink` needs the rpc launcher; a second fault before another step was
 trained, or more than `--trainer.max-recoveries` faults, end the run with the reason. Cost: host memory for two
 files of every rank's shard (16 bytes a trained parameter over the ranks) and pinned buffers of one, the writes'

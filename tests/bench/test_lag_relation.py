@@ -59,15 +59,16 @@ def test_a_fully_async_run_lags_by_its_groups_longest_response(tmp_path, capsys)
     the slots its finished samples free are taken by waiting groups."""
     run = tmp_path / "run"
     train_here("cpu-demo", "--model.path", "random:tiny-qwen2", "--data.task", "toy", "--rollout.n", "4",
-               "--rollout.max-new-tokens", "512", "--rollout.max-slots", "32", "--trainer.mini-batch-size", "4",
+               "--rollout.max-new-tokens", "512", "--rollout.max-slots", "32", "--rollout.max-concurrent-prompts", "16",
+               "--trainer.mini-batch-size", "4",
                "--trainer.max-response-length", "512", "--async-training.staleness-threshold", "4",
                "--async-training.total-versions", "20", "--checkpoint-every", "0", "--wandb", "off", *NO_EVAL,
                "--run-dir", str(run))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     running = [r["rollouter/running_rows"] for r in rows[5:]]
     assert all(0 <= x <= 32 for x in running)  # 0: a window without an engine step
-    # 2 × slots / n prompts in flight (the default): waiting groups take the slots finished samples free, so most
-    # slots generate (0.92-0.95 measured; with slots / n prompts about E[L] / E[Lmax], 0.49)
+    # 2 × slots / n prompts in flight: waiting groups take the slots finished samples free, so most slots generate
+    # (0.92-0.95 measured; with slots / n prompts, the default, about E[L] / E[Lmax], 0.49)
     assert sum(running) / len(running) > 0.6 * 32, running
     rel = lag_relation(length_bucket_sums(rows[5:]), rows_generating=sum(running) / len(running), samples_per_version=16)
     assert len(rel.buckets) >= 5 and rel.mean_group_length > 1.3 * rel.mean_length, rel  # lengths spread
