@@ -133,6 +133,7 @@ class Supervisor:
         self.store: RunStore | None = None
         self._dead_seen = 0
         self._beats: dict[int, Silence] = {}  # trainer follower -> its heartbeat as watched
+        self._rank0_stopped_since: float | None = None  # when trainer rank 0 was first seen stopped (SIGSTOP)
         self.generation = 0  # the trainer group's: one more after each recovered fault
         self.recoveries_left = spec.trainer.max_recoveries
         self.restore_points = str(snapshot_directory(secrets.token_hex(8))) if spec.trainer.max_recoveries else None
@@ -227,6 +228,13 @@ class Supervisor:
             except queue_mod.Empty:
                 pass
             rank0 = self._rank0()
+            if (stopped := self._rank0_stopped(rank0)) is not None:
+                rank0.kill()  # SIGKILL ends a stopped process too
+                rank0.join(5.0)
+                refused = self._restart_run(stopped, time.monotonic())
+                if refused is not None:
+                    raise RuntimeError(f"{stopped} ({refused})")
+                continue
             if not rank0.is_alive():
                 found = time.monotonic()
                 try:  # its last message may still be in the pipe
@@ -261,6 +269,22 @@ class Supervisor:
         hint = f" (--trainer.max-recoveries {spent} spent)" if spent else ""
         return f"{why}; the run cannot go on without it{hint} (resume from its last checkpoint with --resume)"
 
+    def _rank0_stopped(self, rank0: RoleProcess) -> str | None:
+        """Why trainer rank 0 counts as dead while its process exists: stopped (SIGSTOP) for longer than
+        --async-training.agent-timeout-s. Its store, the agents' RPC and the run's loop stop with it, and nothing
+        else would end the run. (A rank 0 whose main thread alone hangs is named by its own timeouts.)"""
+        if not rank0.is_alive() or not is_stopped(rank0.pid):
+            self._rank0_stopped_since = None
+            return None
+        now = time.monotonic()
+        if self._rank0_stopped_since is None:
+            self._rank0_stopped_since = now
+        silent, timeout = now - self._rank0_stopped_since, self.spec.async_.agent_timeout_s
+        if silent <= timeout:
+            return None
+        return (f"trainer rank 0 (pid {rank0.pid}) is stopped (SIGSTOP) for {silent:.0f} s "
+                f"(--async-training.agent-timeout-s {timeout:g})")
+
     def _restart_run(self, why: str, detected_at: float) -> str | None:
         """Trainer rank 0 died (`why`) without a result: with a recovery left and a version boundary every rank holds
         a restore point of, end every other process and start the run's processes again from it (`asyncrl.rpc.restart`).
@@ -284,6 +308,7 @@ class Supervisor:
         self.recoveries_left -= 1
         self.generation += 1
         self.store, self._dead_seen, self._declared, self.pending_restarts = None, 0, set(), []
+        self._rank0_stopped_since = None
         self._beats.clear()
         log.warning("%s: starting the run's processes again as generation %d from step %d (%d recoveries left)", why,
                     self.generation, point.step, self.recoveries_left)
@@ -410,10 +435,11 @@ class Supervisor:
                 self._spawn_agent(slot, restarts)
 
     def _store(self) -> RunStore | None:
-        """A client of the run's store, or None while rank 0 does not serve it (not yet, or no longer: a client
-        call to a store that went away retries its connection for about 15 s, which would hold up the launcher's
-        loop, and with it the restart, that long)."""
-        if not self._rank0().is_alive():
+        """A client of the run's store, or None while rank 0 does not serve it (not yet, no longer, or stopped: a
+        client call to a store that went away retries its connection for about 15 s, and one to a stopped store
+        waits out its timeout, which would hold up the launcher's loop, and with it the restart, that long)."""
+        rank0 = self._rank0()
+        if not rank0.is_alive() or is_stopped(rank0.pid):
             return None
         if self.store is None:
             if not _listening(self.host, self.store_port):

@@ -259,6 +259,27 @@ def test_a_dead_trainer_follower_ends_the_run_named_without_failover(tmp_path, j
     no_process_left(job)
 
 
+def test_a_stopped_trainer_rank_0_ends_the_run_named_without_failover(tmp_path, jobs):
+    """Trainer rank 0 stopped (SIGSTOP), `--trainer.max-recoveries` at its default 0: its store, the agents' RPC and
+    the run's loop stop with it, so nothing else would end the run. The launcher names it after
+    --async-training.agent-timeout-s, ends every process of the run and says how to go on. (With failover the run
+    starts again: tests/rpc/test_trainer_failover.py.)"""
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, *ENDLESS, *timeouts(timeout))
+    jobs.append(job)
+    job.wait_versions(2)
+    rank0 = job.processes()["trainer0"]
+    os.kill(rank0, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    assert job.finish(timeout=timeout + limit(60)) != 0, job.tail()
+    assert time.monotonic() - stopped_at < timeout + detection_margin() + limit(15)
+    text = job.text()
+    assert f"trainer rank 0 (pid {rank0}) is stopped (SIGSTOP) for " in text, job.tail()
+    assert "(trainer rank 0's death ends a run without --trainer.max-recoveries: resume from its last checkpoint)" \
+        in text, job.tail()
+    no_process_left(job)
+
+
 @pytest.mark.parametrize("case", ["spent", "same step"])
 def test_a_fault_failover_does_not_recover_from_ends_the_run_named(tmp_path, jobs, case):
     """`ASYNCRL_FAULT` kills trainer rank 1 once per trainer-group generation. "spent": the second fault finds

@@ -253,3 +253,30 @@ def test_a_launched_run_survives_a_sigkill_of_trainer_rank_2_and_then_of_trainer
     _books_balance(summary)
     wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20), "every process of the run gone")
     _no_restore_points_left(job)
+
+
+def test_a_stopped_trainer_rank_0_is_named_and_the_run_starts_again(tmp_path, jobs):
+    """Trainer rank 0 stopped (SIGSTOP) in a running job of one trainer rank: the launcher names it after
+    --async-training.agent-timeout-s, ends it, and starts the run's processes again from the newest version boundary;
+    the run trains on, and SIGTERM ends it as usual."""
+    timeout = agent_timeout()
+    job = Job(tmp_path, *TOY, "--async-training.total-versions", "1000000", "--async-training.agent-timeout-s",
+              str(timeout), "--trainer.max-recoveries", "1")
+    jobs.append(job)
+    job.wait_versions(3)
+    rank0 = job.processes()["trainer0"]
+    os.kill(rank0, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    restarted = job.wait_for(r"every rank back to step \d+, version (\d+)", timeout=timeout + limit(90))
+    assert time.monotonic() - stopped_at < timeout + detection_margin() + limit(60)
+    assert f"trainer rank 0 started again (trainer rank 0 (pid {rank0}) is stopped (SIGSTOP) for " in job.text()
+    assert not alive(rank0)
+    job.wait_versions(int(restarted.group(1)) + 2)
+    job.signal(signal.SIGTERM)
+    assert job.finish(timeout=limit(120)) == 128 + signal.SIGTERM, job.tail()
+    summary = job.summary()
+    (recovery,) = summary["trainer_recoveries"]
+    assert recovery["restarted"] and recovery["why"].startswith(f"trainer rank 0 (pid {rank0}) is stopped"), recovery
+    _books_balance(summary)
+    wait_until(lambda: not any(alive(pid) for pid in job.all_pids()), limit(20), "every process of the run gone")
+    _no_restore_points_left(job)
