@@ -15,7 +15,10 @@ a process behind, and returns rank 0's summary.
 * A trainer follower that exits, or whose heartbeat (through the store) stops for `agent_timeout_s` (stopped,
   hung), is named. With `--trainer.max-recoveries N` the launcher then ends every follower, posts the fault to the
   store and starts followers 1..T−1 as the trainer group's next generation, which rank 0 re-forms and restores
-  (`asyncrl.rpc.failover`), up to N times; otherwise (and for rank 0) the run ends: resume from the last checkpoint.
+  (`asyncrl.rpc.failover`), up to N times; otherwise the run ends: resume from the last checkpoint.
+* Trainer rank 0 that exits without a result, or stays stopped (SIGSTOP) for `agent_timeout_s`: with
+  `--trainer.max-recoveries N` every other process is ended and the run's processes start again from the newest
+  version boundary every trainer rank holds a restore point of (`asyncrl.rpc.restart`); otherwise the run ends.
 * `max_run_time_s`: when it passes, the run is stopped as by a SIGTERM (checkpoint, then exit).
 * `run_dir/processes.json` lists every process of the run (role, pid), for operators.
 * Start method (`--placement.start-method`): forkserver (the default) forks every rank, restarted agents
@@ -291,14 +294,16 @@ class Supervisor:
         Returns why not (the run then ends), or None."""
         spent = self.spec.trainer.max_recoveries
         if not spent or self.restore_points is None:
-            return "trainer rank 0's death ends a run without --trainer.max-recoveries: resume from its last checkpoint"
+            return ("without --trainer.max-recoveries trainer rank 0's death ends the run: resume from its last "
+                    "checkpoint with --resume")
         if self.recoveries_left <= 0:
             return f"--trainer.max-recoveries {spent} spent: resume from its last checkpoint with --resume"
         if self._stopping or self.signals:
             return "the run was stopping"
         point = newest_restorable(self.restore_points, self.spec.num_trainers)
         if point is None:
-            return "no version boundary has a restore point on every trainer rank yet: resume from its last checkpoint"
+            return ("no version boundary has a restore point on every trainer rank yet: resume from its last checkpoint "
+                    "with --resume")
         for c in self.children:
             if c.process.is_alive():
                 c.process.kill()

@@ -275,8 +275,8 @@ def test_a_stopped_trainer_rank_0_ends_the_run_named_without_failover(tmp_path, 
     assert time.monotonic() - stopped_at < timeout + detection_margin() + limit(15)
     text = job.text()
     assert f"trainer rank 0 (pid {rank0}) is stopped (SIGSTOP) for " in text, job.tail()
-    assert "(trainer rank 0's death ends a run without --trainer.max-recoveries: resume from its last checkpoint)" \
-        in text, job.tail()
+    assert "(without --trainer.max-recoveries trainer rank 0's death ends the run: resume from its last checkpoint " \
+        "with --resume)" in text, job.tail()
     no_process_left(job)
 
 
