@@ -35,12 +35,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 from typing import Callable, Protocol
 
 from asyncrl.runtime.lifecycle import STOP_SIGNALS, die_with_parent, name_process
 
-__all__ = ["RoleProcess", "ProcessStarter", "SpawnStarter", "ForkServer", "ForkedProcess", "START_METHODS"]
+__all__ = ["RoleProcess", "ProcessStarter", "SpawnStarter", "ForkServer", "ForkedProcess", "START_METHODS",
+           "process_starter"]
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +217,15 @@ class ForkServer:
 
 
 # ---------------------------------------------------------------------------------------------- the server
+def process_starter(method: str, *, preload: tuple[str, ...], inherited: tuple, start_timeout_s: float) -> ProcessStarter:
+    """How a launcher starts its processes (--placement.start-method): forks of a server that imports `preload`
+    once and holds `inherited`, or fresh interpreters (off Linux always: forking a process that loaded torch is
+    not safe there)."""
+    if method == "spawn" or not sys.platform.startswith("linux"):
+        return SpawnStarter()
+    return ForkServer(preload=preload, inherited=inherited, start_timeout_s=start_timeout_s)
+
+
 def _serve(conn, inherited: tuple, launcher_pid: int, preload: tuple[str, ...]) -> None:
     """The server process: import `preload`, then fork one process per request and report when each started
     and ended, until the launcher says stop (None) or is gone."""

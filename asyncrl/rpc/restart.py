@@ -30,8 +30,12 @@ import json
 import os
 import pathlib
 import re
+import time
 
-__all__ = ["Restart", "RestorablePoint", "write_books", "read_books", "newest_restorable"]
+from asyncrl.runtime.lifecycle import is_stopped
+
+__all__ = ["Restart", "RestorablePoint", "write_books", "read_books", "newest_restorable", "restart_refusal",
+           "StoppedWatch"]
 
 _BOOKS = re.compile(r"books-s(\d+)\.json")
 _SNAP = re.compile(r"rank(\d+)-s(\d+)\.snap")
@@ -107,3 +111,46 @@ def newest_restorable(base: str | os.PathLike, world: int) -> RestorablePoint | 
         if files.get(step, set()) >= set(range(world)):
             return RestorablePoint(step, books[step])
     return None
+
+
+def restart_refusal(*, max_recoveries: int, recoveries_left: int, stopping: bool,
+                    point: RestorablePoint | None) -> str | None:
+    """Why trainer rank 0's death is not survived (the run then ends), or None: the run starts again from `point`.
+    `recoveries_left`: of --trainer.max-recoveries; `stopping`: a signal or a limit is ending the run."""
+    if not max_recoveries:
+        return ("without --trainer.max-recoveries trainer rank 0's death ends the run: resume from its last checkpoint "
+                "with --resume")
+    if recoveries_left <= 0:
+        return f"--trainer.max-recoveries {max_recoveries} spent: resume from its last checkpoint with --resume"
+    if stopping:
+        return "the run was stopping"
+    if point is None:
+        return ("no version boundary has a restore point on every trainer rank yet: resume from its last checkpoint "
+                "with --resume")
+    return None
+
+
+class StoppedWatch:
+    """Trainer rank 0 stopped as a whole (SIGSTOP, or a debugger) as the launcher reads it: its store, the agents'
+    RPC and the run's loop stop with it, so after `timeout_s` (--async-training.agent-timeout-s) it counts as dead."""
+
+    def __init__(self, timeout_s: float, *, stopped=is_stopped, clock=time.monotonic):
+        """`stopped(pid)`: whether the process is stopped (Linux's /proc state); `clock`: seconds, monotonic."""
+        self.timeout_s, self._stopped, self._clock = timeout_s, stopped, clock
+        self._since: float | None = None
+
+    def why(self, pid: int) -> str | None:
+        """What to say of process `pid` once it has been stopped past the timeout; None while it runs (or not yet)."""
+        if not self._stopped(pid):
+            self._since = None
+            return None
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        if now - self._since <= self.timeout_s:
+            return None
+        return (f"trainer rank 0 (pid {pid}) is stopped (SIGSTOP) for {now - self._since:.0f} s "
+                f"(--async-training.agent-timeout-s {self.timeout_s:g})")
+
+    def reset(self) -> None:
+        self._since = None

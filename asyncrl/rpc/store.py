@@ -28,13 +28,14 @@ import json
 import logging
 import os
 import pathlib
+import socket
 import tempfile
 
 import torch.distributed as dist
 
 from asyncrl.rpc.exposure import RunToken, is_loopback, listening_socket
 
-__all__ = ["RunStore", "Records", "agent_name", "serve_store"]
+__all__ = ["RunStore", "Records", "agent_name", "serve_store", "is_serving"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,14 @@ def agent_name(slot: int, incarnation: int) -> str:
     """`agent3` for the first process of slot 3, `agent3_r1` for its first restart (the RPC group's member list
     is "name-id,...": a name must hold no '-')."""
     return f"agent{slot}" if incarnation == 0 else f"agent{slot}_r{incarnation}"
+
+
+def is_serving(host: str, port: int) -> bool:
+    """Whether something listens at `host:port` (a store a launcher waits for: a client that connects first logs a
+    C++ traceback)."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
 
 
 def serve_store(host: str, port: int, timeout_s: float, *, multi_tenant: bool = False) -> dist.TCPStore:

@@ -40,8 +40,6 @@ import queue as queue_mod
 import secrets
 import shutil
 import signal
-import socket
-import sys
 import time
 
 from asyncrl.checkpoint.snapshot_files import snapshot_directory
@@ -49,14 +47,14 @@ from asyncrl.rpc.assembly import resolve_resume
 from asyncrl.runtime.controller import RunSummary
 from asyncrl.rpc.exposure import TOKEN_ENV, RunToken, bind_address, is_loopback, new_token, read_token
 from asyncrl.rpc.failover import Silence
-from asyncrl.rpc.forkserver import ForkServer, ProcessStarter, RoleProcess, SpawnStarter
-from asyncrl.rpc.restart import Restart, newest_restorable
+from asyncrl.rpc.forkserver import RoleProcess, process_starter
+from asyncrl.rpc.restart import Restart, StoppedWatch, newest_restorable, restart_refusal
 from asyncrl.rpc.roles import reserve_port, run_agent_process, run_trainer
 from asyncrl.runtime.kill_points import check_kill_point_env
 from asyncrl.runtime.lifecycle import RunFailed, is_stopped, on_signals
 from asyncrl.runtime.run_log import RunLog
 from asyncrl.rpc.spec import RunSpec
-from asyncrl.rpc.store import RunStore
+from asyncrl.rpc.store import RunStore, is_serving
 
 __all__ = ["launch", "Supervisor", "RunKilled"]
 
@@ -102,12 +100,6 @@ class _Child:
     restarts: int = 0
 
 
-def _listening(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, port)) == 0
-
-
 class Supervisor:
     def __init__(self, spec: RunSpec, *, run_log: RunLog | None = None, poll_s: float = 0.2,
                  exit_grace_s: float = 15.0):
@@ -136,13 +128,16 @@ class Supervisor:
         self.store: RunStore | None = None
         self._dead_seen = 0
         self._beats: dict[int, Silence] = {}  # trainer follower -> its heartbeat as watched
-        self._rank0_stopped_since: float | None = None  # when trainer rank 0 was first seen stopped (SIGSTOP)
+        self._rank0_watch = StoppedWatch(spec.async_.agent_timeout_s)  # trainer rank 0 stopped as a whole
         self.generation = 0  # the trainer group's: one more after each recovered fault
         self.recoveries_left = spec.trainer.max_recoveries
         self.restore_points = str(snapshot_directory(secrets.token_hex(8))) if spec.trainer.max_recoveries else None
         self._stopping = False
         self.stop_reason: str | None = None  # a limit the launcher enforced (max_run_time_s)
-        self.starter = _starter(spec, self.results)  # last: a fork server is a process, ended by run()
+        # last: a fork server is a process, ended by run(); it imports this module (and the role bodies) once and
+        # holds the results queue the ranks report on
+        self.starter = process_starter(spec.placement.start_method, preload=(__name__,), inherited=(self.results,),
+                                       start_timeout_s=spec.startup_timeout_s)
 
     # ------------------------------------------------------------------------------------ processes
     def _spawn_trainer(self, rank: int, restart: Restart | None = None) -> None:
@@ -231,7 +226,7 @@ class Supervisor:
             except queue_mod.Empty:
                 pass
             rank0 = self._rank0()
-            if (stopped := self._rank0_stopped(rank0)) is not None:
+            if rank0.is_alive() and (stopped := self._rank0_watch.why(rank0.pid)) is not None:
                 rank0.kill()  # SIGKILL ends a stopped process too
                 rank0.join(5.0)
                 refused = self._restart_run(stopped, time.monotonic())
@@ -272,38 +267,15 @@ class Supervisor:
         hint = f" (--trainer.max-recoveries {spent} spent)" if spent else ""
         return f"{why}; the run cannot go on without it{hint} (resume from its last checkpoint with --resume)"
 
-    def _rank0_stopped(self, rank0: RoleProcess) -> str | None:
-        """Why trainer rank 0 counts as dead while its process exists: stopped (SIGSTOP) for longer than
-        --async-training.agent-timeout-s. Its store, the agents' RPC and the run's loop stop with it, and nothing
-        else would end the run. (A rank 0 whose main thread alone hangs is named by its own timeouts.)"""
-        if not rank0.is_alive() or not is_stopped(rank0.pid):
-            self._rank0_stopped_since = None
-            return None
-        now = time.monotonic()
-        if self._rank0_stopped_since is None:
-            self._rank0_stopped_since = now
-        silent, timeout = now - self._rank0_stopped_since, self.spec.async_.agent_timeout_s
-        if silent <= timeout:
-            return None
-        return (f"trainer rank 0 (pid {rank0.pid}) is stopped (SIGSTOP) for {silent:.0f} s "
-                f"(--async-training.agent-timeout-s {timeout:g})")
-
     def _restart_run(self, why: str, detected_at: float) -> str | None:
         """Trainer rank 0 died (`why`) without a result: with a recovery left and a version boundary every rank holds
         a restore point of, end every other process and start the run's processes again from it (`asyncrl.rpc.restart`).
         Returns why not (the run then ends), or None."""
-        spent = self.spec.trainer.max_recoveries
-        if not spent or self.restore_points is None:
-            return ("without --trainer.max-recoveries trainer rank 0's death ends the run: resume from its last "
-                    "checkpoint with --resume")
-        if self.recoveries_left <= 0:
-            return f"--trainer.max-recoveries {spent} spent: resume from its last checkpoint with --resume"
-        if self._stopping or self.signals:
-            return "the run was stopping"
-        point = newest_restorable(self.restore_points, self.spec.num_trainers)
-        if point is None:
-            return ("no version boundary has a restore point on every trainer rank yet: resume from its last checkpoint "
-                    "with --resume")
+        point = newest_restorable(self.restore_points, self.spec.num_trainers) if self.restore_points else None
+        refused = restart_refusal(max_recoveries=self.spec.trainer.max_recoveries, recoveries_left=self.recoveries_left,
+                                  stopping=self._stopping or bool(self.signals), point=point)
+        if refused is not None:
+            return refused
         for c in self.children:
             if c.process.is_alive():
                 c.process.kill()
@@ -313,7 +285,7 @@ class Supervisor:
         self.recoveries_left -= 1
         self.generation += 1
         self.store, self._dead_seen, self._declared, self.pending_restarts = None, 0, set(), []
-        self._rank0_stopped_since = None
+        self._rank0_watch.reset()
         self._beats.clear()
         log.warning("%s: starting the run's processes again as generation %d from step %d (%d recoveries left)", why,
                     self.generation, point.step, self.recoveries_left)
@@ -447,7 +419,7 @@ class Supervisor:
         if not rank0.is_alive() or is_stopped(rank0.pid):
             return None
         if self.store is None:
-            if not _listening(self.host, self.store_port):
+            if not is_serving(self.host, self.store_port):
                 return None  # rank 0 has not served it yet (a failed client connect logs a C++ traceback)
             try:
                 self.store = RunStore(self.host, self.store_port, serve=False, timeout_s=5.0)
@@ -508,14 +480,6 @@ class Supervisor:
                 c.process.kill()  # SIGKILL: ends a stopped or hung process too
         for c in self.children:
             c.process.join(5.0)
-
-
-def _starter(spec: RunSpec, results) -> ProcessStarter:
-    """How the ranks start (--placement.start-method): forks of a server that imports this module (and with it
-    the role bodies) once, which holds the results queue they report on; or fresh interpreters."""
-    if spec.placement.start_method == "spawn" or not sys.platform.startswith("linux"):
-        return SpawnStarter()  # elsewhere, forking a process that loaded torch is not safe
-    return ForkServer(preload=(__name__,), inherited=(results,), start_timeout_s=spec.startup_timeout_s)
 
 
 def launch(spec: RunSpec, *, run_log: RunLog | None = None) -> RunSummary:

@@ -13,7 +13,7 @@ import torch
 from asyncrl.checkpoint.snapshot_files import write_packed
 from asyncrl.learner import train_step
 from asyncrl.rpc.failover import RestorePoints
-from asyncrl.rpc.restart import newest_restorable, read_books, write_books
+from asyncrl.rpc.restart import RestorablePoint, StoppedWatch, newest_restorable, read_books, restart_refusal, write_books
 from tests.dist_helpers import build, sample_groups
 
 BOOKS = {"queue": {"queue": [], "unfinished": []}, "run": {"window_steps": 0, "wall_s": 1.5}}
@@ -82,3 +82,32 @@ def test_restore_points_pin_the_step_they_took_and_keep_it_through_later_steps(t
     fresh.restore(build("grpo", seed=3), boundary)
     assert fresh.latest == boundary  # a restored step can be pinned again without being taken again
     fresh.pin(boundary)
+
+
+def test_rank_0s_death_is_survived_with_failover_a_recovery_left_and_a_boundary_kept():
+    point = RestorablePoint(6, None)
+    assert restart_refusal(max_recoveries=2, recoveries_left=1, stopping=False, point=point) is None
+    assert restart_refusal(max_recoveries=0, recoveries_left=0, stopping=False, point=None) == (
+        "without --trainer.max-recoveries trainer rank 0's death ends the run: resume from its last checkpoint with "
+        "--resume")
+    assert restart_refusal(max_recoveries=2, recoveries_left=0, stopping=False, point=point) == (
+        "--trainer.max-recoveries 2 spent: resume from its last checkpoint with --resume")
+    assert restart_refusal(max_recoveries=2, recoveries_left=2, stopping=True, point=point) == "the run was stopping"
+    assert restart_refusal(max_recoveries=2, recoveries_left=2, stopping=False, point=None).startswith(
+        "no version boundary has a restore point on every trainer rank yet")
+
+
+def test_a_stopped_rank_0_counts_as_dead_only_once_stopped_past_the_timeout_without_a_break():
+    now, stopped = [100.0], {7: True}
+    watch = StoppedWatch(10.0, stopped=lambda pid: stopped[pid], clock=lambda: now[0])
+    assert watch.why(7) is None  # first seen stopped
+    now[0] = 109.0
+    assert watch.why(7) is None
+    stopped[7] = False  # continued (SIGCONT): the count starts over
+    assert watch.why(7) is None
+    stopped[7], now[0] = True, 112.0
+    assert watch.why(7) is None
+    now[0] = 122.5
+    assert watch.why(7) == "trainer rank 0 (pid 7) is stopped (SIGSTOP) for 10 s (--async-training.agent-timeout-s 10)"
+    watch.reset()
+    assert watch.why(7) is None
