@@ -13,6 +13,7 @@ steps (`keep`), so a death while writing step S leaves S − 1 whole.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -26,6 +27,43 @@ __all__ = ["ROOT_ENV", "snapshot_directory", "write_packed", "read_packed", "hel
 
 _MAGIC = b"ASRLSNAP"
 _NAME = re.compile(r"rank(\d+)-s(\d+)\.snap")
+CHUNK_BYTES = 256 << 20
+"""The tensor bytes one thread writes or reads at a time: a shard of several GB moves on up to `_threads()` threads
+(each call releases the GIL), since one thread copies only a few GB/s into or out of shared memory."""
+
+
+def _threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _chunks(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of `chunk_bytes` covering [0, total)."""
+    return [(a, min(a + chunk_bytes, total)) for a in range(0, total, chunk_bytes)]
+
+
+def _in_threads(jobs: list, run) -> None:
+    """`run(job)` for every job, on threads when there is more than one."""
+    if len(jobs) <= 1:
+        for job in jobs:
+            run(job)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(_threads(), len(jobs))) as pool:
+        for done in pool.map(run, jobs):
+            del done
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _pread_all(fd: int, view: memoryview, offset: int, path: pathlib.Path) -> None:
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise ValueError(f"{path}: truncated while it was read")
+        view, offset = view[got:], offset + got
 
 
 ROOT_ENV = "ASYNCRL_RESTORE_POINTS_DIR"
@@ -44,11 +82,11 @@ def snapshot_directory(run_id: str) -> pathlib.Path:
 
 
 def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: tuple[str, Tensor | list[Tensor]],
-                 keep: int = 2, pinned: int | None = None) -> pathlib.Path:
+                 keep: int = 2, pinned: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> pathlib.Path:
     """Write rank `rank`'s packed snapshot at learner step `step` (renamed into place once complete), then delete
     its files older than its newest `keep` steps, except the file of step `pinned` (None: none). `packed`: (text,
     flat) or (text, parts), the flat bytes as the parts that concatenate to them (`ShardSnapshot.packed_parts`,
-    written without a copy). Returns the file."""
+    written without a copy, in chunks of `chunk_bytes` on threads of their own). Returns the file."""
     if keep < 1:
         raise ValueError(f"write_packed: keep {keep} must be >= 1")
     directory = pathlib.Path(directory)
@@ -57,10 +95,16 @@ def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: 
     raw = text.encode()
     final = directory / f"rank{rank}-s{step}.snap"
     tmp = final.with_suffix(".tmp")
+    head = _MAGIC + len(raw).to_bytes(8, "little") + raw
+    jobs, offset = [], len(head)
+    for part in [parts] if isinstance(parts, Tensor) else parts:
+        view = memoryview(part.contiguous().numpy()).cast("B")
+        jobs += [(view[a:b], offset + a) for a, b in _chunks(len(view), chunk_bytes)]
+        offset += len(view)
     with open(tmp, "wb") as f:
-        f.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
-        for part in [parts] if isinstance(parts, Tensor) else parts:
-            f.write(memoryview(part.contiguous().numpy()))
+        f.write(head)
+        f.flush()
+        _in_threads(jobs, lambda job: _pwrite_all(f.fileno(), *job))
     os.replace(tmp, final)
     mine = sorted((v, p) for r, v, p in held_snapshots(directory) if r == rank)
     for held, old in mine[:-keep]:
@@ -69,8 +113,9 @@ def write_packed(directory: str | os.PathLike, *, rank: int, step: int, packed: 
     return final
 
 
-def read_packed(path: str | os.PathLike) -> tuple[str, Tensor]:
-    """A packed snapshot back from `write_packed`'s file (ValueError naming the file when it is not one)."""
+def read_packed(path: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, Tensor]:
+    """A packed snapshot back from `write_packed`'s file, its tensor bytes read in chunks of `chunk_bytes` on threads
+    of their own (ValueError naming the file when it is not one)."""
     path = pathlib.Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -88,7 +133,9 @@ def read_packed(path: str | os.PathLike) -> tuple[str, Tensor]:
         if size - 16 - length != expected:
             raise ValueError(f"{path}: truncated ({size - 16 - length} tensor bytes of {expected})")
         flat = torch.empty(expected, dtype=torch.uint8)
-        f.readinto(memoryview(flat.numpy()))  # once, into the tensor
+        view, start = memoryview(flat.numpy()), 16 + length  # once, into the tensor
+        _in_threads(_chunks(expected, chunk_bytes),
+                    lambda span: _pread_all(f.fileno(), view[span[0]:span[1]], start + span[0], path))
     return text, flat
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 from asyncrl.checkpoint.snapshot import ShardSnapshot
 from asyncrl.checkpoint.snapshot_files import held_snapshots, read_packed, snapshot_directory, write_packed
@@ -64,3 +65,17 @@ def test_foreign_and_truncated_files_and_odd_run_ids_are_refused(tmp_path):
     assert snapshot_directory("run_1.a-b").name == "asyncrl-run_1.a-b"
     with pytest.raises(ValueError, match="must be letters"):
         snapshot_directory("../etc")
+
+
+def test_a_file_written_and_read_in_many_chunks_on_threads_is_the_same_file(tmp_path):
+    """Shards of several GB move in chunks on threads of their own: with 7-byte chunks every part spans several and
+    the parts' boundaries fall inside chunks of the file; the file is byte for byte the one-chunk file."""
+    state = build("ppo")
+    snapshot = ShardSnapshot(state)
+    snapshot.take(state)
+    text, parts = snapshot.packed_parts()
+    one = write_packed(tmp_path / "one", rank=0, step=1, packed=(text, parts))
+    many = write_packed(tmp_path / "many", rank=0, step=1, packed=(text, parts), chunk_bytes=7)
+    assert many.read_bytes() == one.read_bytes()
+    read_text, flat = read_packed(many, chunk_bytes=5)
+    assert read_text == text and flat.equal(torch.cat([p.reshape(-1) for p in parts]))
