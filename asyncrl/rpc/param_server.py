@@ -52,15 +52,29 @@ class SyncRunner:
     silent for longer than `late_after_s` (it heartbeats every second) is left to finish its sync in the
     background — the trainer goes on, the agent gets no further publication until that sync ends, and the
     roster declares it dead if its silence reaches agent_timeout_s. A hung agent thus stalls the trainer for
-    `late_after_s`, not for its whole timeout."""
+    `late_after_s`, not for its whole timeout.
+
+    An agent that keeps its weights until an evaluation of them ends is not waited for either: its sync runs
+    once the evaluation ends. It takes no training prompt meanwhile (`Roster.request`), so the next publication
+    waits for that sync first (`wait_deferred`): published past it, the agent would hold a superseded version
+    with nothing to train that could bring the next one."""
 
     def __init__(self, roster: Roster, *, late_after_s: float, poll_s: float = 0.02):
         self.roster, self.late_after_s, self.poll_s = roster, late_after_s, poll_s
         self.unfinished: dict[str, SyncResult] = {}  # syncs the trainer stopped waiting for
+        self.deferred: set[str] = set()  # of those, the ones waiting for an evaluation to end
 
     def busy(self) -> set[str]:
         """Agents whose previous sync is still running: not a target until it ends."""
         return {name for name, r in self.unfinished.items() if not r.done.is_set()}
+
+    def wait_deferred(self) -> None:
+        """Wait for the syncs an evaluation deferred to end, each while its agent is live (the roster names a
+        hung one dead after its timeout)."""
+        for name in sorted(self.deferred):
+            result = self.unfinished.get(name)
+            while result is not None and not result.done.is_set() and self.roster.status(name) == "live":
+                result.done.wait(self.poll_s)
 
     def run(self, work: dict[str, Callable[[], float]], version: int) -> tuple[list[SyncResult], int]:
         """Start the syncs; return the results to settle (these, and earlier late ones that ended since) and how
@@ -73,6 +87,7 @@ class SyncRunner:
                 while self.roster.evaluating(result.name):  # it keeps its weights until that evaluation ends
                     time.sleep(self.poll_s)
                 result.seconds = fn()
+                self.roster.synced(result.name, result.version)  # now: admission goes by the version it holds
             except BaseException as err:  # noqa: BLE001 - reported by the caller
                 result.error = err
             finally:
@@ -97,12 +112,14 @@ class SyncRunner:
                 elif status == "live" and self.roster.evaluating(name):  # it finishes them at its version first
                     log.info("agent %s finishes its evaluation prompts before it takes version %d", name, version)
                     self.unfinished[name] = results.pop(name)
+                    self.deferred.add(name)
                     pending.discard(name)
             if pending:
                 ended.wait(self.poll_s)
         settled = [r for r in self.unfinished.values() if r.done.is_set()]
         for r in settled:
             del self.unfinished[r.name]
+            self.deferred.discard(r.name)
         return [r for r in results.values() if r.done.is_set()] + settled, late
 
 
@@ -144,6 +161,7 @@ class LocalPublisher:
         weights = list(published_weights(state.policy, dtype=self.dtype))
         sent = _bytes(weights)
         gathered = time.perf_counter()
+        self.syncs.wait_deferred()
         busy = self.syncs.busy()
         targets = {n: self.agents[n] for n in self.roster.live() + self.roster.joining()
                    if n in self.agents and n not in busy}
@@ -178,6 +196,7 @@ class CollectivePublisher:
 
     def publish(self, state: LearnerState, version: int) -> dict:
         start = time.perf_counter()
+        self.syncs.wait_deferred()
         busy = self.syncs.busy()
         targets = [h for h in map(self.fleet.get, self.roster.live() + self.roster.joining())
                    if h is not None and h.name not in busy]

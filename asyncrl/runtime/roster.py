@@ -107,12 +107,14 @@ class Roster:
             return True
 
     def synced(self, name: str, version: int) -> None:
-        """`name` holds the weights of `version` (a publication reached it, or it started with them)."""
+        """`name` holds the weights of `version` (a publication reached it, or it started with them). An older
+        version said later (a sync's end is said where it ends and again where the trainer settles it) changes
+        nothing: versions only grow."""
         with self.lock:
             member = self.members.get(name)
             if member is not None:
                 member.first_version = version if member.first_version is None else member.first_version
-                member.last_version = version
+                member.last_version = version if member.last_version is None else max(member.last_version, version)
 
     def report(self) -> dict[str, dict]:
         """Every agent that was in the run: status, why it left, versions it held, groups it delivered."""
@@ -220,18 +222,25 @@ class Roster:
 
     def request(self, agent: str, n: int) -> list[Task | EvalTask]:
         """Up to n prompts: evaluation prompts of the version the agent holds first (while it holds fewer than
-        `eval_slots` of them), then training prompts within the staleness budget."""
+        `eval_slots` of them), then training prompts within the staleness budget.
+
+        An agent whose weights are older than the newest publication gets no training prompt: the budget
+        stamps what it admits with the newest version, so a prompt sampled under older weights would carry a
+        lag the budget never allowed. Such an agent is one a publication has not reached yet (it will in a
+        moment), or one that keeps its weights for an evaluation of them: that one takes evaluation prompts
+        with all the slots it asks for, so that the evaluation ends and it catches up."""
         self._heard(agent, "requests")
         if not self.is_live(agent):
             return []  # joining: no prompts before the first weights
+        with self.lock:
+            version = self.members[agent].last_version
+        behind = version is not None and version < self.queue.version
         out: list[Task | EvalTask] = []
         if self.evals is not None:
-            room = min(n, self.eval_slots - self.evals.holds(agent))
+            room = n if behind else min(n, self.eval_slots - self.evals.holds(agent))
             if room > 0:
-                with self.lock:
-                    version = self.members[agent].last_version
                 out += self.evals.lease(agent, version, room)
-        if n - len(out) <= 0:
+        if behind or n - len(out) <= 0:
             return out
         live = len(self.live())
         # fair share of a version's admissions among the live agents (first come would let one take it all)

@@ -1,5 +1,6 @@
 """SyncRunner: a publication waits for every agent's weight sync, except a live agent that has gone silent
-(five heartbeats): its sync is left to finish in the background and it gets no further sync until then."""
+(five heartbeats): its sync is left to finish in the background and it gets no further sync until then; and an
+agent finishing an evaluation of its weights, whose sync the next publication waits for."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class FakeRoster:
 
     def __init__(self, silent: dict[str, float]):
         self.silent = silent
+        self.held: dict[str, int] = {}  # the version each agent's last ended sync brought it
+
+    def synced(self, name: str, version: int) -> None:
+        self.held[name] = version
 
     def status(self, name: str) -> str:
         return "live"
@@ -111,3 +116,18 @@ def test_a_joiner_is_started_without_waiting_for_its_answer(caplog):
         assert len(answers) == 1 and not answers[0].done()  # returned before the agent answered
         answers[0].set_exception(RuntimeError("connection reset"))
     assert "agent agent1 did not start: RuntimeError('connection reset')" in caplog.text
+
+
+def test_a_sync_deferred_by_an_evaluation_is_recorded_when_it_ends_and_the_next_publication_waits_for_it():
+    roster = FakeRoster({"agent0": 0.0})
+    roster.evaluating_now = {"agent0"}
+    runner = SyncRunner(roster, late_after_s=5.0, poll_s=0.001)
+    results, late = runner.run({"agent0": lambda: 0.3}, version=1)
+    assert results == [] and late == 0 and runner.deferred == {"agent0"} and roster.held == {}
+    threading.Timer(0.2, lambda: setattr(roster, "evaluating_now", set())).start()
+    runner.wait_deferred()  # the next publication's first step
+    assert roster.held == {"agent0": 1}  # at once, not at the next settlement: it takes training prompts again
+    assert runner.busy() == set()
+    results, late = runner.run({"agent0": lambda: 0.1}, version=2)
+    assert [(r.name, r.version) for r in results] == [("agent0", 2), ("agent0", 1)]  # the old one settles too
+    assert runner.deferred == set() and roster.held == {"agent0": 2}

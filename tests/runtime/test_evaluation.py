@@ -175,3 +175,29 @@ def test_the_roster_hands_out_evaluation_prompts_within_the_share_and_takes_a_de
         roster.submit_eval("b", task, samples(2), [1.0, 0.0])
     [outcome] = b.settle(roster.live_versions())
     assert outcome.complete and not roster.evaluating("b")
+
+
+def test_an_agent_kept_on_old_weights_by_an_evaluation_takes_only_its_prompts_then_catches_up():
+    """A publication the agent has not taken (it keeps its weights while their evaluation runs) leaves it no
+    training prompt, whose stamp would be the new version and its lag one the budget never allowed; it takes
+    evaluation prompts with every slot it asks for instead, and training prompts again once it holds the new
+    version."""
+    from asyncrl.data.sources import GeneratedSource
+    from asyncrl.runtime.queue import SampleQueue, Task
+    from asyncrl.runtime.roster import Roster
+
+    queue = SampleQueue(GeneratedSource(lambda i: Prompt([3, i % 50], data_source="sums", index=i)),
+                        max_required_samples=64, version=2)
+    b = board(k=6)
+    roster = Roster(queue, agent_timeout_s=60, evals=b, eval_slots=2)
+    roster.add("a", live=True)
+    roster.synced("a", 2)
+    b.schedule(2)
+    queue.new_version(3)  # the trainer published; "a" still holds 2
+    got = roster.request("a", 5)
+    assert [type(t) for t in got if isinstance(t, Task)] == [] and len(got) == 5  # past eval_slots (2)
+    for task in got:
+        roster.submit_eval("a", task, samples(2), [1.0, 0.0])
+    assert [t.unit for t in roster.request("a", 5)] == [5]  # the last one; still no training prompt
+    roster.synced("a", 3)
+    assert [t.admitted_version for t in roster.request("a", 4)] == [3] * 4

@@ -167,3 +167,15 @@ def test_the_liveness_thread_declares_a_silent_agent_dead_whatever_the_trainer_d
         assert roster.dead() == ["a"]
     finally:
         roster.stop()
+
+
+def test_an_agent_a_publication_has_not_reached_gets_no_training_prompts_until_it_has():
+    roster, queue, clock, removed = make()
+    roster.add("a", live=True)
+    roster.synced("a", 0)
+    queue.new_version(1)
+    assert roster.request("a", 4) == []  # sampled under version 0, they would be stamped 1
+    roster.synced("a", 1)
+    assert [t.admitted_version for t in roster.request("a", 4)] == [1] * 4
+    roster.synced("a", 0)  # an older sync settled later: the agent still holds 1
+    assert roster.report()["a"]["last_version"] == 1
