@@ -18,6 +18,7 @@ network.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import hmac
@@ -102,6 +103,48 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     (rank 0): the run goes on from a version boundary's restore points after the previous rank 0 died
     (`asyncrl.rpc.restart`; every rank is then of the restart's generation)."""
     role = f"trainer{rank}"
+    stop = _enter_trainer_process(role, rank, spec, host, parent_pid, generation)
+    started = _start_trainer(role, rank, spec, host, store_port, rpc_port, results, token=token,
+                             generation=generation, restore_points=restore_points)
+    summary = None
+    try:
+        if rank == 0:
+            summary = run_head(spec, started.store, stop, started.token, started.nonce, run_log=run_log,
+                               restore_points=started.restore_points, restart=restart)
+            _report(results, summary)
+        elif spec.colocate:  # its role object is rank 0's to create, over RPC
+            _wait_for_end(started.store, poll_s=0.5, beat=rank)
+        else:
+            _follow(spec, rank, started.store, generation, started.restore_points)
+    except RunFailed as err:  # its message says it all: the launcher prints it once
+        _report(results, err)
+    except BaseException as err:
+        log.exception("%s failed", role)  # the exit below would swallow the traceback
+        _report(results, RuntimeError(f"{role} failed: {err}"))
+        raise
+    finally:
+        _end_trainer(started, rank, run_log, parent_pid)
+    return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class _StartedTrainer:
+    """A trainer rank that joined its group (and rank 0's run, RPC): what its role runs with, and what its end
+    gives back."""
+
+    store: RunStore
+    nonce: str
+    token: RunToken
+    restore_points: str | None
+    heartbeat: Heartbeat | None  # a non-colocated follower's, from before it joined
+    left: pathlib.Path | None  # rank 0 of a loopback run: the token file it left for this host's user
+    made: bool  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
+
+
+def _enter_trainer_process(role: str, rank: int, spec: RunSpec, host: str, parent_pid: int | None,
+                           generation: int) -> StopRequest:
+    """This process becomes trainer rank `rank`: its logging, interface, threads, generation and signals. Rank 0
+    stops the run on a signal; a follower notes it and keeps following (rank 0's checkpoint needs every rank)."""
     _setup_logging(role)
     pin_interface(host, spec.placement.interface)
     if parent_pid is not None:
@@ -113,13 +156,19 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
     stop = StopRequest()
     if rank == 0:
         on_signals(stop.set)
-    else:  # rank 0 drives the shutdown (its checkpoint needs every rank): note the signal, keep following
+    else:
         on_signals(lambda name: log.info("%s: %s received; rank 0 is stopping the run", role, name))
-    left = None  # rank 0 of a loopback run: the token file it left for this host's user
-    made = False  # rank 0 of a torchrun job made its host's restore points directory (removed at the end)
+    return stop
+
+
+def _start_trainer(role: str, rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: int, results, *,
+                   token: RunToken | None, generation: int, restore_points: str | None) -> _StartedTrainer:
+    """Join the run's store and the trainer group of `generation`; rank 0 opens the run, a follower reads its
+    keys; rank 0 (and a colocated follower) joins RPC. A failure is reported on `results` and raised."""
+    left = None
     try:
         store = RunStore(host, store_port, serve=rank == 0, timeout_s=spec.startup_timeout_s)
-        heartbeat = None if rank == 0 or spec.colocate else Heartbeat(  # a follower's, from before it joins
+        heartbeat = None if rank == 0 or spec.colocate else Heartbeat(
             host, store_port, rank, generation, timeout_s=spec.startup_timeout_s)
         _join_trainer_group(spec, store, rank, generation)
         if rank == 0:
@@ -128,6 +177,7 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             nonce, left = _open_run(store, spec, host, rpc_port, token)
         else:
             nonce, token = _follower_keys(store, token, role)
+        made = False
         if restore_points is None and spec.trainer.max_recoveries and spec.placement.launcher == "torchrun":
             restore_points = str(restore_points_directory(nonce))  # each host's, by the run's nonce (`keep_trainer`)
             made = rank == 0
@@ -143,35 +193,23 @@ def run_trainer(rank: int, spec: RunSpec, host: str, store_port: int, rpc_port: 
             left.unlink(missing_ok=True)
         _report(results, RuntimeError(f"{role} could not start: {err}"))
         raise
-    summary = None
-    try:
-        if rank == 0:
-            summary = run_head(spec, store, stop, token, nonce, run_log=run_log, restore_points=restore_points,
-                               restart=restart)
-            _report(results, summary)
-        elif spec.colocate:  # its role object is rank 0's to create, over RPC
-            _wait_for_end(store, poll_s=0.5, beat=rank)
-        else:
-            _follow(spec, rank, store, generation, restore_points)
-    except RunFailed as err:  # its message says it all: the launcher prints it once
-        _report(results, err)
-    except BaseException as err:
-        log.exception("%s failed", role)  # the exit below would swallow the traceback
-        _report(results, RuntimeError(f"{role} failed: {err}"))
-        raise
-    finally:
-        leave_rpc()
-        if heartbeat is not None:
-            heartbeat.stop()
-        if left is not None:
-            left.unlink(missing_ok=True)
-        if run_log is not None:
-            run_log.close()
-        if made:
-            shutil.rmtree(restore_points, ignore_errors=True)
-        if rank != 0 and parent_pid is not None:
-            os._exit(0)
-    return summary
+    return _StartedTrainer(store, nonce, token, restore_points, heartbeat, left, made)
+
+
+def _end_trainer(started: _StartedTrainer, rank: int, run_log: RunLog | None, parent_pid: int | None) -> None:
+    """Leave RPC, stop the heartbeat, take back the token file and this host's restore points, close the metrics
+    log; a follower started by a launcher exits here."""
+    leave_rpc()
+    if started.heartbeat is not None:
+        started.heartbeat.stop()
+    if started.left is not None:
+        started.left.unlink(missing_ok=True)
+    if run_log is not None:
+        run_log.close()
+    if started.made:
+        shutil.rmtree(started.restore_points, ignore_errors=True)
+    if rank != 0 and parent_pid is not None:
+        os._exit(0)
 
 
 def _join_trainer_group(spec: RunSpec, store: RunStore, rank: int, generation: int) -> None:
