@@ -4,7 +4,7 @@
       --data-path data/gsm8k-calc/train.parquet --eval-data-path data/gsm8k-calc/test.parquet --target 0.5 \
       --out runs/race                                                                            # repo root
     python -m scripts.wallclock_race --model random:tiny-smollm2 --tokenizer smollm2 --devices cpu cpu \
-      --seeds 0 --budget-s 20 --target 0.1 --out runs/race-cpu                                  # a smoke race
+      --seeds 0 --budget-s 20 --warmup-s 0 --target 0.1 --out runs/race-cpu                                  # a smoke race
 
 Two modes, each run once per seed, one after the other, on the same `--devices`:
 
@@ -12,7 +12,8 @@ Two modes, each run once per seed, one after the other, on the same `--devices`:
     async   stale + partial: the first device trains, the others generate (staleness 0.5, trigger 1, partial
             rollout, the default correction)
 
-Every run trains for `--budget-s` seconds (`--async-training.time-budget-s`) and evaluates its weights every
+Before the first measured run, each mode trains once for `--warmup-s` seconds, unrecorded, so that no measured run
+compiles its kernels. Every run trains for `--budget-s` seconds (`--async-training.time-budget-s`) and evaluates its weights every
 `--eval-every` versions on the held-out prompts (`--eval.*`, beside training). Its curve is the held-out accuracy
 at the time each evaluated version was published, from the first version (`asyncrl_bench.wallclock`): process
 start-up is left out, and so is the evaluation's own time. The race: each run's time to `--target`, and the
@@ -37,7 +38,7 @@ from asyncrl.tracking import read_metrics
 from asyncrl_bench.wallclock import held_out_curve, race_summary, time_to_target
 from asyncrl_bench.plots import pyplot_or_none
 
-__all__ = ["RaceArgs", "MODES", "race_config", "run_race"]
+__all__ = ["RaceArgs", "MODES", "race_config", "warmup_configs", "run_race"]
 
 MODES = ("sync", "async")
 
@@ -80,6 +81,11 @@ class RaceArgs:
     """--eval.max-prompts, the race's own."""
     eval_n: int = 4
     """--eval.n, the race's own (at the training temperature)."""
+    warmup_s: float = 30.0
+    """Seconds of an unrecorded run of each mode before the first measured run (0: none), so that no measured run
+    pays for compiling its kernels: the compilation caches stay on disk between runs. A race without it ran its
+    first run's first step in 40 s against 12.5-15 s for the runs after it (2 x H200, 2026-11-29). A warm-up run
+trains at least one version, however short its budget."""
     max_versions: int = 100_000
     """--async-training.total-versions: high, so that the budget ends every run."""
     out: str = "runs/race"
@@ -121,6 +127,15 @@ def race_config(args: RaceArgs, mode: str, seed: int) -> RunConfig:
     )
 
 
+def warmup_configs(args: RaceArgs) -> dict[str, RunConfig]:
+    """Each mode's unrecorded warm-up run (`--warmup-s` of training, in <out>/warmup/<mode>); none when 0."""
+    if args.warmup_s <= 0:
+        return {}
+    short = dataclasses.replace(args, budget_s=args.warmup_s)
+    return {mode: dataclasses.replace(race_config(short, mode, args.seeds[0]),
+                                      run_dir=str(pathlib.Path(args.out) / "warmup" / mode)) for mode in args.modes}
+
+
 def _samples_per_version(cfg: RunConfig) -> int:
     return cfg.trainer.mini_batch_size * cfg.async_training.require_batches * cfg.rollout.n
 
@@ -129,11 +144,16 @@ def run_race(args: RaceArgs) -> dict:
     """Every (mode, seed) not yet run, one at a time; then the race's summary (race.json, race.md, race.png)."""
     out = pathlib.Path(args.out)
     configs = {(mode, seed): race_config(args, mode, seed) for seed in args.seeds for mode in args.modes}
-    for cfg in configs.values():
+    warmups = warmup_configs(args)
+    for cfg in [*configs.values(), *warmups.values()]:
         cfg.validate()  # every run checks before any starts
-    for (mode, seed), cfg in configs.items():
-        if (pathlib.Path(cfg.run_dir) / "summary.json").is_file():
-            continue
+    to_run = {key: cfg for key, cfg in configs.items() if not (pathlib.Path(cfg.run_dir) / "summary.json").is_file()}
+    cold = {mode: cfg for mode, cfg in warmups.items() if not (pathlib.Path(cfg.run_dir) / "summary.json").is_file()}
+    for mode, cfg in cold.items() if to_run else {}.items():  # nothing to measure: nothing to warm up
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        print(f"[race] warming up {mode}: {args.warmup_s:.0f} s, not recorded", flush=True)
+        train(cfg)
+    for (mode, seed), cfg in to_run.items():
         shutil.rmtree(cfg.run_dir, ignore_errors=True)  # no summary: an unfinished attempt
         print(f"[race] {mode} seed {seed}: {args.budget_s:.0f} s of training", flush=True)
         train(cfg)

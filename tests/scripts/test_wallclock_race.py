@@ -55,3 +55,25 @@ def test_the_race_summary_over_finished_runs(tmp_path):
     text = (tmp_path / "race.md").read_text()
     assert "| sync | 1 | never | 0.450 | 2 |" in text and "Median async / sync" in text
     assert json.loads((tmp_path / "race.json").read_text())["race"]["async_reached"] == 2
+
+
+def test_each_mode_warms_up_once_unrecorded_and_not_when_nothing_is_left_to_run(tmp_path, monkeypatch):
+    import scripts.wallclock_race as race
+    from scripts.wallclock_race import warmup_configs
+
+    args = RaceArgs(devices=("cpu", "cpu"), seeds=(2, 3), budget_s=100, warmup_s=15, out=str(tmp_path))
+    warm = warmup_configs(args)
+    assert sorted(warm) == ["async", "sync"]
+    for mode, cfg in warm.items():
+        assert cfg.async_training.time_budget_s == 15 and cfg.run_dir == str(tmp_path / "warmup" / mode)
+        assert cfg.async_training.colocated == (mode == "sync") and cfg.seed == 2
+    assert warmup_configs(RaceArgs(warmup_s=0)) == {}
+    trained = []
+    monkeypatch.setattr(race, "train", lambda cfg: _finished(tmp_path / cfg.run_dir, [1, 2], {2: 0.9})
+                        or trained.append(cfg.run_dir))
+    run_race(args)
+    assert trained == [str(tmp_path / "warmup" / "sync"), str(tmp_path / "warmup" / "async")] + [
+        str(tmp_path / mode / f"seed{seed}") for seed in (2, 3) for mode in ("sync", "async")]
+    trained.clear()
+    run_race(args)  # every run finished: no warm-up either
+    assert trained == []
