@@ -76,7 +76,10 @@ class RaceArgs:
     slots: int = 128
     """--rollout.max-slots, the race's own."""
     eval_every: int = 4
-    """--eval.every-versions, the race's own."""
+    """--eval.every-versions, the race's own (with --eval-every-s, 0 turns it off)."""
+    eval_every_s: float = 0.0
+    """--eval.every-seconds (0: off): evaluations as often in wall-clock in both modes, where every K versions
+    evaluates the mode with more versions a second more often."""
     eval_prompts: int = 256
     """--eval.max-prompts, the race's own."""
     eval_n: int = 4
@@ -120,7 +123,8 @@ def race_config(args: RaceArgs, mode: str, seed: int) -> RunConfig:
                                    partial_rollout=not sync, colocated=sync, total_versions=args.max_versions,
                                    time_budget_s=args.budget_s),
         eval=EvalConfig(data=(args.eval_data_path,) if args.eval_data_path else (), every_versions=args.eval_every,
-                              at_end=True, n=args.eval_n, temperature=1.0, max_prompts=args.eval_prompts),
+                        every_seconds=args.eval_every_s, at_end=True, n=args.eval_n, temperature=1.0,
+                        max_prompts=args.eval_prompts),
         placement=PlacementConfig(launcher="rpc", trainer_devices=tuple(args.devices) if sync else args.devices[:1],
                                   agent_devices=tuple(args.devices) if sync else tuple(args.devices[1:])),
         run_dir=str(_run_dir(args, mode, seed)), wandb="off", seed=seed, checkpoint_every=0,

@@ -25,6 +25,10 @@ class EvalConfig:
     """Seed of the built-in task's evaluation prompts (without --eval.data): another stream than --data.seed's."""
     every_versions: int = 0
     """Evaluate every K weight versions (0: only at start / at end)."""
+    every_seconds: float = 0.0
+    """Evaluate the first version published at least S seconds after the last evaluation opened, counting from
+    the first publication (0: off; with --eval.every-versions, either schedules one). Runs of different speeds
+    then pay for evaluation alike in wall-clock, where every K versions charges a faster run more often."""
     at_start: bool = False
     """Evaluate the initial weights (version 0)."""
     at_end: bool = False
@@ -45,7 +49,7 @@ class EvalConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.every_versions > 0 or self.at_start or self.at_end
+        return self.every_versions > 0 or self.every_seconds > 0 or self.at_start or self.at_end
 
     def validate(self) -> None:
         owner = "eval"
@@ -56,6 +60,8 @@ class EvalConfig:
                 _fail(owner, "data", path, "must be .jsonl or .parquet prompt files (the format of --data.path)")
         if self.every_versions < 0:
             _fail(owner, "every_versions", self.every_versions, "must be >= 0 (0: only --eval.at-start / --eval.at-end)")
+        if not self.every_seconds >= 0:
+            _fail(owner, "every_seconds", self.every_seconds, "must be >= 0 seconds (0: off)")
         if self.n < 1:
             _fail(owner, "n", self.n, "must be >= 1")
         if not self.temperature >= 0:
@@ -71,7 +77,8 @@ class EvalConfig:
             _fail(owner, "max_share", self.max_share, "must lie in (0, 1]: the share of an agent's sequence slots")
         if self.data and not self.enabled:
             _fail(owner, "data", " ".join(self.data), f"nothing schedules an evaluation of it: add "
-                  f"{flag(owner, 'every_versions')} K, {flag(owner, 'at_start')} or {flag(owner, 'at_end')}")
+                  f"{flag(owner, 'every_versions')} K, {flag(owner, 'every_seconds')} S, {flag(owner, 'at_start')} "
+                  f"or {flag(owner, 'at_end')}")
 
     def k_values(self) -> list[int]:
         """The k of pass@k: 1, 2, 4, ... and n."""

@@ -141,11 +141,18 @@ class EvalBoard:
         self.scheduled: list[int] = []  # the versions evaluated or being evaluated
         self.reported: list[int] = []  # the versions whose evaluation ended (what a checkpoint keeps)
         self._next_id = 0
+        self._timer: float | None = None  # --eval.every-seconds: from the first publication, then each opening
 
     # ------------------------------------------------------------------------------------ scheduling
     def due(self, version: int) -> bool:
-        k = self.config.every_versions
-        return bool(k) and version > 0 and version % k == 0
+        """Is an evaluation due at the publication of `version`: every `--eval.every-versions` K versions, or
+        `--eval.every-seconds` S after the last evaluation opened (after the first publication, at first)."""
+        if version <= 0:
+            return False
+        k, seconds = self.config.every_versions, self.config.every_seconds
+        if seconds > 0 and self._timer is None:
+            self._timer = self.clock()
+        return (bool(k) and version % k == 0) or (seconds > 0 and self.clock() - self._timer >= seconds)
 
     def schedule(self, version: int, reason: str = "every") -> bool:
         """Open an evaluation of `version` (once per version: False if it was scheduled already)."""
@@ -153,7 +160,9 @@ class EvalBoard:
             if version in self.scheduled:
                 return False
             self.scheduled.append(version)
-            self._open[self._next_id] = _Evaluation(self._next_id, version, reason, self.clock(),
+            now = self.clock()
+            self._timer = now
+            self._open[self._next_id] = _Evaluation(self._next_id, version, reason, now,
                                                     collections.deque(range(len(self.prompts))))
             self._next_id += 1
             return True

@@ -201,3 +201,24 @@ def test_an_agent_kept_on_old_weights_by_an_evaluation_takes_only_its_prompts_th
     assert [t.unit for t in roster.request("a", 5)] == [5]  # the last one; still no training prompt
     roster.synced("a", 3)
     assert [t.admitted_version for t in roster.request("a", 4)] == [3] * 4
+
+
+def test_an_evaluation_falls_due_every_s_seconds_from_the_first_publication_then_from_each_opening():
+    now = [100.0]
+    b = EvalBoard(prompts(2), EvalConfig(every_seconds=30, n=2, temperature=1.0), seed=5, max_new_tokens=16,
+                  clock=lambda: now[0])
+    assert EvalConfig(every_seconds=30).enabled and not b.due(0)
+    assert not b.due(1)  # the first publication starts the clock (start-up is not training)
+    now[0] = 125.0
+    assert not b.due(2)
+    now[0] = 131.0
+    assert b.due(3) and b.schedule(3)
+    now[0] = 150.0
+    assert not b.due(4)  # 19 s after the last opening
+    now[0] = 161.5
+    assert b.due(5)
+    both = EvalBoard(prompts(2), EvalConfig(every_versions=4, every_seconds=1000, n=2, temperature=1.0), seed=5,
+                     max_new_tokens=16, clock=lambda: now[0])
+    assert [v for v in range(1, 9) if both.due(v)] == [4, 8]  # either schedule opens one
+    with pytest.raises(ValueError, match="--eval.every-seconds -1"):
+        EvalConfig(every_seconds=-1).validate()
