@@ -68,6 +68,23 @@ def test_evaluations_are_pinned_to_their_version_while_training_goes_on(caplog):
     assert any(busy_at_step), "no learner step ran while an evaluation was open"
 
 
+def test_an_evaluation_never_lets_the_trainer_train_past_the_staleness_bound():
+    """One agent, stale + partial at staleness 0.5, an evaluation every 2 versions whose prompts outnumber a
+    version's: the agent keeps its weights while an evaluation of them runs, and takes no training prompt once the
+    trainer has published past them, so no group is trained more than one version late (a 2-GPU run before this
+    rule trained at a lag of up to 15)."""
+    board = EvalBoard([make_prompt(2000 + i) for i in range(48)],
+                      EvalConfig(every_versions=2, n=2, temperature=1.0), seed=4, max_new_tokens=8)
+    config = AsyncConfig(total_versions=VERSIONS, staleness_threshold=0.5, trigger_parameter_sync_step=1,
+                         partial_rollout=True, take_timeout_s=limit(60), sync_timeout_s=limit(60))
+    summary = local_run(config, engines=1, evals=board, eval_slots=2).run()
+    assert summary.versions == VERSIONS
+    lags = [m["training/version_lag/max"] for m in summary.history if "training/version_lag/max" in m]
+    assert len(lags) == VERSIONS and max(lags) <= 1, lags
+    evaluated = [int(m["val/version"]) for m in summary.history if "val/version" in m]
+    assert evaluated and all(m["val/complete"] == 1.0 for m in summary.history if "val/version" in m), evaluated
+
+
 @pytest.mark.slow
 def test_a_run_through_the_command_logs_evaluations_and_a_resume_keeps_their_schedule(tmp_path, capsys, caplog):
     """`asyncrl train` (in this process, the local launcher: the trainer and two agents): metrics.jsonl holds the
