@@ -13,19 +13,27 @@ checkpoint. The fixes: `--resume` (continue that run), `--overwrite` (delete it 
 the directory holds anything more (a file of yours, another program's output), it is refused before anything
 is deleted. Symbolic links among those names are removed, never followed. `--dry-run` deletes nothing.
 
-Under torchrun every rank runs `asyncrl train`; only rank 0 checks and writes the run directory.
+Under torchrun every rank runs `asyncrl train`; only rank 0 checks and writes the run directory. When torchrun
+starts the node's processes again (`--max-restarts`, after a process failed: trainer rank 0's death, say), the run
+goes on in its directory rather than being refused there (`after_torchrun_restart`): from its newest checkpoint, or,
+without one yet, from the start (what the failed attempt wrote is deleted, as --overwrite would).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
+from typing import Mapping
 
 from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
 
-__all__ = ["RUN_FILES", "run_dir_problem", "overwrite_note", "clear_run_dir", "owns_run_dir"]
+__all__ = ["RUN_FILES", "run_dir_problem", "overwrite_note", "clear_run_dir", "owns_run_dir", "after_torchrun_restart"]
+
+TORCHRUN_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun in the processes it starts: how many times it started them again (`--max-restarts`)."""
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "processes.json", "report.md",
              "report", "wandb", "checkpoints")
@@ -122,3 +130,23 @@ def clear_run_dir(path: str | pathlib.Path) -> list[str]:
         else:
             entry.unlink()
     return names
+
+
+def after_torchrun_restart(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> tuple[RunConfig, str | None]:
+    """The config a process torchrun started again (`TORCHELASTIC_RESTART_COUNT` > 0) runs with, and the line that
+    says what it does (None: not such a process, the config unchanged). The failed attempt left the run directory
+    used, which a new run would be refused: the job goes on from the newest checkpoint (`--resume-or-start`, an
+    `--overwrite` of the first attempt's command dropped: it would delete that checkpoint), or, with none yet,
+    starts again with what the attempt wrote deleted (`--overwrite`). Every rank gets the same config; only rank 0
+    reads the directory (`owns_run_dir`)."""
+    restarts = int(env.get(TORCHRUN_RESTART_ENV) or 0)
+    if cfg.placement.launcher != "torchrun" or restarts <= 0:
+        return cfg, None
+    path = pathlib.Path(cfg.run_dir)
+    if _checkpoints(path) or any((path / "checkpoints").glob("step_*.old")) or not owns_run_dir(cfg):
+        how = "resuming from its newest checkpoint"
+        cfg = dataclasses.replace(cfg, resume=False, resume_or_start=True, overwrite=False)
+    else:
+        how = "no checkpoint yet: starting over, deleting what the failed attempt wrote"
+        cfg = dataclasses.replace(cfg, resume=False, resume_or_start=False, overwrite=True)
+    return cfg, f"torchrun started this job's processes again (restart {restarts}): {how} in {cfg.run_dir}"

@@ -27,7 +27,7 @@ from asyncrl.rpc.local import LocalRun
 from asyncrl.rpc.spec import RunSpec
 from asyncrl.rpc.supervise import launch
 from asyncrl.rpc.torchrun import run_torchrun
-from asyncrl.launch.run_dir import clear_run_dir, owns_run_dir, run_dir_problem
+from asyncrl.launch.run_dir import after_torchrun_restart, clear_run_dir, owns_run_dir, run_dir_problem
 from asyncrl.tracking import Tracker, TrackingConfig
 
 __all__ = ["train"]
@@ -62,6 +62,10 @@ def train(run: RunConfig | CheckedRun) -> RunSummary | None:
     returned, its spec is launched. A bad config raises ValueError listing the problems and leaves no run
     directory behind. A new run into a run directory that holds one is refused unless `cfg.overwrite`
     (`asyncrl.launch.run_dir`); a resume that changes what cannot change is refused (`asyncrl.launch.resume_check`)."""
+    if not isinstance(run, CheckedRun):
+        run, restarted = after_torchrun_restart(run)
+        if restarted is not None and owns_run_dir(run):
+            log.warning("%s", restarted)
     checked = run if isinstance(run, CheckedRun) else preflight(run)
     if not checked.ok:
         raise ValueError("\n  ".join(["the run cannot start:", *checked.problems]))

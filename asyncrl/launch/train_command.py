@@ -24,6 +24,7 @@ from asyncrl.config import RunConfig
 from asyncrl.tracking.console import phase
 from asyncrl.config.flags import as_flags, given_flags
 from asyncrl.launch.preflight import check_devices, preflight
+from asyncrl.launch.run_dir import after_torchrun_restart, owns_run_dir
 from asyncrl.config.presets import PRESETS
 from asyncrl.runtime.roster import FENCED_EXIT
 from asyncrl.rpc.exposure import read_token, socket_interface
@@ -61,7 +62,9 @@ def train_main(args: list[str]) -> None:
     if args[0] not in PRESETS:
         raise SystemExit(f"asyncrl train: unknown preset {args[0]!r}; choose one of {', '.join(PRESETS)}\n\n"
                          + _presets_help())
-    config = run_config(args[0], args[1:])
+    config, restarted = after_torchrun_restart(run_config(args[0], args[1:]))
+    if restarted is not None and owns_run_dir(config):
+        phase(restarted)
     phase("checking the configuration, devices, model, rewards and data")
     report = preflight(config, say=phase, given=given_flags(args[1:]))
     if not report.ok:

@@ -16,7 +16,8 @@ again: join (before it joins the re-formed group; its version is 0 there, as it 
 0's restore command received, the restore point not yet read; the version is the one the command carries). Unset, a
 point costs one environment lookup. A malformed
 value is refused before any process starts (`check_kill_point_env`). A trainer process learns its generation from
-`ASYNCRL_TRAINER_GENERATION`, which it sets itself (`asyncrl.rpc.failover`).
+`ASYNCRL_TRAINER_GENERATION`, which it sets itself (`asyncrl.rpc.failover`), plus torchrun's restart count
+(`TORCHELASTIC_RESTART_COUNT`): a job torchrun started again (`--max-restarts`) is the drill's next generation.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ import os
 import re
 import signal
 
-__all__ = ["ENV", "GENERATION_ENV", "PHASES", "KillPoint", "parse_kill_point", "parse_kill_points",
+__all__ = ["ENV", "GENERATION_ENV", "TORCHRUN_RESTART_ENV", "PHASES", "KillPoint", "parse_kill_point", "parse_kill_points",
            "check_kill_point_env", "kill_point"]
 
 log = logging.getLogger(__name__)
 
 ENV = "ASYNCRL_FAULT"
 GENERATION_ENV = "ASYNCRL_TRAINER_GENERATION"
+TORCHRUN_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchrun in every process it starts: how many times it started the node's processes again
+(`--max-restarts`); such a restart counts as one more generation of the drill."""
 PHASES = ("forward", "backward", "norm", "step", "publish", "checkpoint", "join", "restore")
 _FORMAT = re.compile(r"trainer:(\d+):version:(\d+):phase:([a-z]+)(:hang)?")
 
@@ -80,7 +84,7 @@ def kill_point(phase: str, rank: int, version: int) -> None:
     if not text:
         return
     points = parse_kill_points(text)
-    generation = int(os.environ.get(GENERATION_ENV) or 0)
+    generation = int(os.environ.get(GENERATION_ENV) or 0) + int(os.environ.get(TORCHRUN_RESTART_ENV) or 0)
     point = points[generation] if generation < len(points) else None
     if point is not None and (point.rank, point.version, point.phase) == (rank, version, phase):
         log.error("%s: trainer rank %d %s at %s of version %d (trainer group generation %d)", ENV, rank,

@@ -159,3 +159,24 @@ def test_through_the_command_refused_then_resumed_with_a_new_lr_then_overwritten
     assert len(_rows(run)) == 1 and [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001"]
     assert json.loads((run / "config.json").read_text())["placement"]["launcher"] == "local"
     assert os.listdir(run)  # the new run's files
+
+
+def test_a_job_torchrun_started_again_resumes_its_newest_checkpoint_or_starts_over_without_one(tmp_path):
+    """torchrun's --max-restarts starts every process of the node again after one failed (trainer rank 0's
+    death): the failed attempt's run directory is then this job's, not another run's to refuse."""
+    from asyncrl.launch.run_dir import after_torchrun_restart, run_dir_problem
+
+    restarted = {"TORCHELASTIC_RESTART_COUNT": "1"}
+    with_ckpt, without = tmp_path / "with", tmp_path / "without"
+    _used(with_ckpt, checkpoints=2)
+    _used(without)
+    first = _cfg(with_ckpt, "--placement.launcher", "torchrun", "--overwrite")  # the first attempt's command
+    assert after_torchrun_restart(first, {"TORCHELASTIC_RESTART_COUNT": "0"}) == (first, None)
+    assert after_torchrun_restart(_cfg(with_ckpt), restarted) == (_cfg(with_ckpt), None)  # not under torchrun
+    cfg, line = after_torchrun_restart(first, restarted)
+    assert cfg.resume_or_start and not cfg.overwrite and not cfg.resume and run_dir_problem(cfg) is None
+    assert line == (f"torchrun started this job's processes again (restart 1): resuming from its newest checkpoint "
+                    f"in {with_ckpt}")
+    cfg, line = after_torchrun_restart(_cfg(without, "--placement.launcher", "torchrun"), restarted)
+    assert cfg.overwrite and not cfg.resume_or_start and run_dir_problem(cfg) is None
+    assert "no checkpoint yet: starting over, deleting what the failed attempt wrote" in line

@@ -151,6 +151,27 @@ def test_under_torchrun_kept_followers_are_started_again_and_the_run_trains_as_a
     assert _learning(rows) == _learning(plain.metrics())
 
 
+def test_under_torchrun_max_restarts_rank_0s_death_resumes_from_the_newest_checkpoint(tmp_path, plain):
+    """Trainer rank 0 killed under torchrun (no kept followers): torchrun's own --max-restarts 1 starts the node's
+    processes again, and the job goes on in its run directory, which the failed attempt used, from its newest
+    checkpoint rather than being refused there; it trains as the uninterrupted run did."""
+    run_dir = tmp_path / "restarted"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", "1",
+                          "--master-port", str(torchrun_port()), "-m", "asyncrl.cli", "train", "cpu-demo",
+                          *LOCKSTEP_RUN, "--run-dir", str(run_dir), "--placement.launcher", "torchrun"],
+                         capture_output=True, text=True, timeout=limit(300), cwd=ROOT,
+                         env={**os.environ, "ASYNCRL_FAULT": "trainer:0:version:4:phase:backward", "OMP_NUM_THREADS": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    assert "trainer rank 0 killed at backward of version 4" in text, text[-6000:]
+    assert "torchrun started this job's processes again (restart 1): resuming from its newest checkpoint" in text
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["versions"] == 8
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert _learning(rows) == _learning(plain.metrics())
+
+
 def test_a_killed_and_a_stopped_follower_are_replaced_and_the_run_goes_on(tmp_path, jobs):
     """Trainer rank 2 killed mid-run, and the rank 2 started in its place stopped (hung as a whole) before it joins
     the re-formed group: its heartbeat, which beats from its start, stops, so the launcher names it within
