@@ -193,6 +193,9 @@ def _markdown(args: RaceArgs, runs: list[dict], race: dict | None) -> str:
                       f"{race['ci_high']:.2f}); medians {_seconds(race['async_median'])} s against "
                       f"{_seconds(race['sync_median'])} s; reached: async {race['async_reached']}, sync "
                       f"{race['sync_reached']} runs."]
+        if race["ci_low"] == 0 and race["async_reached"]:
+            lines += ["", "The interval's low end is 0: some resamples of sync's runs have a median that never reached "
+                          "the target (async / never)."]
     return "\n".join(lines) + "\n"
 
 
