@@ -328,8 +328,12 @@ class _Checks:
             self.report.problems.append(f"--eval.data: no reward function for data_source {missing[0]!r}; pass "
                                         f"--reward.fn {missing[0]}=PATH.py:NAME")
             return
-        every = " or ".join([f"every {cfg.eval.every_versions} versions"] * bool(cfg.eval.every_versions)
-                            + [f"every {cfg.eval.every_seconds:g} s"] * bool(cfg.eval.every_seconds)) or "once"
+        schedules = []
+        if cfg.eval.every_versions:
+            schedules.append(f"every {cfg.eval.every_versions} versions")
+        if cfg.eval.every_seconds:
+            schedules.append(f"every {cfg.eval.every_seconds:g} s")
+        every = " or ".join(schedules) or "once"
         self.report.facts.append(f"evaluation: {len(prompts)} held-out prompts ({', '.join(sources)}), {every}, "
                                  f"mean@{cfg.eval.n}, at most {cfg.eval.max_share:g} of an agent's sequence slots")
 

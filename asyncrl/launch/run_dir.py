@@ -29,11 +29,9 @@ from typing import Mapping
 
 from asyncrl.checkpoint import list_checkpoints
 from asyncrl.config import RunConfig
+from asyncrl.runtime.kill_points import TORCHRUN_RESTART_ENV
 
 __all__ = ["RUN_FILES", "run_dir_problem", "overwrite_note", "clear_run_dir", "owns_run_dir", "after_torchrun_restart"]
-
-TORCHRUN_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-"""Set by torchrun in the processes it starts: how many times it started them again (`--max-restarts`)."""
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "processes.json", "report.md",
              "report", "wandb", "checkpoints")
@@ -66,6 +64,11 @@ def _checkpoints(path: pathlib.Path) -> list[pathlib.Path]:
     return list_checkpoints(path)
 
 
+def _resumable(path: pathlib.Path) -> bool:
+    """A checkpoint to resume from: a finished one, or one an interrupted save set aside (repaired on resume)."""
+    return bool(_checkpoints(path)) or any((path / "checkpoints").glob("step_*.old"))
+
+
 def _contents(path: pathlib.Path, names: list[str]) -> str:
     found = _checkpoints(path)
     described = (f"checkpoints/ with {len(found)} checkpoint{'s' * (len(found) != 1)}"
@@ -90,7 +93,7 @@ def run_dir_problem(cfg: RunConfig) -> str | None:
             f"--overwrite: --run-dir {cfg.run_dir} also holds {_listed(foreign)}, which asyncrl did not write, so "
             "nothing will be deleted: move that out of it, or choose another --run-dir")
     if cfg.resume_or_start:
-        if _checkpoints(path) or any((path / "checkpoints").glob("step_*.old")):
+        if _resumable(path):
             return None
         return (f"--resume-or-start: --run-dir {cfg.run_dir} holds no checkpoint to resume from but is not empty "
                 f"({_contents(path, names)}); a new run there would mix with it: pass --overwrite instead of "
@@ -143,7 +146,7 @@ def after_torchrun_restart(cfg: RunConfig, env: Mapping[str, str] = os.environ) 
     if cfg.placement.launcher != "torchrun" or restarts <= 0:
         return cfg, None
     path = pathlib.Path(cfg.run_dir)
-    if _checkpoints(path) or any((path / "checkpoints").glob("step_*.old")) or not owns_run_dir(cfg):
+    if not owns_run_dir(cfg) or _resumable(path):
         how = "resuming from its newest checkpoint"
         cfg = dataclasses.replace(cfg, resume=False, resume_or_start=True, overwrite=False)
     else:

@@ -62,11 +62,12 @@ def train(run: RunConfig | CheckedRun) -> RunSummary | None:
     returned, its spec is launched. A bad config raises ValueError listing the problems and leaves no run
     directory behind. A new run into a run directory that holds one is refused unless `cfg.overwrite`
     (`asyncrl.launch.run_dir`); a resume that changes what cannot change is refused (`asyncrl.launch.resume_check`)."""
+    checked = run
     if not isinstance(run, CheckedRun):
         run, restarted = after_torchrun_restart(run)
         if restarted is not None and owns_run_dir(run):
             log.warning("%s", restarted)
-    checked = run if isinstance(run, CheckedRun) else preflight(run)
+        checked = preflight(run)
     if not checked.ok:
         raise ValueError("\n  ".join(["the run cannot start:", *checked.problems]))
     if checked is not run:
